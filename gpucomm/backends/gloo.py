@@ -1,0 +1,150 @@
+"""CPU backend: torch's ``ProcessGroupGloo`` built directly on gpucomm's rendezvous store.
+
+No ``torch.distributed.init_process_group``: gpucomm touches no global torch state, so a user's own
+process groups (or DDP) can live beside it.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..rendezvous import RendezvousClient, RendezvousTimeout
+from .base import WireOp
+
+_GLOO_OPS = {
+    WireOp.SUM: dist.ReduceOp.SUM,
+    WireOp.AVG: dist.ReduceOp.AVG,
+    WireOp.MIN: dist.ReduceOp.MIN,
+    WireOp.MAX: dist.ReduceOp.MAX,
+    WireOp.PRODUCT: dist.ReduceOp.PRODUCT,
+}
+# Gloo has no kernels for these; data movement sends their bytes instead.
+_BYTE_MOVED = {torch.bool, torch.int16, torch.uint16, torch.uint32, torch.uint64, torch.complex64, torch.complex128}
+
+
+class StoreAdapter(dist.Store):
+    """Presents a prefix of our authenticated store as a ``torch.distributed.Store`` for Gloo."""
+
+    def __init__(self, client: RendezvousClient, prefix: str, timeout: float) -> None:
+        super().__init__()
+        self._client, self._prefix, self._timeout_s = client, prefix, timeout
+
+    def _k(self, key: str) -> str:
+        return self._prefix + key
+
+    def set(self, key: str, value) -> None:  # noqa: A003 - torch's name
+        self._client.set(self._k(key), value.encode() if isinstance(value, str) else bytes(value))
+
+    def get(self, key: str) -> bytes:
+        return self._client.get(self._k(key), self._timeout_s)
+
+    def add(self, key: str, value: int) -> int:
+        return self._client.add(self._k(key), value)
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        enc = lambda v: v.encode() if isinstance(v, str) else bytes(v)  # noqa: E731
+        return self._client.compare_set(self._k(key), enc(expected), enc(desired))
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        t = self._timeout_s if timeout is None else timeout.total_seconds()
+        try:
+            self._client.wait([self._k(k) for k in keys], t)
+        except RendezvousTimeout as e:
+            raise RuntimeError(str(e)) from None
+
+    def check(self, keys: list[str]) -> bool:
+        return self._client.check([self._k(k) for k in keys])
+
+    def delete_key(self, key: str) -> bool:
+        return self._client.delete(self._k(key))
+
+    def num_keys(self) -> int:
+        return self._client.num_keys()
+
+
+class GlooWork:
+    """A Gloo ``Work`` behind gpucomm's ``Work`` protocol."""
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work: dist.Work) -> None:
+        self._work = work
+
+    def done(self) -> bool:
+        return self._work.is_completed()
+
+    def wait(self, timeout: float) -> None:
+        # The process group's own timeout (set at construction to the same value) applies;
+        # passing one here takes a slower path in torch.
+        self._work.wait()
+
+
+def _movable(t: torch.Tensor) -> torch.Tensor:
+    """A view Gloo can move: its bytes when Gloo has no kernel for the dtype."""
+    return t.view(torch.uint8) if t.dtype in _BYTE_MOVED else t
+
+
+class GlooBackend:
+    """Collectives on CPU tensors over one ``ProcessGroupGloo``."""
+
+    name = "gloo"
+
+    def __init__(self, client: RendezvousClient, prefix: str, rank: int, size: int, *, timeout: float,
+                 hostname: str | None = None, interface: str | None = None) -> None:
+        self.rank, self.size = rank, size
+        opts = dist.ProcessGroupGloo._Options()
+        if interface:
+            device = dist.ProcessGroupGloo.create_device(interface=interface)
+        elif hostname:
+            device = dist.ProcessGroupGloo.create_device(hostname=hostname)
+        else:
+            device = dist.ProcessGroupGloo.create_default_device()
+        opts._devices = [device]
+        opts._timeout = datetime.timedelta(seconds=timeout)
+        self._store = StoreAdapter(client, prefix, timeout)
+        self._allreduce_opts = {}
+        for wire, gloo_op in _GLOO_OPS.items():
+            o = dist.AllreduceOptions()
+            o.reduceOp = gloo_op
+            self._allreduce_opts[wire] = o
+        self.pg = dist.ProcessGroupGloo(self._store, rank, size, opts)
+
+    def allreduce(self, send: torch.Tensor, recv: torch.Tensor, *, op: WireOp, stream: int | None = None) -> GlooWork:
+        if send.data_ptr() != recv.data_ptr():
+            recv.copy_(send)
+        return GlooWork(self.pg.allreduce([recv], self._allreduce_opts[op]))
+
+    def allgather(self, send: torch.Tensor, recv: torch.Tensor, *, stream: int | None = None) -> GlooWork:
+        return GlooWork(self.pg._allgather_base(_movable(recv), _movable(send)))
+
+    def broadcast(self, send: torch.Tensor, recv: torch.Tensor, *, root: int, stream: int | None = None) -> GlooWork:
+        if send.data_ptr() != recv.data_ptr() and self.rank == root:
+            recv.copy_(send)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        return GlooWork(self.pg.broadcast([_movable(recv)], opts))
+
+    def alltoall(self, send: torch.Tensor, recv: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
+                 *, stream: int | None = None) -> GlooWork:
+        k = send.element_size() if send.dtype in _BYTE_MOVED else 1  # counts are elements; byte views scale them
+        return GlooWork(self.pg.alltoall_base(_movable(recv), _movable(send), [c * k for c in recv_counts],
+                                              [c * k for c in send_counts], dist.AllToAllOptions()))
+
+    def reducescatter(self, send: torch.Tensor, recv: torch.Tensor, *, op: WireOp, stream: int | None = None) -> GlooWork:
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = _GLOO_OPS[op]
+        return GlooWork(self.pg._reduce_scatter_base(recv, send, opts))
+
+    def barrier(self) -> GlooWork:
+        return GlooWork(self.pg.barrier(dist.BarrierOptions()))
+
+    def close(self) -> None:
+        try:
+            self.pg.shutdown()
+        except RuntimeError:
+            pass
+        self.pg = None  # type: ignore[assignment]

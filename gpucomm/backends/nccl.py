@@ -1,0 +1,162 @@
+"""GPU backend: a thin, table-driven wrapper of ``cupy.cuda.nccl.NcclCommunicator``.
+
+Every call takes raw device pointers and an explicit CUDA stream, so torch tensors, CuPy arrays and
+anything else with ``__cuda_array_interface__`` go through the same path. The communicator is made
+from a 128-byte unique id that rank 0 publishes through the rendezvous store.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from ..errors import CollectiveError
+from .base import WireOp
+
+log = logging.getLogger("gpucomm.nccl")
+
+NCCL_HINT = ("Set NCCL_DEBUG=INFO to see NCCL's own account. Across hosts, the usual cause is the network "
+             "interface: choose it with NCCL_SOCKET_IFNAME (gpucomm-run --network-interface), and check that "
+             "every host can reach the others on it.")
+
+
+def nccl_module():
+    """CuPy's NCCL module, or None when CuPy or libnccl is missing."""
+    try:
+        from cupy.cuda import nccl  # noqa: PLC0415 - optional dependency
+    except Exception:  # ImportError, or CuPy failing to find CUDA pieces
+        return None
+    return nccl if getattr(nccl, "available", False) else None
+
+
+def nccl_version() -> int:
+    """NCCL's version code (e.g. 23203 for 2.32.3), or 0 when NCCL cannot be loaded."""
+    nccl = nccl_module()
+    if nccl is None:
+        return 0
+    try:
+        return int(nccl.get_version())
+    except Exception:
+        return 0
+
+
+def _tables(nccl):
+    dtypes = {
+        torch.float32: nccl.NCCL_FLOAT32, torch.float16: nccl.NCCL_FLOAT16, torch.bfloat16: nccl.NCCL_BFLOAT16,
+        torch.float64: nccl.NCCL_FLOAT64, torch.int32: nccl.NCCL_INT32, torch.int64: nccl.NCCL_INT64,
+        torch.uint8: nccl.NCCL_UINT8, torch.int8: nccl.NCCL_INT8,
+    }
+    for name, const in (("uint32", "NCCL_UINT32"), ("uint64", "NCCL_UINT64")):
+        if hasattr(torch, name):
+            dtypes[getattr(torch, name)] = getattr(nccl, const)
+    ops = {WireOp.SUM: nccl.NCCL_SUM, WireOp.AVG: nccl.NCCL_AVG, WireOp.MIN: nccl.NCCL_MIN,
+           WireOp.MAX: nccl.NCCL_MAX, WireOp.PRODUCT: nccl.NCCL_PROD}
+    return dtypes, ops
+
+
+def nccl_reducible(dtype: torch.dtype) -> bool:
+    """True if NCCL can reduce this dtype (it has no int16 or bool kernels)."""
+    nccl = nccl_module()
+    return nccl is not None and dtype in _tables(nccl)[0]
+
+
+class NcclBackend:
+    """Collectives on CUDA memory through one NCCL communicator on this process's GPU."""
+
+    name = "nccl"
+
+    def __init__(self, unique_id: bytes, rank: int, size: int, device_ordinal: int) -> None:
+        nccl = nccl_module()
+        if nccl is None:
+            raise CollectiveError(
+                "a CUDA tensor needs NCCL, but CuPy's NCCL bindings are unavailable in this process. Install "
+                "gpucomm with the extra matching your CUDA (pip install 'gpucomm[cuda12]' or 'gpucomm[cuda13]').")
+        if len(unique_id) != 128:
+            raise CollectiveError(f"NCCL unique id must be 128 bytes, got {len(unique_id)}")
+        import cupy  # noqa: PLC0415
+
+        self._nccl = nccl
+        self._dtypes, self._ops = _tables(nccl)
+        self.rank, self.size, self.device = rank, size, device_ordinal
+        try:
+            with cupy.cuda.Device(device_ordinal):
+                self.comm = nccl.NcclCommunicator(size, unique_id, rank)
+        except Exception as e:
+            raise CollectiveError(
+                f"creating the NCCL communicator failed on rank {rank} of {size} (GPU {device_ordinal}): {e}. "
+                + NCCL_HINT) from e
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _dtype(self, t: torch.Tensor, reducing: bool) -> tuple[int, int]:
+        """(NCCL dtype, element count); data movement of other dtypes goes as bytes."""
+        code = self._dtypes.get(t.dtype)
+        if code is not None:
+            return code, t.numel()
+        if reducing:
+            raise CollectiveError(f"NCCL cannot reduce {t.dtype} tensors")
+        return self._nccl.NCCL_UINT8, t.numel() * t.element_size()
+
+    def _call(self, what: str, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as e:
+            raise CollectiveError(f"NCCL {what} failed on rank {self.rank}: {e}. " + NCCL_HINT) from e
+
+    # -- collectives ---------------------------------------------------------------------------
+    def allreduce(self, send: torch.Tensor, recv: torch.Tensor, *, op: WireOp, stream: int | None = None) -> None:
+        dt, n = self._dtype(send, True)
+        self._call("allreduce", self.comm.allReduce, send.data_ptr(), recv.data_ptr(), n, dt, self._ops[op], stream or 0)
+
+    def allgather(self, send: torch.Tensor, recv: torch.Tensor, *, stream: int | None = None) -> None:
+        dt, n = self._dtype(send, False)
+        self._call("allgather", self.comm.allGather, send.data_ptr(), recv.data_ptr(), n, dt, stream or 0)
+
+    def broadcast(self, send: torch.Tensor, recv: torch.Tensor, *, root: int, stream: int | None = None) -> None:
+        dt, n = self._dtype(recv, False)
+        self._call("broadcast", self.comm.broadcast, send.data_ptr(), recv.data_ptr(), n, dt, root, stream or 0)
+
+    def alltoall(self, send: torch.Tensor, recv: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
+                 *, stream: int | None = None) -> None:
+        dt, _ = self._dtype(send, False)
+        k = 1 if send.dtype in self._dtypes else send.element_size()
+        item = send.element_size() // k
+        s_ptr, r_ptr, s_off, r_off = send.data_ptr(), recv.data_ptr(), 0, 0
+        nccl, st = self._nccl, stream or 0
+        nccl.groupStart()
+        try:
+            for peer in range(self.size):
+                sc, rc = send_counts[peer] * k, recv_counts[peer] * k
+                if sc:
+                    self._call("alltoall send", self.comm.send, s_ptr + s_off * item, sc, dt, peer, st)
+                if rc:
+                    self._call("alltoall recv", self.comm.recv, r_ptr + r_off * item, rc, dt, peer, st)
+                s_off, r_off = s_off + sc, r_off + rc
+        finally:
+            nccl.groupEnd()
+
+    def reducescatter(self, send: torch.Tensor, recv: torch.Tensor, *, op: WireOp, stream: int | None = None) -> None:
+        dt, n = self._dtype(recv, True)
+        self._call("reducescatter", self.comm.reduceScatter, send.data_ptr(), recv.data_ptr(), n, dt,
+                   self._ops[op], stream or 0)
+
+    def barrier(self) -> None:
+        raise NotImplementedError("barriers run on the Gloo backend")
+
+    def check_async_error(self) -> None:
+        """Raise if NCCL recorded an asynchronous failure (a peer died, a network error)."""
+        self._call("async error check", self.comm.check_async_error)
+
+    def abort(self) -> None:
+        """Abort in-flight work so no stream waits forever on a dead peer."""
+        try:
+            self.comm.abort()
+        except Exception as e:  # already destroyed or failed: nothing left to abort
+            log.debug("NCCL abort: %s", e)
+
+    def close(self) -> None:
+        try:
+            self.comm.destroy()
+        except Exception as e:
+            log.debug("NCCL destroy: %s", e)

@@ -1,0 +1,467 @@
+"""The bootstrap key-value store: a small TCP server inside rank 0 (or the launcher) and a client in
+every rank.
+
+Why our own store: every frame is authenticated with HMAC-SHA256 under the job secret (torch's
+TCPStore and Horovod's HTTP store are not), reads are framed and bounded (a hostile or broken peer
+cannot make the server allocate gigabytes or hang the honest ranks), and a timeout says which
+ranks never arrived instead of "timed out".
+
+Wire format (both directions), after the server's hello ``b"GPCM" + version + 16-byte nonce``::
+
+    u32 big-endian length L | 32-byte MAC | body (L - 32 bytes)
+    MAC = HMAC-SHA256(secret, nonce | direction byte | u64 sequence number | body)
+
+The per-connection nonce and sequence numbers stop a recorded frame from being replayed. A body is
+one opcode byte followed by fields, each ``u32 length | bytes``. A frame that fails any check is
+logged, answered with an unauthenticated ``DENY`` marker when the MAC is wrong, and its connection
+is closed; the store keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterable, Sequence
+
+log = logging.getLogger("gpucomm.rendezvous")
+
+MAGIC = b"GPCM"
+VERSION = 1
+NONCE_BYTES = 16
+MAC_BYTES = 32
+HELLO_BYTES = len(MAGIC) + 1 + NONCE_BYTES
+DENY = b"\x00\x00\x00\x00DENY"
+DEFAULT_MAX_FRAME = 64 << 20  # the NCCL id is 128 B and Gloo's addresses ~100 B; 64 MiB is generous
+BODY_READ_TIMEOUT = 30.0  # a peer that starts a frame must finish it this fast
+MAX_CONNECTIONS = 4096
+
+_LEN = struct.Struct(">I")
+_SEQ = struct.Struct(">Q")
+_I64 = struct.Struct(">q")
+
+OP_SET, OP_GET, OP_ADD, OP_WAIT, OP_CHECK, OP_DELETE, OP_NUM_KEYS, OP_COMPARE_SET = range(1, 9)
+ST_OK, ST_TIMEOUT, ST_ERROR = 0, 1, 2
+
+
+class RendezvousError(RuntimeError):
+    """The bootstrap store could not be reached or answered wrongly."""
+
+
+class RendezvousAuthError(RendezvousError):
+    """The server rejected our frames: the job secrets differ."""
+
+
+class RendezvousTimeout(RendezvousError):
+    """A wait ran out; ``missing`` lists the keys that never appeared."""
+
+    def __init__(self, message: str, missing: Sequence[str]) -> None:
+        super().__init__(message)
+        self.missing = list(missing)
+
+
+class FrameError(Exception):
+    """A frame broke the protocol (internal: the connection is closed)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# framing
+
+
+def encode_fields(op: int, fields: Iterable[bytes]) -> bytes:
+    parts = [bytes([op])]
+    for f in fields:
+        parts.append(_LEN.pack(len(f)))
+        parts.append(f)
+    return b"".join(parts)
+
+
+def decode_fields(body: bytes) -> tuple[int, list[bytes]]:
+    if not body:
+        raise FrameError("empty body")
+    op, pos, fields = body[0], 1, []
+    while pos < len(body):
+        if pos + 4 > len(body):
+            raise FrameError("truncated field length")
+        (n,) = _LEN.unpack_from(body, pos)
+        pos += 4
+        if pos + n > len(body):
+            raise FrameError(f"field of {n} bytes overruns the frame")
+        fields.append(body[pos : pos + n])
+        pos += n
+    return op, fields
+
+
+def _mac(secret: bytes, nonce: bytes, direction: bytes, seq: int, body: bytes) -> bytes:
+    return hmac.new(secret, nonce + direction + _SEQ.pack(seq) + body, hashlib.sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise FrameError(f"connection closed after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
+
+
+class _Channel:
+    """One authenticated, sequenced connection end (used by both server and client)."""
+
+    def __init__(self, sock: socket.socket, secret: bytes, nonce: bytes, send_dir: bytes, max_frame: int):
+        self.sock, self.secret, self.nonce = sock, secret, nonce
+        self.send_dir = send_dir
+        self.recv_dir = b"S" if send_dir == b"C" else b"C"
+        self.max_frame = max_frame
+        self.send_seq = self.recv_seq = 0
+
+    def send(self, body: bytes) -> None:
+        mac = _mac(self.secret, self.nonce, self.send_dir, self.send_seq, body)
+        self.send_seq += 1
+        self.sock.sendall(_LEN.pack(MAC_BYTES + len(body)) + mac + body)
+
+    def recv(self, body_timeout: float | None) -> bytes:
+        header = _recv_exact(self.sock, 4)
+        if header == DENY[:4]:
+            rest = _recv_exact(self.sock, 4)
+            raise FrameError("DENY" if rest == DENY[4:] else "zero-length frame")
+        (length,) = _LEN.unpack(header)
+        if length < MAC_BYTES + 1 or length > self.max_frame + MAC_BYTES:
+            raise FrameError(f"frame length {length} outside [{MAC_BYTES + 1}, {self.max_frame + MAC_BYTES}]")
+        previous = self.sock.gettimeout()
+        self.sock.settimeout(body_timeout)
+        try:
+            payload = _recv_exact(self.sock, length)
+        finally:
+            self.sock.settimeout(previous)
+        mac, body = payload[:MAC_BYTES], payload[MAC_BYTES:]
+        expected = _mac(self.secret, self.nonce, self.recv_dir, self.recv_seq, body)
+        if not hmac.compare_digest(mac, expected):
+            raise FrameError("bad MAC")
+        self.recv_seq += 1
+        return body
+
+
+# ---------------------------------------------------------------------------------------------
+# server
+
+
+class _Table:
+    """The key-value data with blocking waits."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.cond = threading.Condition()
+        self.closed = False
+
+    def wait_for(self, keys: Sequence[str], timeout: float) -> list[str]:
+        """Block until every key exists; return the keys still missing at the deadline."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                missing = [k for k in keys if k not in self.data]
+                left = deadline - time.monotonic()
+                if not missing or left <= 0 or self.closed:
+                    return missing
+                self.cond.wait(min(left, 1.0))
+
+
+class RendezvousServer:
+    """Serves the store on ``host:port`` (port 0 picks a free one) from daemon threads."""
+
+    def __init__(self, secret: bytes, host: str = "0.0.0.0", port: int = 0, *, max_frame: int = DEFAULT_MAX_FRAME):
+        if not secret:
+            raise ValueError("RendezvousServer needs a non-empty job secret")
+        self._secret, self._max_frame = secret, max_frame
+        self._table = _Table()
+        self._sock = socket.create_server((host, port), reuse_port=False, backlog=1024)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.host, self.port = host, self._sock.getsockname()[1]
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, name="gpucomm-rendezvous", daemon=True)
+        self._thread.start()
+        log.debug("rendezvous server listening on %s:%d", host, self.port)
+
+    def close(self) -> None:
+        """Stop accepting, wake blocked waits, and close every connection."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._table.cond:
+            self._table.closed = True
+            self._table.cond.notify_all()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            c.close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> "RendezvousServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, peer = self._sock.accept()
+            except OSError:
+                return
+            with self._lock:
+                if len(self._conns) >= MAX_CONNECTIONS:
+                    log.warning("rendezvous: refusing %s: %d connections open", peer, len(self._conns))
+                    conn.close()
+                    continue
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn, peer), name="gpucomm-rendezvous-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, peer: object) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        nonce = os.urandom(NONCE_BYTES)
+        chan = _Channel(conn, self._secret, nonce, b"S", self._max_frame)
+        try:
+            conn.sendall(MAGIC + bytes([VERSION]) + nonce)
+            while not self._closed:
+                try:
+                    body = chan.recv(BODY_READ_TIMEOUT)
+                except FrameError as e:
+                    if str(e) == "bad MAC":
+                        log.warning("rendezvous: rejected a frame from %s: its MAC does not match the job secret "
+                                    "(a process of another job, or a wrong GPUCOMM_SECRET); closing it", peer)
+                        conn.sendall(DENY)
+                    elif not str(e).startswith("connection closed after 0 of"):
+                        log.warning("rendezvous: closing connection from %s: %s", peer, e)
+                    return
+                try:
+                    op, fields = decode_fields(body)
+                    status, out = self._dispatch(op, fields)
+                except FrameError as e:
+                    log.warning("rendezvous: closing connection from %s: malformed request (%s)", peer, e)
+                    return
+                chan.send(encode_fields(status, out))
+        except (OSError, socket.timeout) as e:
+            if not self._closed:
+                log.warning("rendezvous: connection from %s failed: %s", peer, e)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _dispatch(self, op: int, f: list[bytes]) -> tuple[int, list[bytes]]:
+        t = self._table
+        try:
+            if op == OP_SET and len(f) == 2:
+                with t.cond:
+                    t.data[f[0].decode()] = f[1]
+                    t.cond.notify_all()
+                return ST_OK, []
+            if op == OP_GET and len(f) == 2:
+                key = f[0].decode()
+                if t.wait_for([key], _I64.unpack(f[1])[0] / 1000):
+                    return ST_TIMEOUT, [f[0]]
+                with t.cond:
+                    return ST_OK, [t.data[key]]
+            if op == OP_ADD and len(f) == 2:
+                key, delta = f[0].decode(), _I64.unpack(f[1])[0]
+                with t.cond:
+                    value = int(t.data.get(key, b"0")) + delta
+                    t.data[key] = str(value).encode()
+                    t.cond.notify_all()
+                return ST_OK, [_I64.pack(value)]
+            if op == OP_WAIT and len(f) >= 1:
+                keys = [k.decode() for k in f[1:]]
+                missing = t.wait_for(keys, _I64.unpack(f[0])[0] / 1000)
+                return (ST_TIMEOUT if missing else ST_OK), [k.encode() for k in missing]
+            if op == OP_CHECK:
+                with t.cond:
+                    return ST_OK, [b"1" if all(k.decode() in t.data for k in f) else b"0"]
+            if op == OP_DELETE and len(f) == 1:
+                with t.cond:
+                    found = t.data.pop(f[0].decode(), None) is not None
+                return ST_OK, [b"1" if found else b"0"]
+            if op == OP_NUM_KEYS and not f:
+                with t.cond:
+                    return ST_OK, [_I64.pack(len(t.data))]
+            if op == OP_COMPARE_SET and len(f) == 3:
+                key = f[0].decode()
+                with t.cond:
+                    current = t.data.get(key)
+                    if (current is None and f[1] == b"") or current == f[1]:
+                        t.data[key] = f[2]
+                        t.cond.notify_all()
+                        return ST_OK, [f[2]]
+                    return ST_OK, [current if current is not None else f[1]]
+        except (UnicodeDecodeError, ValueError, struct.error) as e:
+            raise FrameError(f"bad fields for op {op}: {e}") from e
+        raise FrameError(f"unknown op {op} with {len(f)} fields")
+
+
+# ---------------------------------------------------------------------------------------------
+# client
+
+
+class RendezvousClient:
+    """Talks to the store. Thread-safe: concurrent requests use separate pooled connections, so a
+    blocking ``get`` on one thread never holds up a ``set`` on another."""
+
+    def __init__(self, host: str, port: int, secret: bytes, *, connect_timeout: float = 60.0,
+                 timeout: float = 300.0, max_frame: int = DEFAULT_MAX_FRAME):
+        if not secret:
+            raise ValueError("RendezvousClient needs a non-empty job secret")
+        self.host, self.port = host, port
+        self.timeout = timeout
+        self._secret, self._max_frame = secret, max_frame
+        self._connect_timeout = connect_timeout
+        self._idle: list[_Channel] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._release(self._connect())  # fail fast, with the retry loop, at construction
+
+    # -- connections --------------------------------------------------------------------------
+    def _connect(self) -> _Channel:
+        deadline = time.monotonic() + self._connect_timeout
+        delay, last_error = 0.01, None
+        while True:
+            try:
+                sock = socket.create_connection((self.host, self.port), timeout=max(0.1, min(10.0, deadline - time.monotonic())))
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                hello = _recv_exact(sock, HELLO_BYTES)
+                if hello[:4] != MAGIC or hello[4] != VERSION:
+                    sock.close()
+                    raise RendezvousError(
+                        f"{self.host}:{self.port} is not a gpucomm rendezvous store (version {VERSION}): it answered "
+                        f"{hello[:5]!r}. Another service holds that port; choose another GPUCOMM_RENDEZVOUS_PORT.")
+                sock.settimeout(None)
+                return _Channel(sock, self._secret, hello[5:], b"C", self._max_frame)
+            except (OSError, FrameError) as e:
+                last_error = e
+            if time.monotonic() + delay > deadline:
+                raise RendezvousError(
+                    f"could not reach the gpucomm rendezvous store at {self.host}:{self.port} within "
+                    f"{self._connect_timeout:.0f} s (last error: {last_error}). Rank 0 (or the launcher) serves it. "
+                    f"Likely causes: rank 0 has not started or has died; the address is not reachable from this "
+                    f"host (firewall, wrong interface); ranks disagree on GPUCOMM_RENDEZVOUS_ADDR/PORT. "
+                    f"Raise the limit with GPUCOMM_START_TIMEOUT if rank 0 starts slowly.")
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def _acquire(self) -> _Channel:
+        with self._lock:
+            if self._closed:
+                raise RendezvousError("the rendezvous client is closed (gpucomm was shut down)")
+            if self._idle:
+                return self._idle.pop()
+        return self._connect()
+
+    def _release(self, chan: _Channel) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.append(chan)
+                return
+        chan.sock.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for c in idle:
+            c.sock.close()
+
+    def _request(self, op: int, fields: Sequence[bytes]) -> tuple[int, list[bytes]]:
+        chan = self._acquire()
+        try:
+            chan.send(encode_fields(op, fields))
+            status, out = decode_fields(chan.recv(None))
+        except FrameError as e:
+            chan.sock.close()
+            if str(e) == "DENY":
+                raise RendezvousAuthError(
+                    f"the rendezvous store at {self.host}:{self.port} rejected this process's frames: its job secret "
+                    f"differs from ours. Every rank of one job must share GPUCOMM_SECRET (gpucomm-run sets it); a "
+                    f"process from another job may be using the same address and port.") from None
+            raise RendezvousError(f"rendezvous store at {self.host}:{self.port} broke the connection: {e}. "
+                                  f"Rank 0 (which serves the store) has probably exited or failed.") from None
+        except OSError as e:
+            chan.sock.close()
+            raise RendezvousError(f"rendezvous store at {self.host}:{self.port} failed: {e}. Rank 0 (which "
+                                  f"serves the store) has probably exited or failed.") from None
+        self._release(chan)
+        if status == ST_ERROR:
+            raise RendezvousError(out[0].decode(errors="replace") if out else "store error")
+        return status, out
+
+    # -- operations ---------------------------------------------------------------------------
+    def set(self, key: str, value: bytes) -> None:
+        self._request(OP_SET, [key.encode(), bytes(value)])
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        """The key's value, waiting for it to be set (up to ``timeout`` seconds)."""
+        t = self.timeout if timeout is None else timeout
+        status, out = self._request(OP_GET, [key.encode(), _I64.pack(int(t * 1000))])
+        if status == ST_TIMEOUT:
+            raise RendezvousTimeout(f"key {key!r} was not set within {t:.1f} s", [key])
+        return out[0]
+
+    def add(self, key: str, delta: int) -> int:
+        return _I64.unpack(self._request(OP_ADD, [key.encode(), _I64.pack(delta)])[1][0])[0]
+
+    def wait(self, keys: Sequence[str], timeout: float | None = None) -> None:
+        """Block until every key exists; ``RendezvousTimeout.missing`` lists the absent ones."""
+        t = self.timeout if timeout is None else timeout
+        status, out = self._request(OP_WAIT, [_I64.pack(int(t * 1000))] + [k.encode() for k in keys])
+        if status == ST_TIMEOUT:
+            missing = [k.decode() for k in out]
+            raise RendezvousTimeout(f"{len(missing)} of {len(keys)} keys were not set within {t:.1f} s: "
+                                    f"{', '.join(missing[:10])}", missing)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return self._request(OP_CHECK, [k.encode() for k in keys])[1][0] == b"1"
+
+    def delete(self, key: str) -> bool:
+        return self._request(OP_DELETE, [key.encode()])[1][0] == b"1"
+
+    def num_keys(self) -> int:
+        return _I64.unpack(self._request(OP_NUM_KEYS, [])[1][0])[0]
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        return self._request(OP_COMPARE_SET, [key.encode(), bytes(expected), bytes(desired)])[1][0]
+
+
+def wait_for_ranks(client: RendezvousClient, prefix: str, ranks: Iterable[int], timeout: float, what: str) -> None:
+    """Wait for ``{prefix}/{rank}`` of every rank; a timeout names the ranks that never arrived."""
+    keys = {f"{prefix}/{r}": r for r in ranks}
+    try:
+        client.wait(list(keys), timeout)
+    except RendezvousTimeout as e:
+        missing = sorted(keys[k] for k in e.missing if k in keys)
+        raise RendezvousTimeout(
+            f"ranks {missing} never arrived at {what} within {timeout:.0f} s. Likely causes: those processes "
+            f"were not started, crashed before reaching this point, or cannot reach the rendezvous store at "
+            f"{client.host}:{client.port}; or the job size is wrong. Check their logs (gpucomm-run prefixes "
+            f"each line with its rank) and raise GPUCOMM_START_TIMEOUT if they only start slowly.",
+            e.missing) from None
+
+
+def barrier(client: RendezvousClient, name: str, rank: int, size: int, timeout: float) -> None:
+    """All ``size`` ranks meet at ``name``; a timeout names the absent ranks."""
+    client.set(f"{name}/{rank}", b"1")
+    wait_for_ranks(client, name, range(size), timeout, f"'{name}'")

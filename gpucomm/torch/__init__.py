@@ -1,0 +1,116 @@
+"""Horovod-compatible front: ``import gpucomm.torch as hvd``."""
+
+from __future__ import annotations
+
+from .. import runtime as _runtime
+from ..backends.nccl import nccl_version as _nccl_version
+from ..errors import CollectiveError as HorovodInternalError
+from ..errors import NotInitializedError as _NotInitializedError
+from .autograd import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
+                       grouped_reducescatter, reducescatter)
+from .compression import Compression
+from .functions import allgather_object, broadcast_object, broadcast_parameters
+from .mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather_async, allreduce_, allreduce_async,
+                      allreduce_async_, alltoall_async, barrier, broadcast_, broadcast_async, broadcast_async_,
+                      grouped_allgather_async, grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
+                      grouped_reducescatter_async, poll, reducescatter_async, synchronize)
+
+
+def init(comm=None, process_sets=None) -> None:
+    """Join the job the launcher described (gpucomm-run, torchrun, Slurm, mpirun, or none: one process)."""
+    if comm is not None:
+        raise NotImplementedError("hvd.init(comm=...) (a sub-world or an mpi4py communicator) is not supported by "
+                                  "gpucomm; start exactly the processes that should take part.")
+    if process_sets is not None:
+        raise NotImplementedError("process sets are not available in this version of gpucomm.")
+    _runtime.init()
+
+
+def shutdown() -> None:
+    """Leave the job; outstanding operations fail. ``init()`` may be called again afterwards."""
+    _runtime.shutdown()
+
+
+def is_initialized() -> bool:
+    return _runtime.is_initialized()
+
+
+def _world():
+    rt = _runtime._runtime
+    if rt is None:
+        raise ValueError("gpucomm has not been initialized; use hvd.init().")
+    return rt
+
+
+def size() -> int:
+    """Number of processes in the job."""
+    return _world().world.size
+
+
+def rank() -> int:
+    """This process's index in the job."""
+    return _world().world.rank
+
+
+def local_size() -> int:
+    """Number of processes on this host."""
+    return _world().world.local_size
+
+
+def local_rank() -> int:
+    """This process's index on its host (pick the GPU with it)."""
+    return _world().world.local_rank
+
+
+def cross_size() -> int:
+    """Number of processes with this process's local rank (one per host in homogeneous jobs)."""
+    return _world().cross_size
+
+
+def cross_rank() -> int:
+    """This process's index among those with its local rank (its host's index, usually)."""
+    return _world().cross_rank
+
+
+def nccl_built() -> int:
+    """NCCL's version code (e.g. 23203), or 0 when CuPy's NCCL cannot be loaded. Callable before init."""
+    return _nccl_version()
+
+
+def gloo_built() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_gloo_available()
+
+
+def mpi_built() -> bool:
+    """gpucomm never uses MPI for communication (mpirun can still launch it)."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    return _runtime.is_initialized()
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    return _nccl_version() > 0
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    raise ValueError("MPI is not enabled: gpucomm does not communicate through MPI.")

@@ -1,0 +1,70 @@
+"""Helpers built on the collectives: parameter and object broadcast, object allgather."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+
+from .. import runtime
+from .mpi_ops import broadcast_async_, broadcast_, synchronize, _submit
+
+try:  # cloudpickle handles lambdas and local classes, as Horovod's helpers do
+    import cloudpickle as _pickler
+except ImportError:  # pragma: no cover - optional
+    _pickler = pickle
+
+
+def broadcast_parameters(params, root_rank: int) -> None:
+    """Overwrite every rank's parameters with root's: ``params`` is a ``state_dict()``-like dict
+    (broadcast in sorted key order) or a list of tensors or ``(name, tensor)`` pairs."""
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    elif isinstance(params, list):
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    else:
+        raise ValueError(f"broadcast_parameters: invalid params of type {type(params).__name__}; pass a dict "
+                         f"(e.g. model.state_dict()) or a list of tensors or (name, tensor) tuples.")
+    handles = []
+    for name, p in items:
+        if not isinstance(p, torch.Tensor):
+            raise ValueError(f"broadcast_parameters: entry {name!r} is a {type(p).__name__}, not a tensor.")
+        handles.append(broadcast_async_(p, root_rank, name))
+    for h in handles:
+        synchronize(h)
+
+
+def _to_bytes_tensor(obj: Any) -> torch.Tensor:
+    buf = io.BytesIO()
+    _pickler.dump(obj, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+    """Root's ``obj`` on every rank (pickled, two broadcasts: size then bytes)."""
+    name = name or type(obj).__name__
+    rt = runtime.current()
+    if rt.world.rank == root_rank:
+        data = _to_bytes_tensor(obj)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+    broadcast_(size, root_rank, name + ".sz")
+    if rt.world.rank != root_rank:
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+    broadcast_(data, root_rank, name + ".t")
+    return obj if rt.world.rank == root_rank else pickle.loads(data.numpy().tobytes())
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+    """Every rank's ``obj``, as a list indexed by rank."""
+    name = name or type(obj).__name__
+    data = _to_bytes_tensor(obj)
+    outs, rows = synchronize(_submit("allgather", [data], name, lambda r: (r[0][0], r[1][0])))
+    result, pos = [], 0
+    for n in rows:
+        result.append(pickle.loads(outs[pos : pos + n].numpy().tobytes()))
+        pos += n
+    return result

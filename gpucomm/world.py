@@ -1,0 +1,467 @@
+"""Who am I: turn a launcher's environment into a frozen :class:`World` record.
+
+:func:`detect_world` is a pure function of an environment mapping; its only I/O
+is ``socket.gethostname()`` when neither the caller nor the launcher names the
+host.  Launchers are tried in a fixed order (gpucomm-run, Horovod, torchrun,
+Open MPI, MPICH/Intel MPI, Slurm step) and the first whose marker variable is
+present wins; without any, the process is a single-rank job ("none").
+Every inconsistency raises :class:`WorldError` naming the variables involved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import socket
+from dataclasses import dataclass
+from typing import Callable, Mapping, NamedTuple
+
+__all__ = [
+    "World", "WorldError", "LauncherVars", "detect_world", "derive_port",
+    "expand_slurm_nodelist", "parse_slurm_tasks_per_node",
+]
+
+# gpucomm's own variables (exported by gpucomm-run; the last five also act as
+# overrides under every other launcher).
+GPUCOMM_RANK = "GPUCOMM_RANK"
+GPUCOMM_SIZE = "GPUCOMM_SIZE"
+GPUCOMM_LOCAL_RANK = "GPUCOMM_LOCAL_RANK"
+GPUCOMM_LOCAL_SIZE = "GPUCOMM_LOCAL_SIZE"
+GPUCOMM_CROSS_RANK = "GPUCOMM_CROSS_RANK"
+GPUCOMM_CROSS_SIZE = "GPUCOMM_CROSS_SIZE"
+GPUCOMM_HOSTNAME = "GPUCOMM_HOSTNAME"
+GPUCOMM_RENDEZVOUS_ADDR = "GPUCOMM_RENDEZVOUS_ADDR"
+GPUCOMM_RENDEZVOUS_PORT = "GPUCOMM_RENDEZVOUS_PORT"
+GPUCOMM_RENDEZVOUS_HOSTED = "GPUCOMM_RENDEZVOUS_HOSTED"
+GPUCOMM_SECRET = "GPUCOMM_SECRET"
+GPUCOMM_RUN_ID = "GPUCOMM_RUN_ID"
+
+HOROVOD_HOSTNAME = "HOROVOD_HOSTNAME"
+HOROVOD_GLOO_RENDEZVOUS_ADDR = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
+HOROVOD_GLOO_RENDEZVOUS_PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
+OMPI_JOBID = "OMPI_MCA_ess_base_jobid"
+PMIX_NAMESPACE = "PMIX_NAMESPACE"
+SLURM_STEP_ID_VARS = ("SLURM_STEP_ID", "SLURM_STEPID")
+SLURM_SIZE_VARS = ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+SLURM_NNODES_VARS = ("SLURM_STEP_NUM_NODES", "SLURM_NNODES")
+SLURM_TASKS_PER_NODE_VARS = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+SLURM_NODELIST_VARS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
+SLURM_JOB_ID_VARS = ("SLURM_JOB_ID", "SLURM_JOBID")
+
+MIN_SECRET_BYTES = 16
+DERIVED_PORT_BASE = 20000
+DERIVED_PORT_SPAN = 20000  # derived ports lie in [20000, 40000)
+LOOPBACK = "127.0.0.1"
+_SECRET_LABEL = b"gpucomm-derived-secret-v1"
+_PORT_LABEL = b"gpucomm-rendezvous-port-v1"
+
+
+class LauncherVars(NamedTuple):
+    """Names of the count variables one launcher exports (None: not exported)."""
+
+    rank: str
+    size: str
+    local_rank: str | None
+    local_size: str | None
+    cross_rank: str | None = None
+    cross_size: str | None = None
+
+
+GPUCOMM_VARS = LauncherVars(GPUCOMM_RANK, GPUCOMM_SIZE, GPUCOMM_LOCAL_RANK,
+                            GPUCOMM_LOCAL_SIZE, GPUCOMM_CROSS_RANK, GPUCOMM_CROSS_SIZE)
+HOROVOD_VARS = LauncherVars("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK",
+                            "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
+TORCHRUN_VARS = LauncherVars("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                             "GROUP_RANK", None)
+OMPI_VARS = LauncherVars("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                         "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
+PMI_VARS = LauncherVars("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+SLURM_VARS = LauncherVars("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID",
+                          "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID", "SLURM_STEP_NUM_NODES")
+
+
+class WorldError(ValueError):
+    """The environment describes an impossible or incomplete job."""
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process sits in the job and how to reach the bootstrap store."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int | None
+    cross_size: int | None
+    launcher: str
+    hostname: str
+    rendezvous_addr: str | None
+    rendezvous_port: int | None
+    rendezvous_hosted: bool
+    port_via_torch_store: bool
+    secret: bytes | None
+    secret_source: str
+    run_id: str
+
+
+class _Counts(NamedTuple):
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int | None
+    cross_size: int | None
+
+
+# ---------------------------------------------------------------- small readers
+
+def _get(env: Mapping[str, str], name: str) -> str | None:
+    """Value of ``name`` stripped, or None when unset or blank."""
+    value = env.get(name)
+    return (value.strip() or None) if value is not None else None
+
+
+def _first(env: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str | None]:
+    """(name, value) of the first of ``names`` that is set; the first name if none is."""
+    for name in names:
+        value = _get(env, name)
+        if value is not None:
+            return name, value
+    return names[0], None
+
+
+def _to_int(name: str, value: str | None) -> int:
+    """Parse a decimal integer, blaming ``name`` when it is missing or malformed."""
+    if value is None:
+        raise WorldError(f"{name} is not set: the launcher must state it. A wrapper "
+                         f"script probably dropped it from the environment; pass it through.")
+    try:
+        return int(value)
+    except ValueError:
+        raise WorldError(f"{name}={value!r} is not an integer: it must be a whole number. "
+                         f"It was probably mangled by a wrapper script or set by hand; "
+                         f"export a plain decimal integer or unset it.") from None
+
+
+def _opt_int(env: Mapping[str, str], name: str | None) -> int | None:
+    return None if name is None or _get(env, name) is None else _to_int(name, _get(env, name))
+
+
+def _port(name: str, value: str | None) -> int | None:
+    """Parse a TCP port (None when unset) and check it lies in 1..65535."""
+    if value is None:
+        return None
+    port = _to_int(name, value)
+    if not 1 <= port <= 65535:
+        raise WorldError(f"{name}={port} is not a TCP port: it must be in 1..65535. Set it "
+                         f"to a free port on the rendezvous host.")
+    return port
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    value = (_get(env, name) or "0").lower()
+    if value not in ("0", "1", "false", "true", "no", "yes"):
+        raise WorldError(f"{name}={value!r} is not a boolean: use 1 or 0.")
+    return value in ("1", "true", "yes")
+
+
+def _secret_from_env(env: Mapping[str, str]) -> bytes | None:
+    """Decode GPUCOMM_SECRET (hex, >= 16 bytes); the value is never echoed back."""
+    text = _get(env, GPUCOMM_SECRET)
+    if text is None:
+        return None
+    fix = ("generate one with `python -c 'import secrets; print(secrets.token_hex(32))'` "
+           "and export the same value to every rank")
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        raise WorldError(f"{GPUCOMM_SECRET} is not a hex string ({len(text)} characters): "
+                         f"the job secret must be hex-encoded bytes; {fix}.") from None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise WorldError(f"{GPUCOMM_SECRET} decodes to {len(secret)} bytes: at least "
+                         f"{MIN_SECRET_BYTES} are needed for HMAC keys; {fix}.")
+    return secret
+
+
+def _hostname(env: Mapping[str, str], var: str | None, hostname: str | None) -> str:
+    """Launcher-stated host name, else the caller's, else the kernel's."""
+    stated = _get(env, var) if var else None
+    return stated or hostname or socket.gethostname()
+
+
+# ---------------------------------------------------------------- public helpers
+
+def derive_port(run_id: str) -> int:
+    """Deterministic rendezvous port in [20000, 40000) for a job id.
+
+    Every rank of a job computes the same port without communicating: the first
+    8 bytes of SHA-256(label + run_id) modulo 20000, plus 20000.  Collisions with
+    other services are possible; set GPUCOMM_RENDEZVOUS_PORT to override.
+    """
+    digest = hashlib.sha256(_PORT_LABEL + b"\0" + run_id.encode()).digest()
+    return DERIVED_PORT_BASE + int.from_bytes(digest[:8], "big") % DERIVED_PORT_SPAN
+
+
+def _derive_secret(run_id: str, addr: str, port: int) -> bytes:
+    """Job secret every rank can compute: guards integrity, not authenticity."""
+    material = b"\0".join([_SECRET_LABEL, run_id.encode(), addr.encode(), str(port).encode()])
+    return hashlib.sha256(material).digest()
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas that are not inside [...] brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch == "[") - (ch == "]")
+        if depth < 0 or depth > 1:
+            raise WorldError(f"Slurm hostlist {text!r} has unbalanced brackets.")
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise WorldError(f"Slurm hostlist {text!r} has an unclosed '['.")
+    return parts + [text[start:]]
+
+
+def _expand_range(item: str, text: str) -> list[str]:
+    """Expand one bracket item like "07" or "01-03", keeping zero padding."""
+    lo, sep, hi = item.partition("-")
+    if not lo.isdigit() or (sep and not hi.isdigit()):
+        raise WorldError(f"Slurm hostlist {text!r} has a bad range {item!r}.")
+    if not sep:
+        return [lo]
+    if int(hi) < int(lo):
+        raise WorldError(f"Slurm hostlist {text!r} has a descending range {item!r}.")
+    return [str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1)]
+
+
+def _expand_host(pattern: str, text: str) -> list[str]:
+    """Expand one host pattern, e.g. "rack[1-2]-n[01,03]" (cartesian product)."""
+    match = re.search(r"\[([^\]]*)\]", pattern)
+    if match is None:
+        return [pattern]
+    head, tail = pattern[:match.start()], pattern[match.end():]
+    values = [v for item in match.group(1).split(",") for v in _expand_range(item, text)]
+    return [head + v + rest for v in values for rest in _expand_host(tail, text)]
+
+
+def expand_slurm_nodelist(s: str) -> list[str]:
+    """Expand Slurm hostlist syntax ("node[01-03,07],gpu-a[1-2],login5") in order."""
+    return [host for part in _split_top_level(s.strip()) if part
+            for host in _expand_host(part, s)]
+
+
+def parse_slurm_tasks_per_node(s: str) -> list[int]:
+    """Expand Slurm's compressed tasks-per-node ("2(x3),1" -> [2, 2, 2, 1])."""
+    counts: list[int] = []
+    for part in s.strip().split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*(?:\(x(\d+)\))?\s*", part)
+        if match is None:
+            raise WorldError(f"Slurm tasks-per-node {s!r} has a bad entry {part!r}; "
+                             f"expected forms like '4' or '2(x3)'.")
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
+
+
+# ---------------------------------------------------------------- validation
+
+def _check_counts(c: _Counts, v: LauncherVars) -> None:
+    """Check the rank/size invariants, naming the launcher's variables."""
+    cause = ("The launcher and the script disagree on the job layout (a stale variable "
+             "left in the shell, or a wrapper overriding one value but not the other); "
+             "unset stale variables and let the launcher set all of them.")
+    if c.size < 1:
+        raise WorldError(f"{v.size}={c.size} is below 1: a job has at least one process. {cause}")
+    if not 0 <= c.rank < c.size:
+        raise WorldError(f"{v.rank}={c.rank} is not below {v.size}={c.size}: every rank must "
+                         f"satisfy 0 <= rank < size. {cause}")
+    if not 1 <= c.local_size <= c.size:
+        raise WorldError(f"{v.local_size}={c.local_size} is not in 1..{v.size}={c.size}: a host "
+                         f"runs at least one and at most all ranks. {cause}")
+    if not 0 <= c.local_rank < c.local_size:
+        raise WorldError(f"{v.local_rank}={c.local_rank} is not below {v.local_size}="
+                         f"{c.local_size}: every local rank must satisfy 0 <= local_rank "
+                         f"< local_size. {cause}")
+    if c.cross_rank is not None and c.cross_size is not None \
+            and not 0 <= c.cross_rank < c.cross_size:
+        raise WorldError(f"{v.cross_rank}={c.cross_rank} is not below {v.cross_size}="
+                         f"{c.cross_size}: every node index must satisfy 0 <= cross_rank "
+                         f"< cross_size. {cause}")
+
+
+def _read_counts(env: Mapping[str, str], v: LauncherVars) -> _Counts:
+    """Read and check the six counts a launcher exports under the names in ``v``."""
+    c = _Counts(_to_int(v.rank, _get(env, v.rank)), _to_int(v.size, _get(env, v.size)),
+                _to_int(str(v.local_rank), _get(env, str(v.local_rank))),
+                _to_int(str(v.local_size), _get(env, str(v.local_size))),
+                _opt_int(env, v.cross_rank), _opt_int(env, v.cross_size))
+    _check_counts(c, v)
+    return c
+
+
+def _missing_addr(c: _Counts, v: LauncherVars, what: str, how: str) -> WorldError:
+    return WorldError(f"No rendezvous address for a {c.size}-rank job ({v.size}={c.size}, "
+                      f"{v.local_size}={c.local_size}): every rank must reach rank 0's "
+                      f"bootstrap store, and {what}. Set {how}.")
+
+
+# ---------------------------------------------------------------- launchers
+
+def _world(c: _Counts, launcher: str, host: str, addr: str | None, port: int | None,
+           env: Mapping[str, str], secret: bytes | None, source: str, run_id: str,
+           via_store: bool = False) -> World:
+    return World(c.rank, c.size, c.local_rank, c.local_size, c.cross_rank, c.cross_size,
+                 launcher, host, addr, port, _flag(env, GPUCOMM_RENDEZVOUS_HOSTED),
+                 via_store, secret, source, run_id)
+
+
+def _finish(env: Mapping[str, str], c: _Counts, v: LauncherVars, launcher: str, host: str,
+            run_id: str, addr: str | None = None, port: int | None = None,
+            how: str = GPUCOMM_RENDEZVOUS_ADDR + "=<rank 0's host>") -> World:
+    """Apply GPUCOMM_* overrides and defaults shared by Horovod, MPI and Slurm."""
+    run_id = _get(env, GPUCOMM_RUN_ID) or run_id
+    addr = _get(env, GPUCOMM_RENDEZVOUS_ADDR) or addr
+    if addr is None and c.local_size != c.size:
+        raise _missing_addr(c, v, "the ranks span several hosts", how)
+    addr = addr or LOOPBACK
+    port = _port(GPUCOMM_RENDEZVOUS_PORT, _get(env, GPUCOMM_RENDEZVOUS_PORT)) or port
+    port = port or derive_port(run_id)
+    secret = _secret_from_env(env)
+    if secret is not None:
+        return _world(c, launcher, host, addr, port, env, secret, "env", run_id)
+    return _world(c, launcher, host, addr, port, env, _derive_secret(run_id, addr, port),
+                  "derived", run_id)
+
+
+def _gpucomm(env: Mapping[str, str], hostname: str | None) -> World | None:
+    if GPUCOMM_RANK not in env:
+        return None
+    c = _read_counts(env, GPUCOMM_VARS)
+    addr = _get(env, GPUCOMM_RENDEZVOUS_ADDR)
+    port = _port(GPUCOMM_RENDEZVOUS_PORT, _get(env, GPUCOMM_RENDEZVOUS_PORT))
+    secret, run_id = _secret_from_env(env), _get(env, GPUCOMM_RUN_ID) or ""
+    if c.size > 1 and (addr is None or port is None):
+        raise _missing_addr(c, GPUCOMM_VARS, "gpucomm-run always exports the store's "
+                            "address and port", f"both {GPUCOMM_RENDEZVOUS_ADDR} and "
+                            f"{GPUCOMM_RENDEZVOUS_PORT}, or launch with gpucomm-run")
+    if c.size > 1 and secret is None:
+        raise WorldError(f"{GPUCOMM_SECRET} is not set for a {c.size}-rank gpucomm-run job: "
+                         f"bootstrap frames are HMAC-signed with it. Launch with gpucomm-run, "
+                         f"which exports it, or export the same hex secret to every rank.")
+    host = _hostname(env, GPUCOMM_HOSTNAME, hostname)
+    addr, port = addr or LOOPBACK, port or derive_port(run_id)
+    return _world(c, "gpucomm", host, addr, port, env, secret,
+                  "env" if secret else "random", run_id)
+
+
+def _horovod(env: Mapping[str, str], hostname: str | None) -> World | None:
+    if HOROVOD_VARS.rank not in env:
+        return None
+    c = _read_counts(env, HOROVOD_VARS)
+    port = _port(HOROVOD_GLOO_RENDEZVOUS_PORT, _get(env, HOROVOD_GLOO_RENDEZVOUS_PORT))
+    return _finish(env, c, HOROVOD_VARS, "horovod", _hostname(env, HOROVOD_HOSTNAME, hostname),
+                   "", _get(env, HOROVOD_GLOO_RENDEZVOUS_ADDR), port)
+
+
+def _torchrun(env: Mapping[str, str], hostname: str | None) -> World | None:
+    v = TORCHRUN_VARS
+    if v.rank not in env or v.size not in env:
+        return None
+    if _get(env, str(v.local_rank)) is None or _get(env, str(v.local_size)) is None:
+        raise WorldError(f"{v.rank} and {v.size} are set but {v.local_rank}/{v.local_size} "
+                         f"are not: gpucomm needs the per-host layout to pick a GPU. Launch "
+                         f"with torchrun, or export {v.local_rank} and {v.local_size} too.")
+    c = _read_counts(env, v._replace(cross_rank=None))
+    if c.size % c.local_size == 0:  # torchrun runs the same number of ranks per node
+        c = c._replace(cross_rank=_opt_int(env, v.cross_rank), cross_size=c.size // c.local_size)
+        if c.cross_rank is not None:
+            _check_counts(c, v._replace(cross_size=f"{v.size}/{v.local_size}"))
+        else:
+            c = c._replace(cross_size=None)
+    addr = _get(env, GPUCOMM_RENDEZVOUS_ADDR) or _get(env, MASTER_ADDR)
+    own_port = _port(GPUCOMM_RENDEZVOUS_PORT, _get(env, GPUCOMM_RENDEZVOUS_PORT))
+    port = own_port or _port(MASTER_PORT, _get(env, MASTER_PORT))
+    if c.size > 1 and (addr is None or port is None):
+        raise _missing_addr(c, v, "torchrun always exports MASTER_ADDR and MASTER_PORT",
+                            f"{MASTER_ADDR} and {MASTER_PORT} (torchrun does this), or "
+                            f"{GPUCOMM_RENDEZVOUS_ADDR} and {GPUCOMM_RENDEZVOUS_PORT}")
+    run_id = _get(env, GPUCOMM_RUN_ID) or _get(env, TORCHELASTIC_RUN_ID) or ""
+    addr, port = addr or LOOPBACK, port or derive_port(run_id)
+    secret = _secret_from_env(env)
+    return _world(c, "torchrun", _hostname(env, None, hostname), addr, port, env, secret,
+                  "env" if secret else "torch-store", run_id, via_store=own_port is None)
+
+
+def _openmpi(env: Mapping[str, str], hostname: str | None) -> World | None:
+    if OMPI_VARS.rank not in env:
+        return None
+    c = _read_counts(env, OMPI_VARS)
+    run_id = _get(env, OMPI_JOBID) or _get(env, PMIX_NAMESPACE) or ""
+    how = f"{GPUCOMM_RENDEZVOUS_ADDR}=<rank 0's host> and pass it with `mpirun -x " \
+          f"{GPUCOMM_RENDEZVOUS_ADDR}`"
+    return _finish(env, c, OMPI_VARS, "openmpi", _hostname(env, None, hostname), run_id,
+                   how=how)
+
+
+def _mpich(env: Mapping[str, str], hostname: str | None) -> World | None:
+    if PMI_VARS.rank not in env:
+        return None
+    c = _read_counts(env, PMI_VARS)
+    how = f"{GPUCOMM_RENDEZVOUS_ADDR}=<rank 0's host> and pass it with `mpiexec " \
+          f"-genv {GPUCOMM_RENDEZVOUS_ADDR} <host>`"
+    return _finish(env, c, PMI_VARS, "mpich", _hostname(env, None, hostname), "", how=how)
+
+
+def _slurm(env: Mapping[str, str], hostname: str | None) -> World | None:
+    step = _first(env, SLURM_STEP_ID_VARS)[1] or ""
+    if SLURM_VARS.rank not in env or not any(n in env for n in SLURM_STEP_ID_VARS):
+        return None  # a bare sbatch batch shell has SLURM_PROCID but no step
+    size_var, _ = _first(env, SLURM_SIZE_VARS)
+    nodes_var, _ = _first(env, SLURM_NNODES_VARS)
+    tpn_var, tpn = _first(env, SLURM_TASKS_PER_NODE_VARS)
+    v = SLURM_VARS._replace(size=size_var, cross_size=nodes_var, local_size=tpn_var)
+    node = _to_int(str(v.cross_rank), _get(env, str(v.cross_rank)))
+    if tpn is None:
+        raise WorldError(f"{tpn_var} is not set: gpucomm needs the tasks per node to know "
+                         f"how many ranks share this host. Run the script inside `srun`.")
+    per_node = parse_slurm_tasks_per_node(tpn)
+    if not 0 <= node < len(per_node):
+        raise WorldError(f"{v.cross_rank}={node} has no entry in {tpn_var}={tpn!r}: the step's "
+                         f"tasks-per-node list must cover every node. Unset stale Slurm "
+                         f"variables or run inside `srun`.")
+    layout = {**env, tpn_var: str(per_node[node])}
+    c = _read_counts(layout, v)
+    list_var, nodelist = _first(env, SLURM_NODELIST_VARS)
+    addr = expand_slurm_nodelist(nodelist)[0] if nodelist else None
+    job_id = _first(env, SLURM_JOB_ID_VARS)[1] or ""
+    return _finish(env, c, v, "slurm", _hostname(env, None, hostname), f"{job_id}.{step}",
+                   addr, how=f"{list_var} (srun does this) or {GPUCOMM_RENDEZVOUS_ADDR}")
+
+
+def _single(env: Mapping[str, str], hostname: str | None) -> World:
+    return World(0, 1, 0, 1, 0, 1, "none", _hostname(env, None, hostname), None, None,
+                 False, False, None, "random", "")
+
+
+_DETECTORS: tuple[Callable[[Mapping[str, str], str | None], World | None], ...] = (
+    _gpucomm, _horovod, _torchrun, _openmpi, _mpich, _slurm)
+
+
+def detect_world(env: Mapping[str, str] | None = None, hostname: str | None = None) -> World:
+    """Describe this process's place in the job from launcher environment variables.
+
+    ``env`` defaults to ``os.environ``; ``hostname`` is used when the launcher does
+    not state one, else ``socket.gethostname()``.  Raises WorldError on any
+    inconsistency, with the variables to fix.
+    """
+    env = os.environ if env is None else env
+    for detect in _DETECTORS:
+        world = detect(env, hostname)
+        if world is not None:
+            return world
+    return _single(env, hostname)

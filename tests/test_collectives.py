@@ -1,0 +1,34 @@
+"""Every collective x dtype x odd shapes, at 2 and 3 real processes on CPU (Gloo)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import collective_checks as checks
+from tests.harness import run_ranks
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_allreduce_every_dtype_op_and_shape(size):
+    counts = run_ranks(checks.check_allreduce, size, timeout=240)
+    assert all(c > 400 for c in counts), counts
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_allgather_broadcast_alltoall_every_dtype(size):
+    counts = run_ranks(checks.check_data_movement, size, timeout=180)
+    assert counts[0] > 0
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_reducescatter_uneven_rows(size):
+    run_ranks(checks.check_reducescatter, size, timeout=180)
+
+
+def test_async_poll_ordering_and_barrier():
+    run_ranks(checks.check_async_and_barrier, 2, timeout=120)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_autograd_conventions(size):
+    run_ranks(checks.check_autograd, size, timeout=120)
