@@ -2,7 +2,8 @@
 
 from .errors import CollectiveError, GpucommError, NotInitializedError, ShutdownError
 from .ops import ReduceOp
+from .communicator import Communicator
 
 __version__ = "0.1.0"
 
-__all__ = ["CollectiveError", "GpucommError", "NotInitializedError", "ReduceOp", "ShutdownError", "__version__"]
+__all__ = ["Communicator", "CollectiveError", "GpucommError", "NotInitializedError", "ReduceOp", "ShutdownError", "__version__"]

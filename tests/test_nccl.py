@@ -1,0 +1,77 @@
+"""NCCL path: what can be checked without a GPU (unique-id bootstrap, clear errors), and the full
+op suite on a GPU (``pytest -m gpu``): 1 rank, and 2 ranks sharing one GPU in single-GPU test mode."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from gpucomm.backends.base import WireOp
+from gpucomm.backends.nccl import NcclBackend, _tables, nccl_module, nccl_version
+from gpucomm.errors import CollectiveError
+from gpucomm.rendezvous import RendezvousClient, RendezvousServer
+from tests import collective_checks as checks
+from tests.harness import run_ranks
+
+nccl = nccl_module()
+needs_nccl = pytest.mark.skipif(nccl is None, reason="CuPy's NCCL bindings are not installed")
+HAS_GPU = torch.cuda.is_available() and nccl is not None
+gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU, CUDA torch and CuPy's NCCL")
+
+
+@needs_nccl
+def test_dtype_and_op_tables_cover_everything_we_reduce():
+    dtypes, ops = _tables(nccl)
+    assert dtypes[torch.bfloat16] == nccl.NCCL_BFLOAT16 and dtypes[torch.float16] == nccl.NCCL_FLOAT16
+    assert set(ops) == set(WireOp) and ops[WireOp.AVG] == nccl.NCCL_AVG
+    from gpucomm.ops import REDUCIBLE
+
+    assert all(dt in dtypes for dt in REDUCIBLE)
+    assert nccl_version() > 20000
+
+
+@needs_nccl
+def test_unique_id_travels_through_the_store_intact():
+    secret = b"x" * 32
+    with RendezvousServer(secret, "127.0.0.1", 0) as server:
+        got = {}
+
+        def rank(r):
+            c = RendezvousClient("127.0.0.1", server.port, secret)
+            if r == 0:
+                c.set("nccl/uid", bytes(nccl.get_unique_id()))
+            got[r] = c.get("nccl/uid", 10)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in (1, 0, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(15)
+    assert len(got[0]) == 128 and got[0] == got[1] == got[2]
+
+
+@needs_nccl
+@pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU error path")
+def test_communicator_without_gpu_fails_with_a_hint():
+    with pytest.raises(CollectiveError, match="NCCL_DEBUG=INFO"):
+        NcclBackend(bytes(nccl.get_unique_id()), 0, 1, 0)
+
+
+SINGLE_GPU = {"GPUCOMM_SINGLE_GPU_TEST": "1"}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("size", [1, 2])
+@pytest.mark.parametrize("check", [checks.check_allreduce, checks.check_data_movement, checks.check_reducescatter,
+                                   checks.check_autograd], ids=lambda f: f.__name__)
+def test_nccl_op_suite(size, check):
+    run_ranks(check, size, args=("cuda",), env=SINGLE_GPU, timeout=600)
+
+
+@pytest.mark.gpu
+@gpu
+def test_nccl_async_poll_and_barrier():
+    run_ranks(checks.check_async_and_barrier, 2, args=("cuda",), env=SINGLE_GPU, timeout=300)

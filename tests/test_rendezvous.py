@@ -1,0 +1,189 @@
+"""The authenticated bootstrap store: operations, timeouts, and hostile or broken peers."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from gpucomm.rendezvous import (HELLO_BYTES, RendezvousAuthError, RendezvousClient, RendezvousError,
+                                RendezvousServer, RendezvousTimeout, barrier, wait_for_ranks)
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+
+
+@pytest.fixture
+def server():
+    with RendezvousServer(SECRET, "127.0.0.1", 0) as s:
+        yield s
+
+
+def client_for(server, secret=SECRET, **kw) -> RendezvousClient:
+    return RendezvousClient("127.0.0.1", server.port, secret, **kw)
+
+
+def test_set_get_add_check_delete_num_keys(server):
+    c = client_for(server)
+    c.set("a", b"\x00\x01binary")
+    assert c.get("a") == b"\x00\x01binary"
+    assert c.add("n", 5) == 5 and c.add("n", -2) == 3
+    assert c.check(["a", "n"]) and not c.check(["a", "missing"])
+    assert c.num_keys() == 2
+    assert c.delete("a") and not c.delete("a")
+    assert c.compare_set("cas", b"", b"first") == b"first"
+    assert c.compare_set("cas", b"wrong", b"second") == b"first"
+    c.close()
+
+
+def test_get_blocks_until_another_client_sets(server):
+    a, b = client_for(server), client_for(server)
+    threading.Timer(0.2, lambda: b.set("late", b"v")).start()
+    t0 = time.monotonic()
+    assert a.get("late", timeout=5) == b"v"
+    assert 0.1 < time.monotonic() - t0 < 5
+
+
+def test_concurrent_blocking_get_does_not_block_set_on_same_client(server):
+    c = client_for(server)
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("v", c.get("k", timeout=5)))
+    t.start()
+    time.sleep(0.1)
+    c.set("k", b"x")  # must not wait behind the blocked get
+    t.join(5)
+    assert result["v"] == b"x"
+
+
+def test_wait_timeout_names_missing_ranks(server):
+    c = client_for(server)
+    c.set("arrive/0", b"1")
+    c.set("arrive/2", b"1")
+    with pytest.raises(RendezvousTimeout, match=r"ranks \[1, 3\] never arrived") as info:
+        wait_for_ranks(c, "arrive", range(4), 0.3, "the test")
+    assert sorted(info.value.missing) == ["arrive/1", "arrive/3"]
+    with pytest.raises(RendezvousTimeout):
+        c.get("never", timeout=0.2)
+
+
+def test_barrier_of_three_threads(server):
+    errors = []
+
+    def member(rank):
+        try:
+            barrier(client_for(server), "b", rank, 3, 5)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not errors
+
+
+def test_wrong_secret_is_rejected_and_honest_clients_keep_working(server, caplog):
+    honest = client_for(server)
+    intruder = client_for(server, secret=b"not-the-job-secret-at-all-000000")
+    with pytest.raises(RendezvousAuthError, match="job secret"):
+        intruder.set("x", b"evil")
+    assert not honest.check(["x"])
+    honest.set("ok", b"1")
+    assert honest.get("ok") == b"1"
+    assert any("MAC does not match" in r.message for r in caplog.records)
+
+
+def _raw(server) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    assert len(s.recv(HELLO_BYTES, socket.MSG_WAITALL)) == HELLO_BYTES
+    return s
+
+
+def _closed_by_server(s: socket.socket) -> bool:
+    try:
+        return s.recv(16) in (b"", b"\x00\x00\x00\x00DENY")
+    except ConnectionResetError:  # closed with our unread bytes still queued: a reset
+        return True
+    except socket.timeout:
+        return False
+
+
+@pytest.mark.parametrize("payload", [
+    struct.pack(">I", 0xFFFFFFFF),                     # absurd length prefix: no 4 GiB allocation
+    struct.pack(">I", 5) + b"abcde",                   # shorter than a MAC
+    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",               # garbage (an HTTP client)
+    struct.pack(">I", 64) + b"\x01" * 64,              # right size, forged MAC
+])
+def test_hostile_frames_close_connection_and_store_keeps_serving(server, payload):
+    honest = client_for(server)
+    s = _raw(server)
+    t0 = time.monotonic()
+    s.sendall(payload)
+    assert _closed_by_server(s)
+    assert time.monotonic() - t0 < 5
+    s.close()
+    honest.set("still", b"here")
+    assert honest.get("still") == b"here"
+
+
+def test_truncated_frame_then_disconnect(server):
+    honest = client_for(server)
+    s = _raw(server)
+    s.sendall(struct.pack(">I", 100) + b"x" * 10)
+    s.close()
+    time.sleep(0.1)
+    honest.set("k", b"v")
+    assert honest.get("k") == b"v"
+
+
+def test_replayed_frame_is_rejected(server):
+    """A frame captured on one connection is useless on another (per-connection nonce)."""
+    from gpucomm.rendezvous import MAC_BYTES, OP_SET, _mac, encode_fields
+
+    c = client_for(server)
+    chan = c._acquire()
+    body = encode_fields(OP_SET, [b"replay", b"1"])
+    frame = struct.pack(">I", MAC_BYTES + len(body)) + _mac(SECRET, chan.nonce, b"C", chan.send_seq, body) + body
+    chan.sock.sendall(frame)  # exactly what chan.send would put on the wire
+    chan.send_seq += 1
+    chan.recv(None)
+    assert c.check(["replay"])
+    c.delete("replay")
+    s = _raw(server)
+    s.sendall(frame)
+    assert _closed_by_server(s)
+    assert not c.check(["replay"])
+
+
+def test_connect_retries_until_server_appears():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started = {}
+    threading.Timer(0.5, lambda: started.setdefault("s", RendezvousServer(SECRET, "127.0.0.1", port))).start()
+    try:
+        c = RendezvousClient("127.0.0.1", port, SECRET, connect_timeout=10)
+        c.set("a", b"b")
+    finally:
+        time.sleep(0.6)
+        if "s" in started:
+            started["s"].close()
+
+
+def test_connect_timeout_explains_causes():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(RendezvousError, match="could not reach the gpucomm rendezvous store"):
+        RendezvousClient("127.0.0.1", port, SECRET, connect_timeout=0.5)
+
+
+def test_client_sees_server_shutdown_as_error(server):
+    c = client_for(server)
+    c.set("a", b"1")
+    server.close()
+    with pytest.raises(RendezvousError):
+        c.get("a")
