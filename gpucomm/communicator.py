@@ -65,7 +65,7 @@ class Communicator:
         src = _as_tensor(send)
         device = check_tensors(kind, [src], reducing=reducing)
         if "op" in fields:
-            check_op(kind, fields["op"], [src])
+            check_op(kind, fields["op"])
         out = None if recv is None else _as_tensor(recv)
         in_place = kind in ("allreduce", "broadcast") and out is not None and out.shape == src.shape
         with _on_stream(stream):

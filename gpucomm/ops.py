@@ -94,7 +94,7 @@ def check_tensors(kind: str, tensors: Sequence[torch.Tensor], *, reducing: bool)
     return device
 
 
-def check_op(kind: str, op: ReduceOp, tensors: Sequence[torch.Tensor]) -> None:
+def check_op(kind: str, op: ReduceOp) -> None:
     if op == ReduceOp.ADASUM:
         raise NotImplementedError(f"{kind} with op=Adasum is not supported by gpucomm; use hvd.Average or hvd.Sum.")
     if op not in ReduceOp.__members__.values():

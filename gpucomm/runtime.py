@@ -23,7 +23,7 @@ from .backends.gloo import GlooBackend
 from .engine import Engine, Handle
 from .errors import GpucommError, NotInitializedError
 from .ops import Executor, Request
-from .rendezvous import RendezvousClient, RendezvousError, RendezvousServer, RendezvousTimeout, wait_for_ranks
+from .rendezvous import RendezvousClient, RendezvousError, RendezvousServer, wait_for_ranks
 from .world import World, detect_world
 
 log = logging.getLogger("gpucomm")
@@ -293,4 +293,4 @@ def _build(env: Mapping[str, str], gen: int) -> Runtime:
     return Runtime(world, client, server, prefix, timeout, gloo, pinned, hosts, cross_rank, cross_size)
 
 
-__all__ = ["Runtime", "current", "init", "is_initialized", "shutdown", "RendezvousTimeout"]
+__all__ = ["Runtime", "current", "init", "is_initialized", "shutdown"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 from .. import runtime as _runtime
 from ..backends.nccl import nccl_version as _nccl_version
 from ..errors import CollectiveError as HorovodInternalError
-from ..errors import NotInitializedError as _NotInitializedError
 from .autograd import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
                        grouped_reducescatter, reducescatter)
 from .compression import Compression
@@ -36,10 +35,7 @@ def is_initialized() -> bool:
 
 
 def _world():
-    rt = _runtime._runtime
-    if rt is None:
-        raise ValueError("gpucomm has not been initialized; use hvd.init().")
-    return rt
+    return _runtime.current()  # NotInitializedError is a ValueError, as Horovod raises
 
 
 def size() -> int:

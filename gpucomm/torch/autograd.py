@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
 from .. import runtime
 from .compression import Compression
-from .mpi_ops import (Average, Sum, _submit, allgather_async, allreduce_async, alltoall_async,
-                      grouped_allreduce_async, handle_average_backwards_compatibility, reducescatter_async,
-                      synchronize, _check_root, _normalize_splits, _check_reducescatter, grouped_reducescatter_async)
+from .mpi_ops import (Average, Sum, _check_root, _submit, allgather_async, allreduce_async, alltoall_async,
+                      grouped_allreduce_async, grouped_reducescatter_async, handle_average_backwards_compatibility,
+                      reducescatter_async, synchronize)
 from ..ops import ReduceOp
 
 

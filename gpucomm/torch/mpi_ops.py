@@ -42,7 +42,7 @@ def _submit(kind: str, tensors: Sequence[torch.Tensor], name: str | None, conver
     rt = runtime.current()
     device = check_tensors(kind, tensors, reducing=reducing)
     if "op" in fields:
-        check_op(kind, fields["op"], tensors)
+        check_op(kind, fields["op"])
     detached = [t.detach() if t.requires_grad else t for t in tensors]  # in-place targets may be leaves
     handle_id = next(_counter)
     req = Request(kind, _name(kind, name, handle_id), detached, outputs=detached if in_place else None,
@@ -186,7 +186,7 @@ def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None) -
 
 
 # -- reducescatter ---------------------------------------------------------------------------
-def _check_reducescatter(tensors: Sequence[torch.Tensor], op: ReduceOp) -> None:
+def _check_reducescatter(tensors: Sequence[torch.Tensor]) -> None:
     for t in tensors:
         if t.dim() == 0:
             raise ValueError("reducescatter needs tensors of at least one dimension (it splits dim 0).")
@@ -195,14 +195,14 @@ def _check_reducescatter(tensors: Sequence[torch.Tensor], op: ReduceOp) -> None:
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int = Average,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
     """Start a reduce-scatter: reduce across ranks, each keeps its share of dim 0 (Horovod's split)."""
-    _check_reducescatter([tensor], ReduceOp(op))
+    _check_reducescatter([tensor])
     return _submit("reducescatter", [tensor], name, _first, reducing=True, op=ReduceOp(op),
                    **_check_scale(prescale_factor, postscale_factor))
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None, op: int = Average,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
-    _check_reducescatter(tensors, ReduceOp(op))
+    _check_reducescatter(tensors)
     return _submit("reducescatter", list(tensors), name, list, reducing=True, op=ReduceOp(op),
                    **_check_scale(prescale_factor, postscale_factor))
 
