@@ -20,3 +20,7 @@ class CollectiveError(GpucommError):
 
 class ShutdownError(CollectiveError):
     """The operation was still pending when gpucomm shut down."""
+
+
+class KernelUnavailableError(GpucommError):
+    """gpucomm's Numba CUDA kernels cannot run in this process (no GPU, driver or toolkit)."""

@@ -1,0 +1,302 @@
+"""Bucket planning, grow-only fusion buffers, and pack/unpack of a bucket (GPU kernels or torch ops).
+
+Buckets follow PyTorch DDP: parameters are taken in *reverse* order (the order backward produces
+their gradients), each bucket holds one dtype on one device, the first bucket of each
+(dtype, device) is small (1 MiB) so that the first allreduce starts early in backward, and the
+others are capped (25 MiB). The cap is Horovod's fusion threshold, in bytes, and is read from
+``GPUCOMM_FUSION_THRESHOLD`` (or ``HOROVOD_FUSION_THRESHOLD``); as in Horovod, 0 turns fusion off
+(one tensor per bucket) and a tensor larger than the cap gets a bucket of its own. Code
+arguments win over the environment. Bucket indices follow the order in which buckets become
+ready, and every rank computes the same plan from the same parameter list, so buckets can be
+launched strictly in index order on every rank.
+
+Packing a CUDA bucket is one launch of ``gpucomm.kernels.pack`` (numba is imported only then); a
+CPU bucket uses plain torch ops (``torch.cat`` in, ``torch._foreach_copy_`` out) with the same
+contract and numerics (``gpucomm.kernels.rules``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from .errors import KernelUnavailableError
+from .kernels import rules
+
+__all__ = [
+    "DEFAULT_FIRST_BUCKET_BYTES", "DEFAULT_BUCKET_CAP_BYTES", "THRESHOLD_ENV", "FIRST_BUCKET_ENV", "FusionLimits",
+    "fusion_limits", "Bucket", "plan_buckets", "FusionBuffers", "pack_bucket", "unpack_bucket",
+]
+
+log = logging.getLogger("gpucomm.fusion")
+
+DEFAULT_FIRST_BUCKET_BYTES = 1 << 20
+DEFAULT_BUCKET_CAP_BYTES = 25 << 20
+THRESHOLD_ENV = ("GPUCOMM_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD")  # first one set wins
+FIRST_BUCKET_ENV = "GPUCOMM_FUSION_FIRST_BUCKET"
+KERNELS_ENV = "GPUCOMM_FUSION_KERNELS"  # "0": pack CUDA buckets with torch ops instead of the kernels
+
+
+# ---------------------------------------------------------------------------------------------
+# limits
+
+
+@dataclass(frozen=True)
+class FusionLimits:
+    """Byte limits of a plan: the first bucket of each (dtype, device), and every other bucket."""
+
+    first_bucket_bytes: int
+    bucket_cap_bytes: int
+
+
+def _byte_count(value: Any, source: str) -> int:
+    if isinstance(value, str):
+        text = value.strip().replace("_", "")
+        if not text.isdigit():
+            raise ValueError(
+                f"{source}={value!r} is not a byte count. Set it to a non-negative integer number of bytes, e.g. "
+                f"{64 << 20} for 64 MiB (0 turns fusion off: one tensor per bucket).")
+        return int(text)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{source} must be an int number of bytes, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"{source}={value} is negative; use a byte count >= 0 (0 turns fusion off).")
+    return value
+
+
+def fusion_limits(*, first_bucket_bytes: int | None = None, bucket_cap_bytes: int | None = None,
+                  env: Mapping[str, str] | None = None) -> FusionLimits:
+    """Resolve the limits: arguments, then the environment, then the defaults (1 MiB, 25 MiB).
+
+    The cap comes from ``bucket_cap_bytes``, else ``GPUCOMM_FUSION_THRESHOLD``, else
+    ``HOROVOD_FUSION_THRESHOLD``; the first bucket from ``first_bucket_bytes``, else
+    ``GPUCOMM_FUSION_FIRST_BUCKET``, else 1 MiB. The first bucket never exceeds the cap, so a
+    threshold below 1 MiB (or 0) applies to every bucket.
+    """
+    env = os.environ if env is None else env
+    if bucket_cap_bytes is not None:
+        cap = _byte_count(bucket_cap_bytes, "bucket_cap_bytes")
+    else:
+        name = next((n for n in THRESHOLD_ENV if env.get(n, "").strip()), None)
+        cap = _byte_count(env[name], name) if name else DEFAULT_BUCKET_CAP_BYTES
+    if first_bucket_bytes is not None:
+        first = _byte_count(first_bucket_bytes, "first_bucket_bytes")
+    elif env.get(FIRST_BUCKET_ENV, "").strip():
+        first = _byte_count(env[FIRST_BUCKET_ENV], FIRST_BUCKET_ENV)
+    else:
+        first = DEFAULT_FIRST_BUCKET_BYTES
+    return FusionLimits(first_bucket_bytes=min(first, cap), bucket_cap_bytes=cap)
+
+
+# ---------------------------------------------------------------------------------------------
+# planning
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One fused group: ``param_indices[j]`` (an index into the planned list) sits at element
+    ``offsets[j]`` of the flat buffer and has ``numels[j]`` elements; ``numel`` is the total."""
+
+    index: int
+    param_indices: tuple[int, ...]
+    offsets: tuple[int, ...]
+    numels: tuple[int, ...]
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def plan_buckets(params: Sequence[torch.Tensor], *, first_bucket_bytes: int | None = None,
+                 bucket_cap_bytes: int | None = None, env: Mapping[str, str] | None = None) -> list[Bucket]:
+    """Group ``params`` (tensors: parameters or their gradients) into buckets; see the module doc.
+
+    A parameter joins the open bucket of its (dtype, device) unless that would take the bucket
+    over its limit; then the bucket closes and a new one opens with the cap as its limit.
+    Buckets are numbered by their first (= latest) parameter, so bucket 0 holds the last
+    parameters, which backward finishes first.
+    """
+    limits = fusion_limits(first_bucket_bytes=first_bucket_bytes, bucket_cap_bytes=bucket_cap_bytes, env=env)
+    open_: dict[tuple[torch.dtype, torch.device], list] = {}  # key -> [first position, limit, bytes, indices]
+    closed: list[list] = []
+    seen_keys: set[tuple[torch.dtype, torch.device]] = set()
+    for position, index in enumerate(range(len(params) - 1, -1, -1)):
+        p = params[index]
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"plan_buckets: params[{index}] is a {type(p).__name__}, not a torch.Tensor")
+        key = (p.dtype, p.device)
+        nbytes = p.numel() * p.element_size()
+        bucket = open_.get(key)
+        if bucket is not None and bucket[2] + nbytes > bucket[1]:
+            closed.append(open_.pop(key))
+            bucket = None
+        if bucket is None:
+            limit = limits.bucket_cap_bytes if key in seen_keys else limits.first_bucket_bytes
+            seen_keys.add(key)
+            bucket = open_[key] = [position, limit, 0, []]
+        bucket[2] += nbytes
+        bucket[3].append(index)
+    closed.extend(open_.values())
+    closed.sort(key=lambda b: b[0])
+    plan = []
+    for number, (_, _, _, indices) in enumerate(closed):
+        numels = tuple(params[i].numel() for i in indices)
+        offsets, total = [], 0
+        for n in numels:
+            offsets.append(total)
+            total += n
+        first = params[indices[0]]
+        plan.append(Bucket(number, tuple(indices), tuple(offsets), numels, total, first.dtype, first.device))
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# buffers
+
+
+class FusionBuffers:
+    """Grow-only flat buffers, one per (device, dtype, slot).
+
+    ``get`` returns the first ``numel`` elements of the slot's buffer, reallocating only when a
+    larger size is asked for, so a steady training loop allocates nothing. Buffers of one slot
+    are reused by every bucket that asks for it: that is safe when those uses are ordered (one
+    communication stream on a GPU); buckets in flight at the same time (e.g. asynchronous Gloo
+    work on the CPU) need distinct slots. A buffer replaced by a larger one is freed by torch's
+    caching allocator in the order of the stream it was allocated on.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def get(self, device: torch.device | str, dtype: torch.dtype, numel: int, *, slot: int = 0) -> torch.Tensor:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if numel < 0:
+            raise ValueError(f"FusionBuffers.get: numel must be >= 0, got {numel}")
+        key = (device, dtype, slot)
+        with self._lock:
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.numel() < numel:
+                buffer = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+            return buffer[:numel]
+
+    def nbytes(self) -> int:
+        """Bytes held by all buffers."""
+        with self._lock:
+            return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._buffers.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# pack / unpack
+
+
+_fallback_warned: list[bool] = []
+
+
+def _kernels_enabled(flat: torch.Tensor) -> bool:
+    if flat.device.type != "cuda":
+        return False
+    return os.environ.get(KERNELS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _warn_fallback(error: KernelUnavailableError) -> None:
+    if not _fallback_warned:
+        _fallback_warned.append(True)
+        log.warning("gpucomm: fusion kernels unavailable (%s); packing CUDA buckets with torch ops instead "
+                    "(more launches, same results).", error)
+
+
+def pack_bucket(tensors: Sequence[torch.Tensor], buffer: torch.Tensor, *, scale: float = 1.0,
+                stream: Any = None, validate: bool = True) -> torch.Tensor:
+    """Copy ``tensors`` back to back into ``buffer`` (times ``scale``, cast to ``buffer.dtype``) and
+    return the filled part, ``buffer[:total]``. CUDA: one kernel launch on ``stream`` (default:
+    the current stream; ``validate`` as in ``gpucomm.kernels.pack``); CPU: torch ops."""
+    tensors = rules.tensor_list("pack", tensors)
+    if _kernels_enabled(buffer):
+        from . import kernels  # noqa: PLC0415 - imports numba
+
+        try:
+            kernels.pack(tensors, buffer, scale=scale, stream=stream, validate=validate)
+            return buffer[: sum(t.numel() for t in tensors)]
+        except KernelUnavailableError as e:
+            _warn_fallback(e)
+    with _on_stream(buffer, stream), torch.no_grad():
+        return _torch_pack(tensors, buffer, float(scale))
+
+
+def unpack_bucket(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], *, scale: float = 1.0,
+                  stream: Any = None, validate: bool = True) -> None:
+    """Copy consecutive pieces of ``buffer`` into ``tensors`` (times ``scale``, cast to their dtype):
+    the reverse of ``pack_bucket``."""
+    tensors = rules.tensor_list("unpack", tensors)
+    if _kernels_enabled(buffer):
+        from . import kernels  # noqa: PLC0415
+
+        try:
+            kernels.unpack(buffer, tensors, scale=scale, stream=stream, validate=validate)
+            return
+        except KernelUnavailableError as e:
+            _warn_fallback(e)
+    with _on_stream(buffer, stream), torch.no_grad():
+        _torch_unpack(buffer, tensors, float(scale))
+
+
+def _on_stream(buffer: torch.Tensor, stream: Any):
+    if buffer.device.type == "cuda" and stream is not None:
+        return torch.cuda.stream(stream)
+    return contextlib.nullcontext()
+
+
+def _torch_pack(tensors: Sequence[torch.Tensor], flat: torch.Tensor, scale: float) -> torch.Tensor:
+    dtype, total = rules.validate("pack", tensors, flat)
+    out = flat[:total]
+    if dtype is None:
+        return out
+    rules.conversion(dtype, flat.dtype, scale != 1.0)
+    if total == 0:
+        return out
+    pieces = [t.view(-1) for t in tensors]
+    if dtype == flat.dtype and scale == 1.0:
+        torch.cat(pieces, out=out)
+        return out
+    joined = torch.cat(pieces)
+    if scale != 1.0:  # in float32 (float64 for float64), like the kernels; .to() may return joined itself
+        joined = joined.to(rules.compute_dtype(dtype, flat.dtype)).mul_(scale)
+    out.copy_(joined)
+    return out
+
+
+def _torch_unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float) -> None:
+    dtype, total = rules.validate("unpack", tensors, flat)
+    if dtype is None:
+        return
+    rules.conversion(flat.dtype, dtype, scale != 1.0)
+    if total == 0:
+        return
+    src = flat[:total]
+    if scale != 1.0:  # out of place: the fusion buffer is left as it is
+        src = src.to(rules.compute_dtype(flat.dtype, dtype)) * scale
+    pieces = list(torch.split(src, [t.numel() for t in tensors]))
+    targets = [t.view(-1) for t in tensors]
+    foreach_copy = getattr(torch, "_foreach_copy_", None)
+    if foreach_copy is not None:
+        foreach_copy(targets, pieces)
+    else:
+        for target, piece in zip(targets, pieces):
+            target.copy_(piece)

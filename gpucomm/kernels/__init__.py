@@ -1,0 +1,33 @@
+"""Numba CUDA fusion kernels: one launch packs a list of tensors into a flat buffer, or back.
+
+``pack(srcs, dst)`` / ``unpack(src, dsts)`` take torch tensors. On a GPU they run a Numba kernel
+driven by a cached device table of addresses (``table.py``) on torch's stream; with
+``NUMBA_ENABLE_CUDASIM=1`` set before numba is imported, the same kernels run in Numba's
+simulator on CPU tensors (for tests). Without either they raise ``KernelUnavailableError``.
+
+Importing this package is cheap: numba is imported on first use of a name that needs it, so the
+CPU path (``gpucomm.fusion``) can share ``rules`` without loading Numba.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ..errors import KernelUnavailableError
+from .rules import CASTS, FLOAT_DTYPES, INT_WIDTHS, compute_dtype, conversion, validate
+
+_LAZY = {"pack": "api", "unpack": "api", "clear_cache": "api", "cache_info": "api", "SIMULATOR": "devicefns",
+         "KERNELS": "specs", "KernelSpec": "specs", "select_kernel": "specs"}
+
+__all__ = ["KernelUnavailableError", "CASTS", "FLOAT_DTYPES", "INT_WIDTHS", "compute_dtype", "conversion",
+           "validate", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,174 @@
+"""``pack`` and ``unpack``: argument checks, the table lookup, and one kernel launch.
+
+The hot path (a layout seen before) costs four C-level passes over the tensor list (addresses and
+sizes, the cache key; contiguity and dtypes, skipped with ``validate=False``), one dictionary
+lookup and one launch. Anything unusual falls through to ``rules.validate``, which names the
+problem; device checks, kernel choice, table building and upload, and compilation happen only
+when a layout is new. The cache key holds both dtypes and whether a scale applies, so a hit also
+yields the kernel.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import KernelUnavailableError
+from . import launch as _launch
+from .devicefns import SIMULATOR
+from .rules import tensor_list, validate
+from .specs import KernelSpec, select_kernel
+from .table import CHUNK_ELEMS, Table, TableCache, chunk_rows
+
+__all__ = ["pack", "unpack", "clear_cache", "cache_info"]
+
+_CACHE = TableCache()
+_PTR, _NUMEL, _CONTIG = torch.Tensor.data_ptr, torch.Tensor.numel, torch.Tensor.is_contiguous
+_DTYPE = operator.attrgetter("dtype")
+_unavailable: list[str] = []  # cached reason why CUDA kernels cannot run here ("" = they can)
+
+
+def pack(srcs: Sequence[torch.Tensor], dst: torch.Tensor, *, scale: float = 1.0, stream: Any = None,
+         validate: bool = True) -> None:
+    """Copy ``srcs`` back to back into the flat ``dst`` (from element 0), times ``scale``, cast to
+    ``dst.dtype``: one kernel launch on ``stream`` (default: torch's current stream on ``dst``'s
+    device), none when there is nothing to copy.
+
+    The sources share one dtype; they and ``dst`` are contiguous and on one device. See
+    ``gpucomm.kernels.rules`` for the exact numerics (float16/bfloat16 scale in float32, casts
+    round to nearest even). A new layout is always checked in full; ``validate=False`` skips the
+    per-tensor contiguity and dtype checks when the layout (addresses and sizes) was seen before,
+    halving the host cost for callers that guarantee them (gradients of checked parameters).
+    """
+    _run("pack", srcs, dst, scale, stream, validate)
+
+
+def unpack(src: torch.Tensor, dsts: Sequence[torch.Tensor], *, scale: float = 1.0, stream: Any = None,
+           validate: bool = True) -> None:
+    """Copy consecutive pieces of the flat ``src`` into ``dsts`` (the reverse of ``pack``), times
+    ``scale``, cast to the destinations' dtype: one kernel launch, as ``pack``."""
+    _run("unpack", dsts, src, scale, stream, validate)
+
+
+def clear_cache() -> None:
+    """Forget every cached table (tests; or to release their small device arrays)."""
+    _CACHE.clear()
+
+
+def cache_info() -> dict[str, int]:
+    """Table cache statistics: ``hits``, ``misses``, ``size``."""
+    return {"hits": _CACHE.hits, "misses": _CACHE.misses, "size": len(_CACHE)}
+
+
+def _run(direction: str, tensors: Sequence[torch.Tensor], flat: torch.Tensor, scale: float, stream: Any,
+         check: bool) -> None:
+    tensors = tensor_list(direction, tensors)
+    if not isinstance(flat, torch.Tensor) or not flat.is_contiguous():
+        validate(direction, tensors, flat)  # raises
+    if not tensors:
+        return
+    try:
+        ptrs = tuple(map(_PTR, tensors))
+    except TypeError:
+        validate(direction, tensors, flat)  # names the element that is not a tensor
+        raise
+    numels = tuple(map(_NUMEL, tensors))
+    if check and (not all(map(_CONTIG, tensors)) or len(set(map(_DTYPE, tensors))) != 1):
+        validate(direction, tensors, flat)  # raises with the reason
+    scale = float(scale)
+    key = (direction, tensors[0].dtype, flat.dtype, scale != 1.0, flat.data_ptr(), ptrs, numels)
+    layout = _CACHE.get(key)
+    if layout is None:
+        layout = _new_layout(direction, tensors, flat, scale != 1.0, ptrs, numels, stream)
+        _CACHE.put(key, layout)
+    spec, total, table = layout
+    if total > flat.numel():
+        validate(direction, tensors, flat)  # the same buffer address, now a shorter view: raises
+    if table is None:
+        return  # nothing to copy
+    device = flat.device
+    if device.type == "cuda":
+        stream = _stream_for(stream, device)
+        table.use_on(stream)
+    _launch.launch(spec, table.address, table.nrows, table.grid, scale, device, stream)
+
+
+def _new_layout(direction: str, tensors: Sequence[torch.Tensor], flat: torch.Tensor, scaled: bool, ptrs: tuple,
+                numels: tuple, stream: Any) -> tuple[KernelSpec, int, Table | None]:
+    """Check a layout seen for the first time in full and build its table: ``(kernel, total, table)``."""
+    dtype, total = validate(direction, tensors, flat)
+    src_dtype, dst_dtype = (dtype, flat.dtype) if direction == "pack" else (flat.dtype, dtype)
+    spec = select_kernel(src_dtype, dst_dtype, scaled)
+    if total == 0:
+        return spec, 0, None
+    device = flat.device
+    _check_runnable(direction, device)
+    if device.type == "cuda":
+        stream = _stream_for(stream, device)
+    table = _build_table(direction, spec, flat.data_ptr(), flat.element_size(), ptrs, numels, device, stream)
+    return spec, total, table
+
+
+def _build_table(direction: str, spec: KernelSpec, flat_ptr: int, flat_itemsize: int, ptrs: tuple, numels: tuple,
+                 device: torch.device, stream: Any) -> Table:
+    tensor_addrs = np.fromiter(ptrs, dtype=np.int64, count=len(ptrs))
+    sizes = np.fromiter(numels, dtype=np.int64, count=len(numels))
+    flat_addrs = flat_ptr + (np.cumsum(sizes) - sizes) * flat_itemsize
+    srcs, dsts = (tensor_addrs, flat_addrs) if direction == "pack" else (flat_addrs, tensor_addrs)
+    rows = chunk_rows(srcs, dsts, sizes, spec.src_itemsize, spec.dst_itemsize, CHUNK_ELEMS)
+    return Table(rows, _launch.grid_for(len(rows), device), device, stream)
+
+
+def _stream_for(stream: Any, device: torch.device) -> Any:
+    if stream is None:
+        return torch.cuda.current_stream(device)
+    if not hasattr(stream, "cuda_stream"):
+        raise TypeError(f"stream must be a torch.cuda.Stream (or None for the current stream), "
+                        f"got {type(stream).__name__}")
+    if stream.device != device:
+        raise ValueError(f"the stream belongs to {stream.device} but the tensors are on {device}; pass a stream of "
+                         f"the tensors' device, e.g. torch.cuda.current_stream({device.index}).")
+    return stream
+
+
+def _check_runnable(direction: str, device: torch.device) -> None:
+    """Raise unless the kernels can run on ``device`` in this process."""
+    if SIMULATOR:
+        if device.type != "cpu":
+            raise ValueError(f"{direction}: the Numba CUDA simulator (NUMBA_ENABLE_CUDASIM=1) runs kernels on the "
+                             f"host, so it needs CPU tensors; got {device}. Unset NUMBA_ENABLE_CUDASIM (before numba "
+                             f"is imported) to run on the GPU.")
+        return
+    reason = _unavailable_reason()
+    if device.type != "cuda":
+        if reason:
+            raise KernelUnavailableError(
+                f"{direction}: the Numba CUDA kernels need a GPU and none can be used here ({reason}); got {device} "
+                f"tensors. For CPU tensors use gpucomm.fusion.pack_bucket/unpack_bucket (plain torch ops); to test the "
+                f"kernels without a GPU, set NUMBA_ENABLE_CUDASIM=1 before numba is imported.")
+        raise ValueError(f"{direction}: the kernels pack CUDA tensors, got {device} tensors. For CPU tensors use "
+                         f"gpucomm.fusion.pack_bucket/unpack_bucket (plain torch ops).")
+    if reason:
+        raise KernelUnavailableError(
+            f"{direction}: torch sees {device} but Numba cannot use the GPU ({reason}). Likely cause: numba-cuda or "
+            f"its CUDA bindings do not match the driver. Fix: install 'numba-cuda[cu13]' (or [cu12]) matching the CUDA "
+            f"version `nvidia-smi` reports.")
+
+
+def _unavailable_reason() -> str:
+    """Why Numba cannot drive a GPU in this process, or "" if it can (computed once)."""
+    if not _unavailable:
+        from numba import cuda  # noqa: PLC0415
+
+        reason = ""
+        try:
+            if not cuda.is_available():
+                reason = "numba.cuda.is_available() is False"
+                cuda.current_context()  # raises with the driver's own account
+        except Exception as e:  # CudaSupportError is an ImportError
+            reason = " ".join(str(e).split()).rstrip(" :") or type(e).__name__
+        _unavailable.append(reason)
+    return _unavailable[0]

@@ -1,0 +1,132 @@
+"""Chunk tables: the per-layout device arrays that drive the pack kernel, built once and cached.
+
+A table has one int64 row ``(src address, dst address, element count)`` per piece of at most
+``CHUNK_ELEMS`` elements (see ``specs.py`` for why pieces). It depends only on the addresses, the
+element counts and the two element sizes, so the cache key is exactly that: direction, element
+sizes, the flat buffer's address and the tensors' ``data_ptr()`` and ``numel()`` tuples. When a
+gradient is reallocated (``zero_grad(set_to_none=True)``), its address changes, the key misses
+and a fresh table is built; the old one ages out of a small LRU.
+
+On CUDA the rows go host -> pinned -> device with a non-blocking copy on the launch stream, so
+building a table never synchronises the host. A table first used on another stream makes that
+stream wait for the upload and is ``record_stream``-ed there, so the caching allocator cannot
+hand its memory out while a kernel may still read it. In the simulator the NumPy rows are the
+"device" array: kernels read them through their host address.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any, Hashable
+
+import numpy as np
+import torch
+
+from .devicefns import SIMULATOR
+
+__all__ = ["CHUNK_ELEMS", "Table", "TableCache", "chunk_rows"]
+
+# Elements per piece. 1024 gives a 25 MiB float32 bucket ~6k rows, i.e. ~6k warps each with eight
+# 128-byte loads in flight: enough to saturate HBM3/HBM3e (see specs.py). Halving it doubles the
+# table for little gain; doubling it starves buckets of a few MiB. The simulator uses small pieces
+# (300 = one 8-wide step of 256 plus a 44-element tail) so that the small tensors it can afford to
+# run still exercise the splitting, the unrolled loop and the tail loop.
+CHUNK_ELEMS = 300 if SIMULATOR else 1024
+
+
+def chunk_rows(src_addrs: np.ndarray, dst_addrs: np.ndarray, numels: np.ndarray,
+               src_itemsize: int, dst_itemsize: int, chunk: int) -> np.ndarray:
+    """Rows ``(src address, dst address, count)`` splitting each tensor into ``chunk``-element pieces.
+
+    Zero-length tensors get no row. All arrays are int64 (user-space addresses are below 2**63).
+    """
+    pieces = -(-numels // chunk)  # ceil; 0 for empty tensors
+    nrows = int(pieces.sum())
+    rows = np.empty((nrows, 3), dtype=np.int64)
+    if nrows == 0:
+        return rows
+    tensor = np.repeat(np.arange(len(numels)), pieces)
+    first_row = np.cumsum(pieces) - pieces
+    start = (np.arange(nrows, dtype=np.int64) - first_row[tensor]) * chunk
+    rows[:, 0] = src_addrs[tensor] + start * src_itemsize
+    rows[:, 1] = dst_addrs[tensor] + start * dst_itemsize
+    rows[:, 2] = np.minimum(chunk, numels[tensor] - start)
+    return rows
+
+
+class Table:
+    """One layout's rows, resident where the kernel reads them, plus the launch grid."""
+
+    __slots__ = ("rows", "nrows", "address", "grid", "_device_rows", "_pinned", "_ready", "_streams")
+
+    def __init__(self, rows: np.ndarray, grid: int, device: torch.device, stream: Any) -> None:
+        self.rows = rows
+        self.nrows = len(rows)
+        self.grid = grid
+        self._device_rows = self._pinned = self._ready = None
+        self._streams: set[int] = set()
+        if SIMULATOR or device.type != "cuda":
+            self.address = rows.ctypes.data
+            return
+        self._pinned = torch.from_numpy(rows).pin_memory()
+        with torch.cuda.stream(stream):  # allocate and upload in the launch stream's order
+            self._device_rows = torch.empty(rows.shape, dtype=torch.int64, device=device)
+            self._device_rows.copy_(self._pinned, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record(stream)
+        self._streams.add(stream.cuda_stream)
+        self.address = self._device_rows.data_ptr()
+
+    def use_on(self, stream: Any) -> None:
+        """Make ``stream`` safe to read this table: wait for the upload, keep the memory alive."""
+        if self._device_rows is None or stream.cuda_stream in self._streams:
+            return
+        stream.wait_event(self._ready)
+        self._device_rows.record_stream(stream)
+        self._streams.add(stream.cuda_stream)
+
+
+class TableCache:
+    """A thread-safe cache of layouts, evicting the least recently used beyond ``capacity``.
+
+    A hit costs one dict lookup (hashing the key's address and size tuples) and stamps the entry
+    with a counter; the O(capacity) search for the stalest entry happens only on insertion, so
+    the hot path never pays for the LRU bookkeeping that ``OrderedDict.move_to_end`` would
+    (a second hash of the key).
+    """
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self._entries: dict[Hashable, list] = {}  # key -> [last use, value]
+        self._clock = itertools.count()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, key: Hashable) -> Any:
+        entry = self._entries.get(key)
+        if entry is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        entry[0] = next(self._clock)
+        return entry[1]
+
+    def put(self, key: Hashable, value: Any) -> None:
+        with self._lock:
+            self._entries[key] = [next(self._clock), value]
+            while len(self._entries) > self.capacity:
+                stalest = min(self._entries, key=lambda k: self._entries[k][0])
+                del self._entries[stalest]
+
+    def values(self) -> list:
+        with self._lock:
+            return [entry[1] for entry in self._entries.values()]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -1,0 +1,145 @@
+"""The kernels on a real GPU: bit-exact against torch, one launch per call, stream order.
+
+``pytest -m gpu tests/kernels/test_gpu.py`` on a machine with CUDA; skipped without one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    pytest.skip("GPU suite: numba is in simulator mode (NUMBA_ENABLE_CUDASIM=1)", allow_module_level=True)
+
+import torch  # noqa: E402
+
+from tests.kernels.reference import assert_same_bits, random_values, reference, special_values  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and CUDA torch")]
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+INTS = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+@pytest.fixture(params=["direct", "numba"])
+def launch_mode(request, monkeypatch):
+    """Run each test through both launch paths."""
+    from gpucomm.kernels import launch  # noqa: PLC0415
+
+    monkeypatch.setenv("GPUCOMM_KERNEL_LAUNCH", request.param)
+    monkeypatch.setattr(launch, "_direct_broken", False)
+    yield request.param
+    assert launch.launch_mode() == request.param, "the direct launch path fell back to Numba's"
+
+
+def _layout(dtype, gen, specials=True):
+    sizes = [0, 1, 31, 32, 33, 4095, 4096, 4097, 100_003, 3]
+    ts = [random_values(dtype, n, gen) for n in sizes]
+    if specials and dtype.is_floating_point:
+        ts.append(special_values(dtype))
+    return [t.cuda() for t in ts]
+
+
+def _check(srcs, wire_dtype, pack_scale, unpack_scale):
+    from gpucomm import kernels  # noqa: PLC0415
+
+    total = sum(t.numel() for t in srcs)
+    wire = torch.zeros(total + 5, dtype=wire_dtype, device="cuda")
+    kernels.pack(srcs, wire, scale=pack_scale)
+    outs = [torch.empty_like(t) for t in srcs]
+    kernels.unpack(wire, outs, scale=unpack_scale)
+    torch.cuda.synchronize()
+    cpu_srcs = [t.cpu() for t in srcs]
+    want = reference(torch.cat([t.reshape(-1) for t in cpu_srcs]), wire_dtype, pack_scale)
+    assert_same_bits(wire[:total].cpu(), want)
+    assert torch.count_nonzero(wire[total:]) == 0
+    offset = 0
+    for t, out in zip(cpu_srcs, outs):
+        assert_same_bits(out.cpu().reshape(-1), reference(want[offset:offset + t.numel()], t.dtype, unpack_scale))
+        offset += t.numel()
+
+
+@pytest.mark.parametrize("dtype", FLOATS + INTS, ids=str)
+def test_copy_matches_torch(launch_mode, dtype):
+    _check(_layout(dtype, torch.Generator().manual_seed(1)), dtype, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_scaled_copy_matches_torch(launch_mode, dtype):
+    _check(_layout(dtype, torch.Generator().manual_seed(2)), dtype, 0.125, 3.0)
+
+
+@pytest.mark.parametrize("src,wire", [(torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+                                      (torch.float16, torch.float32), (torch.bfloat16, torch.float32)],
+                         ids=["f32-f16", "f32-bf16", "f16-f32", "bf16-f32"])
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_casts_match_torch(launch_mode, src, wire, scale):
+    _check(_layout(src, torch.Generator().manual_seed(3)), wire, scale, scale)
+
+
+def test_one_launch_per_call():
+    from gpucomm import kernels  # noqa: PLC0415
+
+    srcs = [torch.randn(int(n), device="cuda") for n in torch.randint(1, 50, (1000,))] + [torch.randn(1 << 22, device="cuda")]
+    wire = torch.empty(sum(t.numel() for t in srcs), device="cuda", dtype=torch.bfloat16)
+    kernels.pack(srcs, wire)  # compile and build the table outside the profile
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        kernels.pack(srcs, wire, scale=0.5)
+        kernels.unpack(wire, srcs, scale=2.0)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels_run = [n for n in names if "pack_kernel" in n]
+    assert len(kernels_run) == 2, names
+
+
+def test_stream_order_on_a_non_default_stream():
+    """pack/unpack run on the given stream (and by default on the current one), after earlier work there."""
+    from gpucomm import kernels  # noqa: PLC0415
+
+    side = torch.cuda.Stream()
+    src = torch.zeros(1 << 20, device="cuda")
+    wire = torch.zeros(1 << 20, device="cuda")
+    out = torch.zeros(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the fill
+        src.fill_(3.0)
+    kernels.pack([src], wire, stream=side)  # explicit stream
+    with torch.cuda.stream(side):
+        kernels.unpack(wire, [out], scale=2.0)  # the current stream
+    side.synchronize()
+    assert torch.all(wire == 3.0) and torch.all(out == 6.0)
+
+
+def test_cached_table_is_safe_on_a_second_stream():
+    from gpucomm import kernels  # noqa: PLC0415
+
+    kernels.clear_cache()
+    srcs = [torch.randn(5000, device="cuda"), torch.randn(3, device="cuda")]
+    wire = torch.empty(5003, device="cuda")
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(a):
+        torch.cuda._sleep(100_000_000)
+        kernels.pack(srcs, wire, stream=a)  # builds and uploads the table on a (behind the sleep)
+    out = torch.empty(5003, device="cuda")
+    kernels.pack(srcs, out, stream=b)  # a different flat buffer: another layout, its own table
+    kernels.pack(srcs, wire, stream=b)  # a's layout on stream b: must wait for a's upload, not race it
+    torch.cuda.synchronize()
+    assert torch.equal(wire, torch.cat(srcs)) and torch.equal(out, torch.cat(srcs))
+    assert kernels.cache_info()["hits"] == 1
+
+
+def test_fusion_gpu_and_cpu_paths_agree():
+    from gpucomm import fusion  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(4)
+    cpu = [random_values(torch.float32, n, gen) for n in (10, 0, 70_000)] + [special_values(torch.float32)]
+    gpu = [t.cuda() for t in cpu]
+    total = sum(t.numel() for t in cpu)
+    for wire_dtype in (torch.float32, torch.float16, torch.bfloat16):
+        a = fusion.pack_bucket(gpu, torch.empty(total, dtype=wire_dtype, device="cuda"), scale=0.25)
+        b = fusion.pack_bucket(cpu, torch.empty(total, dtype=wire_dtype), scale=0.25)
+        assert_same_bits(a.cpu(), b)

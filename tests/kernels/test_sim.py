@@ -1,0 +1,299 @@
+"""The pack/unpack kernels run in Numba's CUDA simulator on CPU tensors, bit-exact against torch.
+
+Run in its own process: ``NUMBA_ENABLE_CUDASIM=1 python -m pytest tests/kernels/test_sim.py``
+(numba fixes simulator mode when it is imported). Sizes stay small: every simulated thread is a
+Python thread.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+    pytest.skip("simulator suite: run it in its own process with NUMBA_ENABLE_CUDASIM=1 set in the environment "
+                "(numba chooses simulator mode at import)", allow_module_level=True)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from gpucomm import fusion, kernels  # noqa: E402
+from gpucomm.kernels import api, launch, table  # noqa: E402
+from tests.kernels.reference import (  # noqa: E402
+    BF16_EDGE_BITS, assert_same_bits, f32_from_bits, random_values, reference, special_values)
+
+if not kernels.SIMULATOR:
+    pytest.skip("numba was imported before NUMBA_ENABLE_CUDASIM=1 took effect; run this file in a fresh process",
+                allow_module_level=True)
+
+CHUNK = table.CHUNK_ELEMS
+FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+INTS = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    kernels.clear_cache()
+    yield
+    kernels.clear_cache()
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts kernel launches made by pack/unpack."""
+    calls = []
+    real = launch.launch
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(api._launch, "launch", counting)
+    return calls
+
+
+def _sizes(gen: torch.Generator, count: int, high: int) -> list[int]:
+    sizes = torch.randint(0, high, (count,), generator=gen).tolist()
+    return sizes + [0, 1, 2 * CHUNK + 1]  # an empty tensor, a scalar, one spanning three pieces
+
+
+def _roundtrip(srcs, wire_dtype, pack_scale=1.0, unpack_scale=1.0):
+    """Pack ``srcs`` into a wire buffer (with a guard tail) and unpack into fresh tensors; check both."""
+    total = sum(t.numel() for t in srcs)
+    wire = torch.zeros(total + 3, dtype=wire_dtype)
+    kernels.pack(srcs, wire, scale=pack_scale)
+    want_wire = reference(torch.cat([t.reshape(-1) for t in srcs]), wire_dtype, pack_scale)
+    assert_same_bits(wire[:total], want_wire)
+    assert torch.count_nonzero(wire[total:]) == 0, "pack wrote past the packed elements"
+    outs = [torch.full_like(t, 7) for t in srcs]
+    kernels.unpack(wire, outs, scale=unpack_scale)
+    offset = 0
+    for t, out in zip(srcs, outs):
+        assert_same_bits(out.reshape(-1), reference(wire[offset:offset + t.numel()], t.dtype, unpack_scale))
+        offset += t.numel()
+    return wire, outs
+
+
+@pytest.mark.parametrize("dtype", FLOATS + INTS, ids=str)
+def test_random_layouts_copy_bit_exact(dtype):
+    gen = torch.Generator().manual_seed(hash(str(dtype)) % 2**31)
+    srcs = [random_values(dtype, n, gen).reshape(-1) for n in _sizes(gen, 6, 90)]
+    srcs.insert(2, random_values(dtype, 12, gen).reshape(3, 4))  # any shape, packed in memory order
+    _, outs = _roundtrip(srcs, dtype)
+    for t, out in zip(srcs, outs):
+        assert_same_bits(out, t)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_mixed_layouts(seed):
+    """Random tensor counts and sizes (mostly tiny, some spanning pieces), some as views into a shared
+    base at random offsets, a random supported wire dtype and scale."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    pairs = [(dt, dt) for dt in FLOATS] + list(kernels.CASTS)
+    src_dtype, wire_dtype = pairs[int(torch.randint(len(pairs), (1,), generator=gen))]
+    count = int(torch.randint(1, 40, (1,), generator=gen))
+    base = random_values(src_dtype, 4 * CHUNK, gen)
+    srcs = []
+    for _ in range(count):
+        n = int(torch.randint(0, 3 * CHUNK if torch.rand(1, generator=gen) < 0.2 else 9, (1,), generator=gen))
+        if torch.rand(1, generator=gen) < 0.3:
+            start = int(torch.randint(0, base.numel() - n + 1, (1,), generator=gen))
+            srcs.append(base[start:start + n])
+        else:
+            srcs.append(random_values(src_dtype, n, gen))
+    scale = [1.0, 0.5, float(torch.rand(1, generator=gen)) * 4 - 2][seed % 3]
+    _roundtrip(srcs, wire_dtype, pack_scale=scale, unpack_scale=1.0)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("scale", [0.5, 1 / 3, -3.0])
+def test_scaled_same_dtype(dtype, scale):
+    gen = torch.Generator().manual_seed(7)
+    srcs = [random_values(dtype, n, gen) for n in (33, 0, 129)] + [special_values(dtype)]
+    _roundtrip(srcs, dtype, pack_scale=scale, unpack_scale=1 / scale)
+
+
+@pytest.mark.parametrize("src,wire", kernels.CASTS, ids=lambda dt: str(dt).replace("torch.", ""))
+@pytest.mark.parametrize("scale", [1.0, 0.25, 3.0])
+def test_casts_with_edge_values(src, wire, scale):
+    """NaN/inf/-0, max values, float16 overflow to inf, subnormals, and bfloat16 ties, both ways."""
+    gen = torch.Generator().manual_seed(11)
+    srcs = [special_values(src), random_values(src, 301, gen), torch.empty(0, dtype=src)]
+    _roundtrip(srcs, wire, pack_scale=scale, unpack_scale=scale)
+
+
+def test_bfloat16_rounds_to_nearest_even_exactly():
+    """The kernel's bfloat16 bits equal torch's for ties, near-ties, overflow and subnormals."""
+    x = f32_from_bits([b for b in BF16_EDGE_BITS if (b & 0x7FFFFFFF) <= 0x7F800000])  # no NaN: bits compared raw
+    wire = torch.empty(x.numel(), dtype=torch.bfloat16)
+    kernels.pack([x], wire)
+    assert torch.equal(wire.view(torch.int16), x.bfloat16().view(torch.int16))
+    assert wire.view(torch.int16)[0].item() == 0x3F80 and wire.view(torch.int16)[1].item() == 0x3F82  # ties to even
+    nan = torch.empty(1, dtype=torch.bfloat16)
+    kernels.pack([f32_from_bits([0xFF800001])], nan)  # a signalling, negative NaN
+    assert nan.view(torch.int16).item() == 0x7FC0
+
+
+def test_every_bfloat16_and_float16_widens_exactly():
+    """All 65,536 bit patterns of each half type unpack to float32 exactly (scaled by 2 as well)."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    for half in (torch.bfloat16, torch.float16):
+        flat = bits.view(half)
+        for scale in (1.0, 2.0):
+            out = torch.empty(flat.numel(), dtype=torch.float32)
+            kernels.unpack(flat, [out], scale=scale)
+            assert_same_bits(out, reference(flat, torch.float32, scale))
+
+
+def test_slices_with_offset_data_pointers():
+    """Views into bigger tensors (odd offsets, zero-length) pack from and unpack into their own elements only."""
+    base = torch.arange(1000, dtype=torch.float32)
+    srcs = [base[5:9], base[3:3], base[101:400], base[999:], base.view(10, 100)[2, 7:50]]
+    flat_base = torch.zeros(800)
+    flat = flat_base[3:]  # the flat buffer itself starts at an offset
+    kernels.pack(srcs, flat, scale=2.0)
+    total = sum(t.numel() for t in srcs)
+    assert torch.equal(flat[:total], torch.cat(srcs) * 2.0)
+    assert torch.count_nonzero(flat_base[:3]) == 0 and torch.count_nonzero(flat[total:]) == 0
+    out_base = torch.full((1000,), -1.0)
+    outs = [out_base[1:5], out_base[7:7], out_base[10:309], out_base[500:501], out_base[600:643]]
+    kernels.unpack(flat, outs, scale=0.5)
+    for src, out in zip(srcs, outs):
+        assert torch.equal(out, src)
+    assert int((out_base != -1).sum()) == total, "unpack wrote outside the destination views"
+
+
+def test_one_huge_tensor_beside_many_tiny_is_split_evenly(launches):
+    gen = torch.Generator().manual_seed(3)
+    huge = torch.randn(40 * CHUNK + 17, generator=gen)
+    tiny = [torch.randn(int(n), generator=gen) for n in torch.randint(1, 4, (120,), generator=gen)]
+    srcs = tiny[:60] + [huge] + tiny[60:]
+    wire = torch.empty(sum(t.numel() for t in srcs), dtype=torch.bfloat16)
+    kernels.pack(srcs, wire)
+    assert_same_bits(wire, torch.cat(srcs).bfloat16())
+    assert len(launches) == 1
+    (_, _, tab), = api._CACHE.values()
+    rows = tab.rows
+    assert rows[:, 2].max() <= CHUNK and rows[:, 2].min() >= 1
+    assert len(rows) == 120 + 41  # one row per tiny tensor, ceil(n / CHUNK) for the huge one
+    assert rows[:, 2].sum() == wire.numel()
+
+
+def test_chunk_rows_cover_every_element_once():
+    gen = np.random.default_rng(5)
+    numels = gen.integers(0, 3 * CHUNK, 50)
+    src = np.cumsum(gen.integers(1, 10, 50)) * 1_000_000
+    dst = (np.cumsum(numels) - numels) * 2 + 64
+    rows = table.chunk_rows(src, dst, numels, 4, 2, CHUNK)
+    covered = {}
+    for s, d, n in rows:
+        t = int(np.searchsorted(src, s, side="right") - 1)
+        first = (s - src[t]) // 4
+        assert d == dst[t] + first * 2 and 1 <= n <= CHUNK
+        covered.setdefault(t, []).append((first, n))
+    for t, n in enumerate(numels):
+        spans = sorted(covered.get(t, []))
+        assert sum(k for _, k in spans) == n and all(a + k == b for (a, k), (b, _) in zip(spans, spans[1:]))
+
+
+def test_one_launch_whatever_the_tensor_count(launches):
+    srcs = [torch.full((k % 3,), float(k)) for k in range(300)]
+    wire = torch.empty(sum(t.numel() for t in srcs))
+    kernels.pack(srcs, wire)
+    kernels.unpack(wire, [torch.empty_like(t) for t in srcs])
+    assert len(launches) == 2
+    assert torch.equal(wire, torch.cat(srcs))
+    kernels.pack([], wire)
+    kernels.pack([torch.empty(0), torch.empty(0)], wire)
+    kernels.unpack(wire, [])
+    assert len(launches) == 2  # nothing to copy: no launch
+
+
+def test_table_cache_hits_and_refreshes_when_a_tensor_moves(launches):
+    srcs = [torch.randn(50), torch.randn(300), torch.randn(7)]
+    wire = torch.empty(400)
+    kernels.pack(srcs, wire)
+    kernels.pack(srcs, wire)
+    assert kernels.cache_info()["misses"] == 1 and kernels.cache_info()["hits"] == 1
+    srcs[1].mul_(3)  # new values, same addresses: the cached table is still right
+    kernels.pack(srcs, wire)
+    assert torch.equal(wire[:357], torch.cat(srcs))
+    old = srcs[1]
+    srcs[1] = torch.randn(300)  # a reallocated gradient: a new address (old is kept alive, so it must differ)
+    assert srcs[1].data_ptr() != old.data_ptr()
+    kernels.pack(srcs, wire)
+    assert torch.equal(wire[:357], torch.cat(srcs))
+    assert kernels.cache_info()["misses"] == 2
+    kernels.pack(srcs[:2] + [torch.randn(6)], wire)  # same addresses but a different size is a new layout
+    assert kernels.cache_info()["misses"] == 3
+
+
+def test_validate_false_trusts_a_known_layout_but_checks_a_new_one():
+    base = torch.arange(16, dtype=torch.float32)
+    wire = torch.empty(16)
+    kernels.pack([base], wire, validate=False)
+    transposed = base.view(4, 4).t()  # same address and size as base, but strided
+    with pytest.raises(ValueError, match="not contiguous"):
+        kernels.pack([transposed], wire)
+    kernels.pack([transposed], wire, validate=False)  # the caller vouched for it: memory order
+    assert torch.equal(wire, base)
+    with pytest.raises(ValueError, match="not contiguous"):
+        kernels.pack([transposed, torch.ones(1)], torch.empty(17), validate=False)  # a new layout: full check
+
+
+def test_a_shorter_view_of_a_known_flat_buffer_is_rejected():
+    srcs = [torch.ones(10)]
+    buffer = torch.empty(10)
+    kernels.pack(srcs, buffer)
+    with pytest.raises(ValueError, match="dst holds 5 elements but the srcs need 10"):
+        kernels.pack(srcs, buffer[:5])
+
+
+def test_fusion_cpu_path_matches_the_kernels():
+    """gpucomm.fusion's torch-ops path and the kernels agree bit for bit (NaN as NaN)."""
+    gen = torch.Generator().manual_seed(13)
+    for src, wire_dtype in [(torch.float32, torch.float32), *kernels.CASTS, (torch.bfloat16, torch.bfloat16)]:
+        srcs = [special_values(src), random_values(src, 77, gen)]
+        for scale in (1.0, 0.125, 10.0):
+            n = sum(t.numel() for t in srcs)
+            a, b = torch.empty(n, dtype=wire_dtype), torch.empty(n, dtype=wire_dtype)
+            kernels.pack(srcs, a, scale=scale)
+            fusion._torch_pack(srcs, b, scale)
+            assert_same_bits(a, b)
+            outs_k, outs_t = [torch.empty_like(t) for t in srcs], [torch.empty_like(t) for t in srcs]
+            kernels.unpack(a, outs_k, scale=scale)
+            fusion._torch_unpack(a, outs_t, scale)
+            for x, y in zip(outs_k, outs_t):
+                assert_same_bits(x, y)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: kernels.pack([torch.ones(4, 4).t()], torch.empty(16)), r"srcs\[0\] is not contiguous"),
+    (lambda: kernels.unpack(torch.empty(16), [torch.ones(4), torch.ones(4, 4)[:, 1]]), r"dsts\[1\] is not contiguous"),
+    (lambda: kernels.pack([torch.ones(4)], torch.empty(8)[::2]), r"dst must be a contiguous"),
+    (lambda: kernels.pack([torch.ones(4), torch.ones(3)], torch.empty(6)), r"dst holds 6 elements but the srcs need 7"),
+    (lambda: kernels.unpack(torch.empty(2), [torch.ones(3)]), r"src holds 2 elements but the dsts need 3"),
+    (lambda: kernels.pack([torch.ones(2), torch.ones(2, dtype=torch.float64)], torch.empty(4)), r"share one dtype"),
+    (lambda: kernels.pack([torch.ones(2)], torch.empty(2, dtype=torch.int32)), r"no pack kernel converts float32 to int32"),
+    (lambda: kernels.pack([torch.ones(2, dtype=torch.float16)], torch.empty(2, dtype=torch.bfloat16)), r"float16 to bfloat16"),
+    (lambda: kernels.pack([torch.ones(2, dtype=torch.int32)], torch.empty(2, dtype=torch.int32), scale=2), r"scale != 1 needs a floating"),
+    (lambda: kernels.pack([torch.ones(2), "x"], torch.empty(4)), r"srcs\[1\] is a str, not a torch.Tensor"),
+    (lambda: kernels.pack([torch.ones(2)], [0.0, 0.0]), r"dst must be a torch.Tensor"),
+    (lambda: kernels.pack([torch.ones(2, device="meta")], torch.empty(2)), r"srcs\[0\] is on meta but dst is on cpu"),
+    (lambda: kernels.pack([torch.ones(2, device="meta")], torch.empty(2, device="meta")), r"simulator .* needs CPU tensors"),
+], ids=["noncontig-src", "noncontig-dst", "noncontig-flat", "dst-too-small", "src-too-small", "mixed-dtypes",
+        "float-to-int", "f16-to-bf16", "int-scale", "not-a-tensor", "flat-not-a-tensor", "mixed-devices", "sim-needs-cpu"])
+def test_bad_arguments_raise_clear_errors(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
+
+
+def test_empty_and_zero_length_work():
+    kernels.pack([], torch.empty(0))
+    kernels.unpack(torch.empty(0), [])
+    kernels.pack([torch.empty(0), torch.empty(0, 3)], torch.empty(0))
+    kernels.unpack(torch.empty(5), [torch.empty(0)], scale=2.0)
+    out = torch.zeros(3)
+    kernels.pack((t for t in [torch.ones(0), torch.ones(3)]), out)  # any iterable
+    assert torch.equal(out, torch.ones(3))

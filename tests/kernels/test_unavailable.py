@@ -1,0 +1,34 @@
+"""Without a GPU and without the simulator, the kernels refuse with a clear KernelUnavailableError."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    pytest.skip("checks the no-GPU error path; numba is in simulator mode here", allow_module_level=True)
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error path")
+
+
+def test_pack_without_gpu_or_simulator_says_why_and_what_to_do():
+    from gpucomm import kernels
+    from gpucomm.errors import GpucommError, KernelUnavailableError
+
+    with pytest.raises(KernelUnavailableError, match="need a GPU") as info:
+        kernels.pack([torch.ones(3)], torch.empty(3))
+    message = str(info.value)
+    assert "gpucomm.fusion" in message and "NUMBA_ENABLE_CUDASIM=1" in message
+    assert isinstance(info.value, GpucommError)
+    with pytest.raises(KernelUnavailableError):
+        kernels.unpack(torch.empty(3), [torch.ones(3)], scale=0.5)
+    kernels.pack([torch.ones(0)], torch.empty(0))  # nothing to copy: no kernel needed, no error
+
+
+def test_argument_errors_come_before_availability():
+    from gpucomm import kernels
+
+    with pytest.raises(ValueError, match="not contiguous"):
+        kernels.pack([torch.ones(3, 3).t()], torch.empty(9))
