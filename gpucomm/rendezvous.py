@@ -214,6 +214,12 @@ class RendezvousServer:
             c.close()
         self._thread.join(timeout=5)
 
+    def snapshot(self, prefix: str = "") -> dict[str, bytes]:
+        """The keys under ``prefix`` and their values, read in this process (for the process
+        hosting the store, e.g. the launcher reading what the ranks reported)."""
+        with self._table.cond:
+            return {k: v for k, v in self._table.data.items() if k.startswith(prefix)}
+
     def __enter__(self) -> "RendezvousServer":
         return self
 

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
-from . import devices
+from . import devices, failures
 from .backends.gloo import GlooBackend
 from .engine import Engine, Handle
 from .errors import GpucommError, NotInitializedError
@@ -144,8 +144,10 @@ def init() -> Runtime:
         if _runtime is not None:
             return _runtime
         _generation += 1
-        _runtime = _build(os.environ, _generation)
-        return _runtime
+        rt = _runtime = _build(os.environ, _generation)
+        failures.set_reporter(lambda exc: failures.record_failure(
+            rt.client, rt.world.run_id, rt.world.rank, rt.world.hostname, failures.summarize(exc)))
+        return rt
 
 
 def shutdown() -> None:
@@ -153,6 +155,7 @@ def shutdown() -> None:
     global _runtime
     with _lock:
         rt, _runtime = _runtime, None
+    failures.set_reporter(None)
     if rt is not None:
         rt.close()
 
@@ -248,7 +251,28 @@ def _cross(world: World, records: list[dict]) -> tuple[int, int]:
     return peers.index(world.rank), len(peers)
 
 
+_LOG_LEVELS = {"TRACE": logging.DEBUG, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING,
+               "ERROR": logging.ERROR, "FATAL": logging.CRITICAL}
+
+
+def _configure_logging(env: Mapping[str, str]) -> None:
+    """Honour GPUCOMM_LOG_LEVEL / HOROVOD_LOG_LEVEL (gpucomm-run --log-level) with a stderr handler."""
+    for name in ("GPUCOMM_LOG_LEVEL", "HOROVOD_LOG_LEVEL"):
+        value = env.get(name, "").strip().upper()
+        if not value:
+            continue
+        if value not in _LOG_LEVELS:
+            raise ValueError(f"{name}={value!r} is not a log level; use one of {', '.join(_LOG_LEVELS)}")
+        log.setLevel(_LOG_LEVELS[value])
+        if not log.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("gpucomm %(levelname)s: %(message)s"))
+            log.addHandler(handler)
+        return
+
+
 def _build(env: Mapping[str, str], gen: int) -> Runtime:
+    _configure_logging(env)
     world = detect_world(env)
     timeout = _env_seconds(env, ("GPUCOMM_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS"), DEFAULT_TIMEOUT)
     start_timeout = _env_seconds(env, ("GPUCOMM_START_TIMEOUT", "HOROVOD_START_TIMEOUT"), DEFAULT_START_TIMEOUT)

@@ -1,0 +1,210 @@
+"""``gpucomm-run``: start an N-rank job on this host or several, as ``horovodrun`` does.
+
+    gpucomm-run -np 4 -H host1:2,host2:2 python train.py
+
+The launcher serves the job's authenticated rendezvous store itself, makes a fresh random secret
+per run, exports each rank's place (``GPUCOMM_*`` and ``HOROVOD_*``), prefixes every output line
+with the rank, and stops the whole job when any rank fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shlex
+import socket
+import sys
+from typing import Sequence
+
+from ..failures import read_failures
+from ..rendezvous import RendezvousServer
+from .hosts import HostSlots, HostSpecError, assign_slots, parse_hostfile, parse_hosts
+from .output import OutputSink
+from .spawn import SshOptions, build_launches, is_local, split_user
+from .supervisor import Supervisor
+
+DEFAULT_START_TIMEOUT = 120.0
+DEFAULT_GRACE = 10.0
+
+
+def _positive(kind: type):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    p = argparse.ArgumentParser(
+        prog="gpucomm-run", description="Launch a gpucomm (Horovod-style) data-parallel job.", allow_abbrev=False,
+        epilog="Example: gpucomm-run -np 4 -H node1:2,node2:2 python train.py")
+    p.add_argument("--version", action="version", version=f"gpucomm-run {__version__}")
+    p.add_argument("-np", "--num-proc", type=_positive(int), dest="np", help="number of ranks to start")
+    hosts = p.add_mutually_exclusive_group()
+    hosts.add_argument("-H", "--hosts", help="hosts and slots, e.g. node1:2,node2:2 (default: localhost:<np>); a "
+                                             "host written user@host is always reached through ssh")
+    hosts.add_argument("-hostfile", "--hostfile", help="file of 'host slots=N' lines")
+    p.add_argument("-p", "--ssh-port", type=_positive(int), help="ssh port on the remote hosts")
+    p.add_argument("-i", "--ssh-identity-file", help="ssh private key for the remote hosts")
+    p.add_argument("--ssh-args", default="",
+                   help="more ssh arguments, one string, e.g. \"-J gateway -o UserKnownHostsFile=~/.ssh/cluster_hosts\"")
+    p.add_argument("--remote-python", default=sys.executable,
+                   help="Python on the remote hosts that has gpucomm installed (default: this launcher's, %(default)s)")
+    p.add_argument("--network-interface", "--network-interfaces", dest="nics", action="append",
+                   help="network interface(s) for NCCL and Gloo traffic, e.g. eth0 or ib0,eth0 (repeatable)")
+    p.add_argument("--start-timeout", type=_positive(float),
+                   help=f"seconds the ranks have to start and meet in init() (default {DEFAULT_START_TIMEOUT:g}, "
+                        f"or GPUCOMM_START_TIMEOUT / HOROVOD_START_TIMEOUT)")
+    p.add_argument("--timeout", "--gloo-timeout-seconds", dest="timeout", type=_positive(float),
+                   help="seconds one collective may take before it fails on every rank (default 300, or "
+                        "GPUCOMM_TIMEOUT)")
+    p.add_argument("--stop-grace", type=_positive(float), default=DEFAULT_GRACE,
+                   help="seconds ranks get between SIGTERM and SIGKILL when the job stops (default %(default)g)")
+    p.add_argument("--output-filename", metavar="DIR",
+                   help="also write each rank's output to DIR/rank.<N>/stdout and stderr")
+    p.add_argument("--verbose", action="store_true", help="print the slot plan and each rank's start and exit")
+    p.add_argument("-cb", "--check-build", action="store_true",
+                   help="print what this installation can do (NCCL, Gloo, GPUs, Numba CUDA) and exit")
+    tune = p.add_argument_group("tunables (exported to every rank)")
+    tune.add_argument("--fusion-threshold-mb", type=_positive(float),
+                      help="fusion buffer (bucket) cap in MiB (GPUCOMM_FUSION_THRESHOLD, HOROVOD_FUSION_THRESHOLD)")
+    tune.add_argument("--timeline-filename", help="write a Chrome-trace timeline to this file (rank 0)")
+    tune.add_argument("--log-level", choices=["TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"], type=str.upper,
+                      help="gpucomm log level in the ranks (GPUCOMM_LOG_LEVEL)")
+    tune.add_argument("--cpu-affinity", action="store_true",
+                      help="bind each rank's CPU affinity to its GPU's NUMA node (GPUCOMM_CPU_AFFINITY)")
+    tune.add_argument("--single-gpu-test", action="store_true",
+                      help="TEST MODE: let all ranks share one GPU (one NCCL_HOSTID per rank, socket transport); "
+                           "correct but slow, never for real training (GPUCOMM_SINGLE_GPU_TEST)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the program each rank runs, with its arguments")
+    return p
+
+
+def tunables_env(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
+    """The tunable flags as the environment variables the ranks read (Horovod's names too)."""
+    out: dict[str, str] = {}
+    start = args.start_timeout or _env_float(env, ("GPUCOMM_START_TIMEOUT", "HOROVOD_START_TIMEOUT")) \
+        or DEFAULT_START_TIMEOUT
+    out["GPUCOMM_START_TIMEOUT"] = out["HOROVOD_START_TIMEOUT"] = f"{start:g}"
+    if args.timeout:
+        out["GPUCOMM_TIMEOUT"] = out["HOROVOD_GLOO_TIMEOUT_SECONDS"] = f"{args.timeout:g}"
+    if args.fusion_threshold_mb:
+        out["GPUCOMM_FUSION_THRESHOLD"] = out["HOROVOD_FUSION_THRESHOLD"] = str(int(args.fusion_threshold_mb * 2**20))
+    if args.timeline_filename:
+        out["GPUCOMM_TIMELINE"] = out["HOROVOD_TIMELINE"] = os.path.abspath(args.timeline_filename)
+    if args.log_level:
+        out["GPUCOMM_LOG_LEVEL"] = out["HOROVOD_LOG_LEVEL"] = args.log_level
+    if args.cpu_affinity:
+        out["GPUCOMM_CPU_AFFINITY"] = "1"
+    if args.single_gpu_test:
+        out["GPUCOMM_SINGLE_GPU_TEST"] = "1"
+    if args.nics:
+        nics = [n.strip() for item in args.nics for n in item.split(",") if n.strip()]
+        out["NCCL_SOCKET_IFNAME"] = ",".join(nics)
+        out["GPUCOMM_GLOO_IFACE"] = out["HOROVOD_GLOO_IFACE"] = nics[0]
+    return out
+
+
+def _env_float(env: dict[str, str], names: tuple[str, ...]) -> float | None:
+    for name in names:
+        if env.get(name):
+            try:
+                return float(env[name])
+            except ValueError:
+                raise SystemExit(f"gpucomm-run: {name}={env[name]!r} is not a number of seconds") from None
+    return None
+
+
+def interface_address(nic: str) -> str:
+    """The IPv4 address of a local network interface, or a clear error naming the ones that exist."""
+    import psutil
+
+    addrs = psutil.net_if_addrs()
+    if nic not in addrs:
+        raise SystemExit(f"gpucomm-run: --network-interface {nic!r} does not exist on this host; it has "
+                         f"{', '.join(sorted(addrs)) or 'none'}.")
+    for a in addrs[nic]:
+        if a.family == socket.AF_INET:
+            return a.address
+    raise SystemExit(f"gpucomm-run: --network-interface {nic!r} has no IPv4 address.")
+
+
+def _route_address(host: str) -> str:
+    """This host's address on the route towards ``host`` (what a remote rank can reach us on)."""
+    name = split_user(host)[1].strip("[]")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(name), 9))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def _host_list(args: argparse.Namespace) -> list[HostSlots]:
+    if args.hostfile:
+        return parse_hostfile(args.hostfile)
+    if args.hosts:
+        return parse_hosts(args.hosts)
+    return [HostSlots("localhost", args.np)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.check_build:
+        from .check_build import check_build_report
+
+        sys.stdout.write(check_build_report())
+        return 0
+    if args.np is None:
+        parser.error("-np is required (the number of ranks to start)")
+    if not args.command:
+        parser.error("no command given: gpucomm-run -np 2 python train.py")
+    try:
+        slots = assign_slots(_host_list(args), args.np)
+    except HostSpecError as e:
+        parser.error(str(e))
+    env = dict(os.environ)
+    tunables = tunables_env(args, env)
+    remote_hosts = [s.host for s in slots if not is_local(s.host)]
+    if args.nics:
+        bind, addr = "0.0.0.0", interface_address(tunables["GPUCOMM_GLOO_IFACE"])
+    elif remote_hosts:
+        bind, addr = "0.0.0.0", _route_address(remote_hosts[0])
+    else:
+        bind, addr = "127.0.0.1", "127.0.0.1"
+    secret = secrets.token_bytes(32)
+    run_id = secrets.token_hex(8)
+    start_timeout = float(tunables["GPUCOMM_START_TIMEOUT"])
+    sink = OutputSink(args.np, args.output_filename)
+    with RendezvousServer(secret, bind, 0) as server:
+        if args.verbose:
+            sink.say(f"job {run_id}: {args.np} rank(s); rendezvous store at {addr}:{server.port}")
+            for s in slots:
+                sink.say(f"  rank {s.rank}: host {s.host} local {s.local_rank}/{s.local_size} "
+                         f"cross {s.cross_rank}/{s.cross_size}" + (" (ssh)" if s.host in remote_hosts else ""))
+        launches = build_launches(
+            slots, list(args.command), env, tunables, rendezvous_addr=addr, rendezvous_port=server.port,
+            secret=secret, run_id=run_id, cwd=os.getcwd(),
+            ssh=SshOptions(args.ssh_port, args.ssh_identity_file, start_timeout, args.remote_python,
+                           tuple(shlex.split(args.ssh_args))),
+            grace=args.stop_grace)
+        return Supervisor(launches, sink, grace=args.stop_grace, verbose=args.verbose,
+                          reported_failures=lambda: read_failures(server.snapshot(), run_id)).run()
+
+
+def console_main() -> None:
+    """Entry point of the ``gpucomm-run`` console script."""
+    sys.exit(main())
+
+
+__all__ = ["build_parser", "console_main", "interface_address", "main", "tunables_env"]

@@ -1,0 +1,121 @@
+"""Stopping whole process trees, so that no rank's helper process outlives the job.
+
+Each rank is started as the leader of a new session (its own process group). Signals go to that
+group, and also to every descendant found through psutil, which catches processes that left the
+group with ``setsid``. The launcher makes itself a *child subreaper* (Linux), so a grandchild
+orphaned by its parent is re-parented to the launcher rather than to init and is still found.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+
+import psutil
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Adopt orphaned descendants (Linux ``prctl``); False where the platform lacks it."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    """Every living descendant of ``pid`` (empty when it is gone)."""
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    """Send ``sig`` to a process group, ignoring a group that no longer exists."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def signal_processes(procs: list[psutil.Process], sig: int) -> None:
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.Error:
+            pass
+
+
+def kill_all(procs: list[psutil.Process], timeout: float = 5.0) -> list[psutil.Process]:
+    """SIGKILL ``procs`` and wait until they are dead; returns those still alive after ``timeout``.
+
+    Waits by polling, never by ``waitpid``: some of ``procs`` are children whose exit status a
+    ``subprocess.Popen`` must still collect (psutil's ``wait`` would reap them and lose it)."""
+    signal_processes(procs, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in procs):
+        time.sleep(0.02)
+    return [p for p in procs if alive(p)]
+
+
+def reap_orphans(keep: set[int]) -> None:
+    """Collect the exit status of adopted orphans (children of ours not in ``keep``), so none stays
+    a zombie; ``keep`` holds the pids that ``subprocess`` waits for itself."""
+    for child in descendants(os.getpid()):
+        if child.pid in keep:
+            continue
+        try:
+            if child.ppid() == os.getpid():
+                os.waitpid(child.pid, os.WNOHANG)
+        except (psutil.Error, ChildProcessError, OSError):
+            pass
+
+
+def terminate_trees(leaders: list[int], grace: float, sweep: tuple[int, ...] = ()) -> None:
+    """Stop the session leaders ``leaders`` and all their descendants, plus every descendant of the
+    processes in ``sweep`` (the launcher passes itself: orphans it adopted are found there).
+
+    SIGTERM to each group and process, then, after up to ``grace`` s, SIGKILL to whatever is still
+    alive; descendants are looked up again first, so processes forked meanwhile are caught too."""
+    procs: dict[int, psutil.Process] = {}
+
+    def collect() -> None:
+        for pid in leaders:
+            try:
+                procs.setdefault(pid, psutil.Process(pid))
+            except psutil.Error:
+                pass
+        for pid in (*leaders, *sweep):
+            for d in descendants(pid):
+                procs.setdefault(d.pid, d)
+
+    collect()
+    for pid in leaders:
+        signal_group(pid, signal.SIGTERM)
+    signal_processes(list(procs.values()), signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(alive(p) for p in procs.values()):
+        time.sleep(0.05)
+    collect()
+    for pid in leaders:
+        signal_group(pid, signal.SIGKILL)
+    kill_all([p for p in procs.values() if alive(p)])
+
+
+def alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+__all__ = ["alive", "become_subreaper", "descendants", "kill_all", "reap_orphans", "signal_group",
+           "signal_processes", "terminate_trees"]

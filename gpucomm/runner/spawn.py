@@ -1,0 +1,79 @@
+"""How each rank is started: directly on this host, or through ssh and the remote wrapper elsewhere."""
+
+from __future__ import annotations
+
+import shlex
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from .hosts import Slot
+from .remote import encode_request
+from .supervisor import Launch
+from .worker_env import worker_env
+
+LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
+
+
+def split_user(host: str) -> tuple[str | None, str]:
+    """``user@node`` → (``user``, ``node``); ``node`` → (None, ``node``)."""
+    user, sep, name = host.rpartition("@")
+    return (user, name) if sep else (None, host)
+
+
+def is_local(host: str) -> bool:
+    """Whether ``host`` names this machine. A host written ``user@host`` always goes through ssh:
+    naming a login is asking for one."""
+    user, name = split_user(host)
+    if user is not None:
+        return False
+    return name in LOCAL_NAMES or name in {socket.gethostname(), socket.getfqdn()}
+
+
+@dataclass(frozen=True)
+class SshOptions:
+    port: int | None = None
+    identity_file: str | None = None
+    connect_timeout: float = 30.0
+    python: str = sys.executable
+    extra_args: tuple[str, ...] = ()
+
+
+def ssh_argv(host: str, opts: SshOptions) -> list[str]:
+    """The ssh command that starts the remote wrapper on ``host`` (no secret, no environment on it)."""
+    argv = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new",
+            "-o", f"ConnectTimeout={max(1, int(opts.connect_timeout))}", "-o", "ServerAliveInterval=30"]
+    if opts.port is not None:
+        argv += ["-p", str(opts.port)]
+    if opts.identity_file is not None:
+        argv += ["-i", opts.identity_file]
+    argv += list(opts.extra_args)
+    package_root = str(Path(__file__).resolve().parents[2])  # so the wrapper imports this very gpucomm
+    remote = (f"exec env PYTHONPATH={shlex.quote(package_root)} {shlex.quote(opts.python)} "
+              f"-m gpucomm.runner.remote")
+    return argv + [host, remote]
+
+
+def build_launches(slots: list[Slot], command: list[str], base_env: Mapping[str, str], tunables: Mapping[str, str],
+                   *, rendezvous_addr: str, rendezvous_port: int, secret: bytes, run_id: str, cwd: str,
+                   ssh: SshOptions, grace: float) -> list[Launch]:
+    """One ``Launch`` per slot. Local ranks get their environment directly; remote ranks get it
+    through the wrapper's stdin."""
+    launches = []
+    for slot in slots:
+        remote = not is_local(slot.host)
+        exported = Slot(split_user(slot.host)[1], slot.rank, slot.size, slot.local_rank, slot.local_size,
+                        slot.cross_rank, slot.cross_size)
+        env = worker_env(base_env, exported, tunables, remote=remote, rendezvous_addr=rendezvous_addr,
+                         rendezvous_port=rendezvous_port, secret=secret, run_id=run_id)
+        if remote:
+            payload = encode_request(command, cwd, env, grace)
+            launches.append(Launch(slot, ssh_argv(slot.host, ssh), dict(base_env), True, payload))
+        else:
+            launches.append(Launch(slot, list(command), env))
+    return launches
+
+
+__all__ = ["SshOptions", "build_launches", "is_local", "split_user", "ssh_argv"]

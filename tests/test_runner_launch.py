@@ -1,0 +1,192 @@
+"""gpucomm-run end to end on this host: real jobs, real failures and signals, no leftover process."""
+
+from __future__ import annotations
+
+import re
+import signal
+import textwrap
+
+from tests.launcher_util import PYTHON, ROOT, launcher_cmd, run, write_script
+
+# A rank that starts a helper which leaves the rank's process group and ignores SIGTERM: only a
+# SIGKILL found through the process tree (or the launcher's subreaper sweep) stops it.
+STUBBORN_CHILD = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    subprocess.Popen([sys.executable, "-c",
+                      "import os, signal, time; os.setsid(); signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                      "time.sleep(600)"])
+""")
+
+
+def test_four_ranks_run_the_example_on_cpu():
+    r = run(launcher_cmd("-np", "4", PYTHON, "examples/hello_allreduce.py"))
+    assert r.returncode == 0, r.stderr + r.stdout
+    for rank in range(4):
+        assert re.search(rf"^\[{rank}\]<stdout>:rank {rank}/4 local {rank}/4 cross 0/1 ", r.stdout, re.M), r.stdout
+    assert "[0]<stdout>:allreduce over 4 ranks OK (sum of ranks = 6)" in r.stdout
+    assert r.leftovers == []
+
+
+def test_console_script_and_output_files(tmp_path):
+    script = write_script(tmp_path, "talk.py", textwrap.dedent("""
+        import os, sys
+        r = os.environ["GPUCOMM_RANK"]
+        print("out of", r, os.environ["HOROVOD_SIZE"], os.environ["PYTHONUNBUFFERED"])
+        print("err of", r, file=sys.stderr)
+        sys.stdout.write("no newline at the end")
+    """))
+    exe = ROOT / ".venv" / "bin" / "gpucomm-run"
+    cmd = [str(exe)] if exe.exists() else launcher_cmd()
+    r = run(cmd + ["-np", "2", "--output-filename", str(tmp_path / "logs"), PYTHON, str(script)])
+    assert r.returncode == 0, r.stderr
+    for rank in range(2):
+        assert f"[{rank}]<stdout>:out of {rank} 2 1\n" in r.stdout
+        assert f"[{rank}]<stdout>:no newline at the end\n" in r.stdout
+        assert f"[{rank}]<stderr>:err of {rank}\n" in r.stderr
+        folder = tmp_path / "logs" / f"rank.{rank}"
+        assert (folder / "stdout").read_text() == f"out of {rank} 2 1\nno newline at the end\n"
+        assert (folder / "stderr").read_text() == f"err of {rank}\n"
+
+
+def test_failing_rank_stops_the_job_and_its_stubborn_children(tmp_path):
+    script = write_script(tmp_path, "fail.py", STUBBORN_CHILD + textwrap.dedent("""
+        rank = int(os.environ["GPUCOMM_RANK"])
+        if rank == 2:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # needs SIGKILL
+        print("up", flush=True)
+        if rank == 1:
+            time.sleep(1.0)
+            print("something broke on rank 1", file=sys.stderr)
+            sys.exit(7)
+        time.sleep(600)
+    """))
+    r = run(launcher_cmd("-np", "4", "--stop-grace", "2", PYTHON, str(script)), timeout=60)
+    assert r.returncode == 7, r.stderr
+    assert "rank 1 on localhost exited with code 7; stopping the other 3 rank(s)" in r.stderr
+    assert "  | something broke on rank 1" in r.stderr
+    assert "job failed: rank 1 on localhost exited with code 7 (the first rank to fail)" in r.stderr
+    assert r.leftovers == []
+    assert r.seconds < 30
+
+
+def test_rank_killed_by_a_signal_is_reported(tmp_path):
+    script = write_script(tmp_path, "die.py", textwrap.dedent("""
+        import os, signal, time
+        if os.environ["GPUCOMM_RANK"] == "0":
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(600)
+    """))
+    r = run(launcher_cmd("-np", "2", "--stop-grace", "1", PYTHON, str(script)), timeout=60)
+    assert r.returncode == 128 + 9
+    assert "rank 0 on localhost was killed by SIGKILL" in r.stderr and "out-of-memory" in r.stderr
+    assert r.leftovers == []
+
+
+def test_integrated_failure_reports_the_real_error_first(tmp_path):
+    """A gpucomm job where one rank raises: the job ends with that rank's exception, not a hang."""
+    script = write_script(tmp_path, "boom.py", textwrap.dedent("""
+        import torch
+        import gpucomm.torch as hvd
+        hvd.init()
+        hvd.allreduce(torch.ones(2))
+        if hvd.rank() == 1:
+            raise ValueError("bad batch on rank 1")
+        hvd.allreduce(torch.ones(2))  # rank 0 waits here until it is stopped
+    """))
+    r = run(launcher_cmd("-np", "2", "--stop-grace", "3", PYTHON, str(script)), timeout=90)
+    assert r.returncode == 1
+    assert "ValueError: bad batch on rank 1" in r.stderr
+    # rank 0's echo of the failure (its collective loses the peer) may exit first; the report still
+    # names rank 1, whose exception reached the store first
+    assert re.search(r"job failed: rank 1 on localhost (exited with code 1|raised the job's first error \(ValueError: "
+                     r"bad batch on rank 1\))", r.stderr), r.stderr
+    assert r.leftovers == []
+
+
+def test_root_cause_is_named_even_when_another_rank_exits_first(tmp_path):
+    script = write_script(tmp_path, "late.py", textwrap.dedent("""
+        import sys, time
+        import torch
+        import gpucomm.torch as hvd
+
+        def slow_hook(*exc_info):  # rank 1 prints its traceback, then takes its time to die
+            sys.__excepthook__(*exc_info)
+            time.sleep(30)
+
+        sys.excepthook = slow_hook
+        hvd.init()
+        hvd.allreduce(torch.ones(2))
+        if hvd.rank() == 1:
+            raise RuntimeError("root cause on rank 1")
+        time.sleep(1.5)
+        sys.exit(9)  # rank 0 exits first, with its own code
+    """))
+    r = run(launcher_cmd("-np", "2", "--stop-grace", "2", PYTHON, str(script)), timeout=90)
+    assert r.returncode == 9, r.stderr
+    assert "rank 1 on localhost failed first: RuntimeError: root cause on rank 1" in r.stderr
+    assert "(rank 0 exited before it, with code 9, after that failure)" in r.stderr
+    assert "job failed: rank 1 on localhost raised the job's first error (RuntimeError: root cause on rank 1)" \
+        in r.stderr
+    assert r.leftovers == []
+
+
+def _sleepers(tmp_path):
+    return write_script(tmp_path, "sleepers.py", STUBBORN_CHILD + textwrap.dedent("""
+        print("up", os.environ["GPUCOMM_RANK"], flush=True)
+        time.sleep(600)
+    """))
+
+
+def test_ctrl_c_stops_every_rank(tmp_path):
+    r = run(launcher_cmd("-np", "3", "--stop-grace", "2", PYTHON, str(_sleepers(tmp_path))), timeout=60,
+            signal_after=(0.2, signal.SIGINT), wait_for_line="<stdout>:up", wait_count=3)
+    assert r.returncode == 130, r.stderr
+    assert "received SIGINT; stopping all 3 running rank(s)" in r.stderr
+    assert r.leftovers == []
+
+
+def test_sigterm_stops_every_rank(tmp_path):
+    r = run(launcher_cmd("-np", "2", "--stop-grace", "2", PYTHON, str(_sleepers(tmp_path))), timeout=60,
+            signal_after=(0.2, signal.SIGTERM), wait_for_line="<stdout>:up", wait_count=2)
+    assert r.returncode == 143, r.stderr
+    assert r.leftovers == []
+
+
+def test_children_left_by_a_successful_job_are_stopped(tmp_path):
+    script = write_script(tmp_path, "leaky.py", STUBBORN_CHILD + "print('done')\n")
+    r = run(launcher_cmd("-np", "2", "--stop-grace", "1", PYTHON, str(script)), timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.leftovers == []
+
+
+def test_missing_program_is_a_clear_error():
+    r = run(launcher_cmd("-np", "2", "no-such-program-xyz"), timeout=60)
+    assert r.returncode == 127
+    assert "rank 0 on localhost could not be started: cannot run 'no-such-program-xyz'" in r.stderr
+    assert r.leftovers == []
+
+
+def test_usage_errors():
+    r = run(launcher_cmd("-np", "5", "-H", "localhost:2", PYTHON, "-c", "pass"), timeout=60)
+    assert r.returncode == 2 and "asks for more processes than the 2 slots" in r.stderr
+    r = run(launcher_cmd(PYTHON, "-c", "pass"), timeout=60)
+    assert r.returncode == 2 and "-np is required" in r.stderr
+    r = run(launcher_cmd("-np", "1"), timeout=60)
+    assert r.returncode == 2 and "no command given" in r.stderr
+
+
+def test_version_and_check_build():
+    r = run(launcher_cmd("--version"), timeout=60)
+    assert r.returncode == 0 and re.match(r"gpucomm-run \d+\.\d+", r.stdout)
+    r = run(launcher_cmd("--check-build"), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "[X] PyTorch" in r.stdout and "[X] Gloo" in r.stdout
+    assert re.search(r"\[(X| )\] (NCCL|nccl)", r.stdout) and re.search(r"\[(X| )\] (\d+ GPU|gpus)", r.stdout)
+    assert "Numba" in r.stdout or "numba_cuda" in r.stdout
+
+
+def test_single_gpu_test_mode_reaches_the_ranks(tmp_path):
+    script = write_script(tmp_path, "env.py", "import os; print('mode', os.environ.get('GPUCOMM_SINGLE_GPU_TEST'))\n")
+    r = run(launcher_cmd("-np", "2", "--single-gpu-test", PYTHON, str(script)), timeout=60)
+    assert r.returncode == 0 and r.stdout.count("mode 1") == 2
