@@ -290,13 +290,27 @@ def _torch_unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: fl
     if total == 0:
         return
     src = flat[:total]
-    if scale != 1.0:  # out of place: the fusion buffer is left as it is
-        src = src.to(rules.compute_dtype(flat.dtype, dtype)) * scale
     pieces = list(torch.split(src, [t.numel() for t in tensors]))
     targets = [t.view(-1) for t in tensors]
+    if scale != 1.0 and dtype in (torch.float32, torch.float64) and flat.dtype in _SCALE_IN_TARGET[dtype]:
+        # one pass, no temporary: the product is formed in the target's dtype, which is the compute
+        # dtype here (float32, or float64), then stored; the fusion buffer is left as it is
+        for target, piece in zip(targets, pieces):
+            if piece.dtype == target.dtype:
+                torch.mul(piece, scale, out=target)
+            else:
+                target.copy_(piece).mul_(scale)
+        return
+    if scale != 1.0:  # out of place: the fusion buffer is left as it is
+        src = src.to(rules.compute_dtype(flat.dtype, dtype)) * scale
+        pieces = list(torch.split(src, [t.numel() for t in tensors]))
     foreach_copy = getattr(torch, "_foreach_copy_", None)
     if foreach_copy is not None:
         foreach_copy(targets, pieces)
     else:
         for target, piece in zip(targets, pieces):
             target.copy_(piece)
+
+
+# buffer dtypes whose scaled unpack can be computed directly in a float32/float64 target
+_SCALE_IN_TARGET = {torch.float32: (torch.float32, torch.float16, torch.bfloat16), torch.float64: (torch.float64,)}

@@ -8,7 +8,9 @@ from ..errors import CollectiveError as HorovodInternalError
 from .autograd import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
                        grouped_reducescatter, reducescatter)
 from .compression import Compression
-from .functions import allgather_object, broadcast_object, broadcast_parameters
+from .checkpoint import save_checkpoint
+from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .optimizer import DistributedOptimizer
 from .mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather_async, allreduce_, allreduce_async,
                       allreduce_async_, alltoall_async, barrier, broadcast_, broadcast_async, broadcast_async_,
                       grouped_allgather_async, grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,

@@ -68,3 +68,32 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
         result.append(pickle.loads(outs[pos : pos + n].numpy().tobytes()))
         pos += n
     return result
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
+    """Give every rank root's optimizer state and hyper-parameters (``lr``, momentum buffers, Adam
+    moments, step counts, ...): root's ``state_dict()`` is broadcast and loaded on the others, so
+    state that root has not created yet is cleared elsewhere too."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state: its state holds closures' history that does "
+                         "not transfer between processes; broadcast the model and start LBFGS fresh on every rank.")
+    rt = runtime.current()
+    blob = None
+    if rt.world.rank == root_rank:
+        buf = io.BytesIO()
+        torch.save(_to_cpu(optimizer.state_dict()), buf)
+        blob = buf.getvalue()
+    blob = broadcast_object(blob, root_rank, name="broadcast_optimizer_state")
+    if rt.world.rank != root_rank:
+        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=False)
+        optimizer.load_state_dict(state)  # casts state to each parameter's device and dtype
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj

@@ -1,0 +1,360 @@
+"""Rank-side bodies of the DistributedOptimizer tests (importable by spawned ranks).
+
+Each scenario trains the same small model on its half of a fixed batch and compares the result
+with a single-process reference trained on the whole batch, computed in the same process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import warnings
+
+import torch
+import torch.nn as nn
+
+import gpucomm.torch as hvd
+from gpucomm.torch.optimizer import TWICE_ERROR, ZERO_GRAD_ERROR
+
+BATCH, IN, OUT = 16, 6, 3
+
+
+def make_model(seed: int = 0, hidden: int = 10) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, OUT))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
+
+
+def half(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    n = t.shape[0] // size
+    return t[rank * n:(rank + 1) * n]
+
+
+def make_opt(kind: str, params, **kw) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, **kw)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=0.01, **kw)
+    raise ValueError(kind)
+
+
+def max_rel_diff(a: nn.Module, b: nn.Module) -> float:
+    """Largest element-wise relative difference (the exact-equivalence criterion)."""
+    worst = 0.0
+    for p, q in zip(a.parameters(), b.parameters()):
+        p, q = p.detach(), q.detach()
+        worst = max(worst, float(((p - q).abs() / (q.abs() + 1e-6)).max()))
+    return worst
+
+
+def max_scaled_diff(a: nn.Module, b: nn.Module) -> float:
+    """Largest difference relative to each tensor's magnitude (for lossy compression)."""
+    worst = 0.0
+    for p, q in zip(a.parameters(), b.parameters()):
+        p, q = p.detach(), q.detach()
+        worst = max(worst, float((p - q).abs().max() / q.abs().max()))
+    return worst
+
+
+def reference(kind: str, steps: int, clip: float | None = None, device: str = "cpu") -> nn.Module:
+    model = make_model().to(device)
+    opt = make_opt(kind, model.parameters())
+    for s in range(steps):
+        x, y = (t.to(device) for t in batch(s))
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        if clip is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return model
+
+
+def train_matches_full_batch(kind: str, steps: int = 5, compression: str = "none", device: str = "cpu",
+                             groups: str | None = None) -> float:
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    model = make_model().to(device)
+    chosen = None
+    if groups == "two":
+        chosen = 2
+    elif groups == "lists":  # weights together, biases left to buckets of their own
+        chosen = [[m.weight for m in model if isinstance(m, nn.Linear)]]
+    opt = hvd.DistributedOptimizer(make_opt(kind, model.parameters()), named_parameters=model.named_parameters(),
+                                   compression=getattr(hvd.Compression, compression), groups=chosen)
+    if groups == "lists":
+        assert sorted(len(b.params) for b in opt._buckets) == [1, 1, 1, 3]
+    assert isinstance(opt, type(make_opt(kind, model.parameters())))
+    assert len(opt._buckets) > 1, "the test wants several buckets (GPUCOMM_FUSION_THRESHOLD)"
+    launches = []
+    original = opt._launch
+    opt._launch = lambda b: (launches.append(b.plan.index), original(b))[1]
+    for s in range(steps):
+        x, y = (t.to(device) for t in batch(s))
+        opt.zero_grad()
+        nn.functional.mse_loss(model(half(x, r, n)), half(y, r, n)).backward()
+        # overlap: every bucket was launched by the hooks during backward, in index order, once
+        assert launches == list(range(len(opt._buckets))), launches
+        assert all(b.handle is not None for b in opt._buckets)
+        launches.clear()
+        opt.step()
+    ref = reference(kind, steps, device=device)
+    diff = max_rel_diff(model, ref) if compression == "none" else max_scaled_diff(model, ref)
+    hvd.shutdown()
+    return diff
+
+
+def _ddp_group():
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, hvd.size(), True, wait_for_workers=False) if hvd.rank() == 0 else None
+    port = hvd.broadcast_object(store.port if store else None, 0, name="ddp_port")
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", port, hvd.size(), False)
+    dist.init_process_group("gloo", store=store, rank=hvd.rank(), world_size=hvd.size(),
+                            timeout=datetime.timedelta(seconds=60))
+    return store
+
+
+def train_matches_ddp(kind: str, steps: int = 5) -> float:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    store = _ddp_group()
+    ours, base = make_model(), make_model()
+    ddp = DDP(base)
+    opt = hvd.DistributedOptimizer(make_opt(kind, ours.parameters()), named_parameters=ours.named_parameters())
+    ddp_opt = make_opt(kind, ddp.parameters())
+    for s in range(steps):
+        x, y = batch(s)
+        for model, o in ((ours, opt), (ddp, ddp_opt)):
+            o.zero_grad()
+            nn.functional.mse_loss(model(half(x, r, n)), half(y, r, n)).backward()
+            o.step()
+    diff = max_rel_diff(ours, base)
+    dist.destroy_process_group()
+    del store
+    hvd.shutdown()
+    return diff
+
+
+def accumulation_matches_full_batch(kind: str, steps: int = 3) -> float:
+    """backward_passes_per_step=2: two quarter batches per rank per step, loss halved."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    model = make_model()
+    opt = hvd.DistributedOptimizer(make_opt(kind, model.parameters()), named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=2)
+    for s in range(steps):
+        x, y = batch(s)
+        xs, ys = half(x, r, n), half(y, r, n)
+        opt.zero_grad()
+        for part in range(2):
+            nn.functional.mse_loss(model(half(xs, part, 2)), half(ys, part, 2)).div(2).backward()
+            assert all(b.handle is None for b in opt._buckets) == (part == 0)  # launched on the 2nd pass only
+        opt.step()
+    diff = max_rel_diff(model, reference(kind, steps))
+    hvd.shutdown()
+    return diff
+
+
+def no_sync_matches_full_batch(steps: int = 3) -> float:
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    model = make_model()
+    opt = hvd.DistributedOptimizer(make_opt("sgd", model.parameters()), named_parameters=model.named_parameters())
+    for s in range(steps):
+        x, y = batch(s)
+        xs, ys = half(x, r, n), half(y, r, n)
+        opt.zero_grad()
+        with opt.no_sync():
+            nn.functional.mse_loss(model(half(xs, 0, 2)), half(ys, 0, 2)).div(2).backward()
+            assert all(b.handle is None for b in opt._buckets)
+        nn.functional.mse_loss(model(half(xs, 1, 2)), half(ys, 1, 2)).div(2).backward()
+        opt.step()
+    diff = max_rel_diff(model, reference("sgd", steps))
+    hvd.shutdown()
+    return diff
+
+
+def clipping_pattern(steps: int = 4) -> float:
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    model = make_model()
+    opt = hvd.DistributedOptimizer(make_opt("sgd", model.parameters()), named_parameters=model.named_parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the documented pattern must not warn
+        for s in range(steps):
+            x, y = batch(s)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(half(x, r, n)), half(y, r, n)).backward()
+            opt.synchronize()
+            nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            with opt.skip_synchronize():
+                opt.step()
+    diff = max_rel_diff(model, reference("sgd", steps, clip=0.05))
+    hvd.shutdown()
+    return diff
+
+
+def misuse_errors() -> None:
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    model = make_model()
+    opt = hvd.DistributedOptimizer(make_opt("sgd", model.parameters()), named_parameters=model.named_parameters())
+    x, y = batch(0)
+    loss = nn.functional.mse_loss(model(half(x, r, n)), half(y, r, n))
+    loss.backward(retain_graph=True)
+    try:
+        opt.zero_grad()
+        raise AssertionError("zero_grad between backward and step must raise")
+    except AssertionError as e:
+        assert str(e) == ZERO_GRAD_ERROR, e
+    try:
+        loss.backward()
+        raise AssertionError("a second backward before step must raise")
+    except AssertionError as e:
+        assert str(e) == TWICE_ERROR, e
+    opt.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    assert any("optimizer.step() called without optimizer.skip_synchronize()" in str(w.message) for w in caught)
+    opt.zero_grad()  # allowed again after step
+    # LR schedulers keep working on the wrapped optimizer
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    nn.functional.mse_loss(model(half(x, r, n)), half(y, r, n)).backward()
+    opt.step()
+    sched.step()
+    assert abs(opt.param_groups[0]["lr"] - 0.05) < 1e-12
+    hvd.shutdown()
+
+
+def frozen_parameters(steps: int = 4) -> dict:
+    """First layer frozen from the start, the last layer's bias frozen after step 1, and the middle
+    layer unused on rank 1 for one step (its gradient arrives from rank 0 only)."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    model = make_model()
+    model[0].weight.requires_grad_(False)
+    before_first = model[0].weight.detach().clone()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+    bias_after_freeze = None
+    for s in range(steps):
+        x, y = batch(s)
+        opt.zero_grad()
+        if s == 1:
+            model[4].bias.requires_grad_(False)
+            bias_after_freeze = model[4].bias.detach().clone()
+        out = model(half(x, r, n))
+        nn.functional.mse_loss(out, half(y, r, n)).backward()
+        opt.step()
+    assert torch.equal(model[0].weight, before_first)
+    assert torch.equal(model[4].bias, bias_after_freeze) and model[4].bias.grad is None
+    params = [p.detach().clone() for p in model.parameters()]
+    everyone = hvd.allgather_object(params)
+    same = all(torch.equal(a, b) for a, b in zip(everyone[0], everyone[-1]))
+    hvd.shutdown()
+    return {"same_on_all_ranks": same}
+
+
+def unused_parameter_on_one_rank() -> bool:
+    """A branch used by rank 0 only: rank 1 contributes zeros, both ranks end identical."""
+    hvd.init()
+    r = hvd.rank()
+    torch.manual_seed(0)
+    trunk, branch = nn.Linear(IN, OUT), nn.Linear(IN, OUT)
+    params = list(trunk.parameters()) + list(branch.parameters())
+    names = [(f"trunk.{k}", v) for k, v in trunk.named_parameters()] + \
+            [(f"branch.{k}", v) for k, v in branch.named_parameters()]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), named_parameters=names)
+    x, y = batch(0)
+    out = trunk(x) + (branch(x) if r == 0 else 0)
+    nn.functional.mse_loss(out, y).backward()
+    opt.step()
+    everyone = hvd.allgather_object([p.detach().clone() for p in params])
+    hvd.shutdown()
+    return all(torch.equal(a, b) for a, b in zip(everyone[0], everyone[1]))
+
+
+def mismatched_models() -> None:
+    hvd.init()
+    model = make_model(hidden=10 if hvd.rank() == 0 else 11)
+    try:
+        hvd.DistributedOptimizer(make_opt("sgd", model.parameters()), named_parameters=model.named_parameters())
+    except ValueError as e:
+        text = str(e)
+        assert "Parameter #0 is '0.weight' [10, 6] float32 on rank 0 but '0.weight' [11, 6] float32 on rank 1" in text, text
+    else:
+        raise AssertionError("mismatched models must raise on every rank")
+    hvd.shutdown()
+
+
+def bad_arguments() -> None:
+    hvd.init()
+    model = make_model()
+    opt = make_opt("sgd", model.parameters())
+    checks = [
+        (dict(named_parameters=[("a", p) for p in model.parameters()]), "unique"),
+        (dict(named_parameters=list(model.named_parameters())[:2]), "were not named"),
+        (dict(named_parameters=[p for p in model.parameters()]), "tuples"),
+        (dict(backward_passes_per_step=0), "positive integer"),
+        (dict(op=hvd.Sum, gradient_predivide_factor=2.0), "gradient_predivide_factor not supported"),
+    ]
+    for kwargs, words in checks:
+        try:
+            hvd.DistributedOptimizer(opt, **kwargs)
+        except ValueError as e:
+            assert words in str(e), (words, str(e))
+        else:
+            raise AssertionError(f"{kwargs} should raise")
+    try:
+        hvd.DistributedOptimizer(opt, op=hvd.Adasum)
+    except NotImplementedError:
+        pass
+    else:
+        raise AssertionError("Adasum should raise NotImplementedError")
+    hvd.shutdown()
+
+
+def broadcast_optimizer_state_scenario() -> dict:
+    hvd.init()
+    r = hvd.rank()
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01 if r == 0 else 0.5, betas=(0.8, 0.9) if r == 0 else (0.5, 0.5))
+    if r == 0:  # only root has taken steps: its moments and step counts exist, rank 1's do not
+        for s in range(2):
+            x, y = batch(s)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    sd = opt.state_dict()
+    summary = {"lr": sd["param_groups"][0]["lr"], "betas": tuple(sd["param_groups"][0]["betas"]),
+               "steps": [float(v["step"]) for v in sd["state"].values()],
+               "exp_avg": [v["exp_avg"].clone() for v in sd["state"].values()]}
+    everyone = hvd.allgather_object(summary)
+    hvd.shutdown()
+    a, b = everyone
+    return {"lr": (a["lr"], b["lr"]), "betas": (a["betas"], b["betas"]), "steps": (a["steps"], b["steps"]),
+            "moments_equal": len(a["exp_avg"]) > 0 and all(torch.equal(x, y) for x, y in zip(a["exp_avg"], b["exp_avg"]))}
+
+
+def checkpoint_scenario(folder: str) -> bool:
+    import os
+
+    hvd.init()
+    path = os.path.join(folder, "ckpt.pt")
+    wrote = hvd.save_checkpoint({"rank": hvd.rank(), "w": torch.arange(4)}, path)
+    hvd.barrier()
+    loaded = torch.load(path)
+    hvd.shutdown()
+    assert loaded["rank"] == 0 and torch.equal(loaded["w"], torch.arange(4))
+    return wrote

@@ -1,0 +1,21 @@
+"""The examples run as documented (CPU, 2 ranks)."""
+
+from __future__ import annotations
+
+import re
+
+from tests.launcher_util import PYTHON, launcher_cmd, run
+
+
+def test_synthetic_benchmark_prints_horovods_report():
+    r = run(launcher_cmd("-np", "2", PYTHON, "examples/synthetic_benchmark.py", "--model", "cnn", "--no-cuda",
+                         "--batch-size", "8", "--num-warmup-batches", "1", "--num-batches-per-iter", "2",
+                         "--num-iters", "2", "--fp16-allreduce"), timeout=180)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    for line in ("Model: cnn", "Batch size: 8", "Number of CPUs: 2", "Running warmup...", "Running benchmark..."):
+        assert f"[0]<stdout>:{line}\n" in out
+    assert re.search(r"Iter #1: [0-9.]+ img/sec per CPU", out)
+    assert re.search(r"Total img/sec on 2 CPU\(s\): [0-9.]+ \+-[0-9.]+", out)
+    assert "[1]<stdout>" not in out  # only rank 0 reports
+    assert r.leftovers == []

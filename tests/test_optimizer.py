@@ -1,0 +1,119 @@
+"""DistributedOptimizer at 2 ranks on CPU: equal to single-process full-batch training and to DDP,
+overlap during backward, accumulation, compression, Horovod's errors, frozen parameters, state
+broadcast and checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+
+import torch
+
+from tests import optimizer_scenarios as sc
+from tests.harness import run_ranks
+
+SMALL_BUCKETS = {"GPUCOMM_FUSION_THRESHOLD": "256", "GPUCOMM_FUSION_FIRST_BUCKET": "128"}  # several buckets
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_two_ranks_on_half_batches_equal_one_process_on_the_full_batch(kind):
+    diffs = run_ranks(sc.train_matches_full_batch, 2, args=(kind,), env=SMALL_BUCKETS)
+    assert max(diffs) <= 1e-5, diffs
+
+
+@pytest.mark.parametrize("groups", ["two", "lists"])
+def test_explicit_groups(groups):
+    diffs = run_ranks(sc.train_matches_full_batch, 2, args=("sgd", 3, "none", "cpu", groups))
+    assert max(diffs) <= 1e-5, diffs
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_equals_ddp_on_gloo(kind):
+    diffs = run_ranks(sc.train_matches_ddp, 2, args=(kind,))
+    assert max(diffs) <= 1e-5, diffs
+
+
+@pytest.mark.parametrize("compression, tol", [("fp16", 1e-3), ("bf16", 1e-2)])
+def test_compressed_gradients_stay_close(compression, tol):
+    diffs = run_ranks(sc.train_matches_full_batch, 2, args=("sgd", 5, compression), env=SMALL_BUCKETS)
+    assert max(diffs) <= tol, diffs
+
+
+def test_backward_passes_per_step_two():
+    diffs = run_ranks(sc.accumulation_matches_full_batch, 2, args=("adam",), env=SMALL_BUCKETS)
+    assert max(diffs) <= 1e-5, diffs
+
+
+def test_no_sync_accumulates_locally():
+    diffs = run_ranks(sc.no_sync_matches_full_batch, 2, env=SMALL_BUCKETS)
+    assert max(diffs) <= 1e-5, diffs
+
+
+def test_gradient_clipping_pattern():
+    diffs = run_ranks(sc.clipping_pattern, 2, env=SMALL_BUCKETS)
+    assert max(diffs) <= 1e-5, diffs
+
+
+def test_horovod_errors_warning_and_lr_scheduler():
+    run_ranks(sc.misuse_errors, 2, env=SMALL_BUCKETS)
+
+
+def test_frozen_and_dynamically_frozen_parameters():
+    results = run_ranks(sc.frozen_parameters, 2, env=SMALL_BUCKETS)
+    assert all(r["same_on_all_ranks"] for r in results)
+
+
+def test_parameter_unused_on_one_rank():
+    assert run_ranks(sc.unused_parameter_on_one_rank, 2) == [True, True]
+
+
+def test_mismatched_models_raise_on_every_rank():
+    run_ranks(sc.mismatched_models, 2)
+
+
+def test_bad_arguments():
+    run_ranks(sc.bad_arguments, 1)
+
+
+def test_broadcast_optimizer_state():
+    a, b = run_ranks(sc.broadcast_optimizer_state_scenario, 2)
+    assert a == b
+    assert a["lr"] == (0.01, 0.01) and a["betas"] == ((0.8, 0.9), (0.8, 0.9))
+    assert a["steps"][0] == a["steps"][1] and a["steps"][0] == [2.0] * len(a["steps"][0])
+    assert a["moments_equal"]
+
+
+def test_rank0_checkpoint(tmp_path):
+    assert run_ranks(sc.checkpoint_scenario, 2, args=(str(tmp_path),)) == [True, False]
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary file left
+
+
+def test_checkpoint_is_atomic_when_the_write_fails(tmp_path, monkeypatch):
+    import torch
+
+    from gpucomm.torch.checkpoint import save_checkpoint
+
+    path = tmp_path / "model.pt"
+    assert save_checkpoint({"v": 1}, path)
+    real_save = torch.save
+
+    def crash(obj, f, *a, **k):
+        real_save(obj, f, *a, **k)
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint({"v": 2}, path)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert torch.load(path) == {"v": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and CUDA torch")
+@pytest.mark.parametrize("kind, compression, tol", [("sgd", "none", 1e-5), ("adam", "none", 1e-5), ("sgd", "bf16", 1e-2)])
+def test_two_ranks_on_one_gpu_equal_full_batch_training(kind, compression, tol):
+    """CUDA path: pack kernel -> NCCL (socket transport, single-GPU test mode) -> unpack kernel."""
+    env = dict(SMALL_BUCKETS, GPUCOMM_SINGLE_GPU_TEST="1")
+    diffs = run_ranks(sc.train_matches_full_batch, 2, args=(kind, 5, compression, "cuda"), env=env, timeout=600)
+    assert max(diffs) <= tol, diffs
