@@ -190,3 +190,42 @@ def test_single_gpu_test_mode_reaches_the_ranks(tmp_path):
     script = write_script(tmp_path, "env.py", "import os; print('mode', os.environ.get('GPUCOMM_SINGLE_GPU_TEST'))\n")
     r = run(launcher_cmd("-np", "2", "--single-gpu-test", PYTHON, str(script)), timeout=60)
     assert r.returncode == 0 and r.stdout.count("mode 1") == 2
+
+
+def test_second_ctrl_c_kills_at_once(tmp_path):
+    import os
+    import subprocess
+    import time
+    import uuid
+
+    from tests.launcher_util import base_env, collect_leftovers
+
+    script = write_script(tmp_path, "deaf.py", textwrap.dedent("""
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("up", flush=True)
+        time.sleep(600)
+    """))
+    mark = uuid.uuid4().hex
+    proc = subprocess.Popen(launcher_cmd("-np", "2", "--stop-grace", "60", PYTHON, str(script)), cwd=ROOT,
+                            env=base_env(mark), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        ups = 0
+        while ups < 2:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()
+            ups += "<stdout>:up" in line
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)  # the ranks ignore SIGTERM; without this the grace would be 60 s
+        _, err = proc.communicate(timeout=30)
+        assert time.monotonic() - t0 < 20
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "second signal: killing all ranks now." in err
+    assert collect_leftovers(mark) == []

@@ -92,9 +92,11 @@ class Supervisor:
             self._start_all()
             self._watch()
         finally:
-            self._restore_signal_handlers(previous)
-            self._stop_all()
-            self._sweep_leftovers()
+            try:
+                self._stop_all()  # a second signal meanwhile means "kill now", so handlers stay ours
+                self._sweep_leftovers()
+            finally:
+                self._restore_signal_handlers(previous)
             for r in self._ranks:
                 for t in r.pumps:
                     t.join(timeout=5)
