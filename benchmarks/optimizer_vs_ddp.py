@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import os
 import statistics
@@ -30,18 +29,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import models  # noqa: E402
 
 import gpucomm.torch as hvd  # noqa: E402
-
-
-def ddp_group(backend: str) -> dist.TCPStore:
-    """torch.distributed's default group on a store whose port rank 0 picks and shares via gpucomm."""
-    store = dist.TCPStore("127.0.0.1", 0, hvd.size(), True, wait_for_workers=False) if hvd.rank() == 0 else None
-    port = hvd.broadcast_object(store.port if store else None, 0, name="ddp_port")
-    if store is None:
-        host = os.environ.get("GPUCOMM_RENDEZVOUS_ADDR", "127.0.0.1")
-        store = dist.TCPStore(host, port, hvd.size(), False)
-    dist.init_process_group(backend, store=store, rank=hvd.rank(), world_size=hvd.size(),
-                            timeout=datetime.timedelta(seconds=300))
-    return store
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, also when imported by path
+from torch_group import init_torch_group  # noqa: E402
 
 
 def main() -> None:
@@ -59,7 +48,7 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if args.cuda else torch.device("cpu")
     if not args.cuda:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
-    store = ddp_group("nccl" if args.cuda else "gloo")
+    store = init_torch_group("nccl" if args.cuda else "gloo")
     torch.manual_seed(0)
     base, sample = models.build(args.model)
     ours_model = copy.deepcopy(base).to(device)

@@ -3,7 +3,10 @@
 ``resnet50`` follows the published architecture (bottleneck blocks 3-4-6-3, 25.6 M parameters,
 161 parameter tensors), so its gradient layout is the one real training sees; torchvision's is used
 instead when it is installed. ``mlp10m`` is a ~10 M-parameter MLP for CPU runs, ``cnn`` a small
-convolutional net.
+convolutional net, ``transformer`` a small encoder-only transformer (0.9 M parameters, 55 tensors).
+
+Every model takes a float batch ``torch.randn(batch, *sample)``, where ``sample`` is the shape
+``build`` returns, and gives 1000 class scores per sample.
 """
 
 from __future__ import annotations
@@ -78,6 +81,32 @@ def mlp10m(width: int = 1024, num_classes: int = 1000) -> nn.Module:
                          nn.Linear(width * 2, width), nn.ReLU(), nn.Linear(width, num_classes))
 
 
+class SmallTransformer(nn.Module):
+    """Encoder-only transformer classifier over a sequence of feature vectors ("tokens", such as image
+    patches): a linear token embedding plus learned positions, pre-norm encoder layers, mean pooling,
+    a linear head. Tokens are float features rather than ids so that the same random-batch recipe
+    feeds every model here; the layer mix (attention, feed-forward, LayerNorm) is a transformer's."""
+
+    def __init__(self, seq_len: int = 64, features: int = 64, d_model: int = 128, heads: int = 4,
+                 layers: int = 4, ff: int = 512, num_classes: int = 1000) -> None:
+        super().__init__()
+        self.embed = nn.Linear(features, d_model)
+        self.pos = nn.Parameter(torch.zeros(1, seq_len, d_model))
+        nn.init.normal_(self.pos, std=0.02)
+        layer = nn.TransformerEncoderLayer(d_model, heads, ff, dropout=0.0, batch_first=True, norm_first=True)
+        # nested-tensor fast path only applies to inference with post-norm layers; off keeps the warning away
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.encoder(self.embed(x) + self.pos)
+        return self.head(self.norm(y.mean(dim=1)))
+
+
+MODELS = ("resnet50", "cnn", "mlp10m", "transformer")
+
+
 def build(name: str) -> tuple[nn.Module, tuple[int, ...]]:
     """The model and the shape of one input sample."""
     if name == "resnet50":
@@ -91,4 +120,6 @@ def build(name: str) -> tuple[nn.Module, tuple[int, ...]]:
         return SmallCNN(), (3, 64, 64)
     if name == "mlp10m":
         return mlp10m(), (1024,)
-    raise ValueError(f"unknown model {name!r}: choose resnet50, cnn or mlp10m")
+    if name == "transformer":
+        return SmallTransformer(), (64, 64)
+    raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")

@@ -124,7 +124,12 @@ def scale_(t: torch.Tensor, factor: float) -> None:
     if factor == 1.0 or t.numel() == 0:
         return
     if not t.dtype.is_floating_point:
-        t.copy_((t.double() * factor).to(t.dtype))
+        divisor = 1.0 / factor
+        if divisor == round(divisor) or abs(divisor - round(divisor)) < 1e-9 * abs(divisor):
+            # an average: divide exactly (49 * (1/49) in float64 is just under 1 and would truncate to 0)
+            t.copy_(torch.div(t, int(round(divisor)), rounding_mode="trunc"))
+        else:
+            t.copy_((t.double() * factor).to(t.dtype))
     elif t.device.type == "cpu" and t.dtype in (torch.float16, torch.bfloat16):
         t.copy_(t.float().mul_(factor))
     else:

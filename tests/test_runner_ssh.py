@@ -14,7 +14,6 @@ import socket
 import subprocess
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
