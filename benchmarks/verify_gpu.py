@@ -19,8 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,27 +58,49 @@ def launcher(n: int, gpus: int) -> list[str]:
     return [PY, "-m", "gpucomm.runner", "-np", str(n), *flags, "--start-timeout", "120"]
 
 
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
+
+
 def plan(out: Path, gpus: int, quick: bool) -> list[Step]:
-    big = "8M" if quick else "64M"
-    shared = "4M" if quick else "32M"
-    steps = [
+    """The steps, cheapest and most telling first, so a tight budget drops only the last ones.
+    Ranks that share a GPU talk over loopback sockets, so their sweeps stop at smaller sizes."""
+    own = "8M" if quick else "64M"  # largest size when every rank has its own GPU
+    shared = "2M" if quick else "8M"
+    plot = _has_matplotlib()
+
+    def collectives(n: int, limit: float) -> Step:
+        maxbytes = own if n <= gpus else shared
+        argv = launcher(n, gpus) + [PY, "benchmarks/collectives.py", "--device", "cuda", "-b", "1K", "-e", maxbytes,
+                                    "-f", "4", "-w", "3", "-n", "10" if n > 1 else "20",
+                                    "--json", str(out / f"collectives_{n}.json")]
+        argv += ["--plot", str(out / f"collectives_{n}.png")] if plot else ["--plot", ""]
+        return Step(f"collectives {n} rank(s)", argv, limit, out / f"collectives_{n}.json")
+
+    def train(n: int, limit: float) -> Step:
+        argv = launcher(n, gpus) + [PY, "benchmarks/train.py", "--device", "cuda", "--warmup", "3", "--rounds", "4",
+                                    "--steps-per-round", "5" if n <= gpus else "3",
+                                    "--json", str(out / f"train_{n}.json")]
+        if n > 1:
+            argv += ["--baseline", str(out / "train_1.json")]
+        if plot:
+            argv += ["--plot", str(out / f"train_{n}.png")]
+        return Step(f"train {n} rank" + ("s" if n > 1 else ""), argv, limit, out / f"train_{n}.json")
+
+    return [
         Step("gpu tests", [PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                           "--junitxml", str(out / "gpu_tests.xml")], 300),
-        Step("pack_bw", [PY, "benchmarks/pack_bw.py", "--json", str(out / "pack_bw.json")], 120,
-             out / "pack_bw.json"),
+                           "--junitxml", str(out / "gpu_tests.xml")], 240),
+        Step("pack_bw", [PY, "benchmarks/pack_bw.py", "--json", str(out / "pack_bw.json")], 90, out / "pack_bw.json"),
+        collectives(1, 90),
+        train(1, 90),
+        collectives(2, 90),
+        train(2, 120),
+        collectives(4, 90),
     ]
-    for n, maxbytes in ((1, big), (2, shared), (4, shared)):
-        steps.append(Step(f"collectives {n} rank(s)", launcher(n, gpus) + [
-            PY, "benchmarks/collectives.py", "--device", "cuda", "-b", "1K", "-e", maxbytes, "-f", "4",
-            "-w", "3", "-n", "10" if n > 1 else "20", "--json", str(out / f"collectives_{n}.json"),
-            "--plot", str(out / f"collectives_{n}.png")], 150, out / f"collectives_{n}.json"))
-    steps.append(Step("train 1 rank", launcher(1, gpus) + [
-        PY, "benchmarks/train.py", "--device", "cuda", "--json", str(out / "train_1.json"),
-        "--plot", str(out / "train_1.png")], 150, out / "train_1.json"))
-    steps.append(Step("train 2 ranks", launcher(2, gpus) + [
-        PY, "benchmarks/train.py", "--device", "cuda", "--baseline", str(out / "train_1.json"),
-        "--json", str(out / "train_2.json"), "--plot", str(out / "train_2.png")], 180, out / "train_2.json"))
-    return steps
 
 
 def run_step(step: Step, out: Path, budget_left: float) -> None:
@@ -89,20 +113,17 @@ def run_step(step: Step, out: Path, budget_left: float) -> None:
     with open(log, "w") as f:
         proc = subprocess.Popen(step.argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
+        # a reader thread, so that a step that hangs without printing still meets its limit
+        reader = threading.Thread(target=_copy_output, args=(proc.stdout, f), daemon=True)
+        reader.start()
         try:
-            assert proc.stdout is not None
-            deadline = t0 + limit
-            for line in proc.stdout:
-                f.write(line)
-                sys.stdout.write("   " + line)
-                if time.monotonic() > deadline:
-                    raise subprocess.TimeoutExpired(step.argv, limit)
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            proc.wait(timeout=limit)
             step.status = "ok" if proc.returncode == 0 else f"failed ({proc.returncode})"
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             step.status = f"timed out ({limit:.0f} s)"
+        reader.join(timeout=10)
     step.seconds = time.monotonic() - t0
     if step.json_path is not None and step.json_path.exists():
         try:
@@ -111,6 +132,14 @@ def run_step(step: Step, out: Path, budget_left: float) -> None:
             step.status += ", JSON unreadable"
     if step.name == "gpu tests":
         step.data = tests_summary(out / "gpu_tests.xml")
+
+
+def _copy_output(pipe, log) -> None:
+    for line in pipe:
+        log.write(line)
+        log.flush()
+        sys.stdout.write("   " + line)
+        sys.stdout.flush()
 
 
 def tests_summary(xml: Path) -> dict[str, int] | None:

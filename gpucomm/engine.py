@@ -78,8 +78,12 @@ class Handle:
             if issued.done_event is not None:
                 import torch  # noqa: PLC0415
 
-                torch.cuda.current_stream().wait_event(issued.done_event)
-            self._result = issued.finalize()
+                stream = torch.cuda.current_stream(self.request.device)
+                stream.wait_event(issued.done_event)
+                self._result = issued.finalize()
+                _used_on(self._result, stream)
+            else:
+                self._result = issued.finalize()
         except CollectiveError:
             raise
         except Exception as e:
@@ -87,6 +91,18 @@ class Handle:
         self._finished = True
         self._issued = None  # drop the backend's references
         return self._result
+
+
+def _used_on(result: Any, stream: Any) -> None:
+    """Mark CUDA results as used on the caller's ``stream``. They were allocated on the
+    communication stream, so without this the caching allocator could hand their memory to a new
+    communication-stream allocation as soon as the caller frees them, while kernels the caller
+    queued on its own stream still read them."""
+    if isinstance(result, (list, tuple)):
+        for item in result:
+            _used_on(item, stream)
+    elif getattr(result, "is_cuda", False):
+        result.record_stream(stream)
 
 
 def _describe(request: Any) -> str:

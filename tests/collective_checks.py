@@ -172,6 +172,9 @@ def check_async_and_barrier(device: str = "cpu") -> None:
     hvd.init()
     r = hvd.rank()
     big = torch.ones(1 << 20, device=device)
+    hvd.barrier()
+    if device != "cpu":  # the first CUDA collective creates the NCCL communicator, which waits for every rank
+        hvd.allreduce(torch.ones(1, device=device), name="warm-up")
     if r == 1:
         time.sleep(1.0)  # rank 0's operation cannot finish before rank 1 joins
     h = hvd.allreduce_async(big, op=hvd.Sum, name="late")

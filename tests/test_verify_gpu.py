@@ -23,8 +23,8 @@ def _accepted_flags(script: str) -> set[str]:
 def test_plan_uses_existing_scripts_and_flags(tmp_path):
     steps = verify_gpu.plan(tmp_path, gpus=1, quick=False)
     names = [s.name for s in steps]
-    assert names == ["gpu tests", "pack_bw", "collectives 1 rank(s)", "collectives 2 rank(s)", "collectives 4 rank(s)",
-                     "train 1 rank", "train 2 ranks"]
+    assert names == ["gpu tests", "pack_bw", "collectives 1 rank(s)", "train 1 rank", "collectives 2 rank(s)",
+                     "train 2 ranks", "collectives 4 rank(s)"]
     for step in steps[1:]:
         script = next(a for a in step.argv if a.startswith("benchmarks/"))
         assert (ROOT / script).exists()
@@ -35,6 +35,15 @@ def test_plan_uses_existing_scripts_and_flags(tmp_path):
         assert ("--single-gpu-test" in step.argv) == (n > 1), step.argv  # one GPU: ranks share it
     assert all("--single-gpu-test" not in s.argv for s in verify_gpu.plan(tmp_path, gpus=4, quick=False))
     assert "-m" in steps[0].argv and "gpu" in steps[0].argv  # pytest -m gpu
+
+
+def test_a_silent_hanging_step_is_stopped_at_its_limit(tmp_path):
+    import time
+
+    step = verify_gpu.Step("hang", [PYTHON, "-c", "import time; time.sleep(120)"], 2.0)
+    t0 = time.monotonic()
+    verify_gpu.run_step(step, tmp_path, budget_left=100.0)
+    assert step.status == "timed out (2 s)" and time.monotonic() - t0 < 20
 
 
 def test_refuses_to_run_without_a_gpu():

@@ -120,6 +120,7 @@ def test_cached_table_is_safe_on_a_second_stream():
     kernels.clear_cache()
     srcs = [torch.randn(5000, device="cuda"), torch.randn(3, device="cuda")]
     wire = torch.empty(5003, device="cuda")
+    torch.cuda.synchronize()  # srcs were filled on the default stream; a and b below do not wait for it
     a, b = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(a):
         torch.cuda._sleep(100_000_000)
