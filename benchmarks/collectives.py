@@ -71,7 +71,7 @@ import torch.distributed as dist
 
 import gpucomm
 import gpucomm.torch as hvd
-from gpucomm.backends.nccl import nccl_module
+from gpucomm.backends.nccl import nccl_module, version_text
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, also when imported by path
 from torch_group import init_torch_group  # noqa: E402
 
@@ -391,7 +391,7 @@ class NcclImpl(Impl):
         import cupy  # noqa: PLC0415 - present whenever nccl_module() is
 
         self._nccl = nccl
-        self.label = f"raw NCCL {nccl_version_text(nccl.get_version())} (cupy.cuda.nccl)"
+        self.label = f"raw NCCL {version_text(nccl.get_version())} (cupy.cuda.nccl)"
         uid = nccl.get_unique_id() if hvd.rank() == 0 else None
         uid = hvd.broadcast_object(uid, 0, name="bench.nccl_uid")  # bytes (CuPy >= 14) or a tuple: sent as is
         with cupy.cuda.Device(torch.cuda.current_device()):
@@ -435,12 +435,6 @@ class NcclImpl(Impl):
     def close(self) -> None:
         torch.cuda.synchronize()
         self.comm.destroy()
-
-
-def nccl_version_text(code: int) -> str:
-    major, rest = divmod(code, 10000) if code >= 10000 else divmod(code, 1000)
-    minor, patch = divmod(rest, 100)
-    return f"{major}.{minor}.{patch}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -717,7 +711,7 @@ def environment(device: torch.device, impls: Sequence[Impl], devices: list[dict[
         "ranks": hvd.size(), "device": device.type, "devices": devices, "python": platform.python_version(),
         "torch": torch.__version__, "gpucomm": gpucomm.__version__, "platform": platform.platform(),
         "implementations": {i.name: i.label for i in impls},
-        "nccl": nccl_version_text(nccl.get_version()) if nccl is not None else None,
+        "nccl": version_text(nccl.get_version()) if nccl is not None else None,
         "single_gpu_test": os.environ.get("GPUCOMM_SINGLE_GPU_TEST", "") not in ("", "0"),
     }
     try:

@@ -471,3 +471,15 @@ def barrier(client: RendezvousClient, name: str, rank: int, size: int, timeout: 
     """All ``size`` ranks meet at ``name``; a timeout names the absent ranks."""
     client.set(f"{name}/{rank}", b"1")
     wait_for_ranks(client, name, range(size), timeout, f"'{name}'")
+
+
+def address_towards(host: str, port: int = 9) -> str:
+    """This host's address on the route towards ``host``: the address a peer there can reach us on.
+    No packet is sent (a UDP socket is only connected); an unresolvable or unroutable host falls
+    back to the address of this host's own name."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, port))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())

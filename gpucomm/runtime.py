@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import secrets
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from .backends.gloo import GlooBackend
 from .engine import Engine, Handle
 from .errors import GpucommError, NotInitializedError
 from .ops import Executor, Request
-from .rendezvous import RendezvousClient, RendezvousError, RendezvousServer, wait_for_ranks
+from .rendezvous import RendezvousClient, RendezvousError, RendezvousServer, address_towards, wait_for_ranks
 from .world import World, detect_world
 
 log = logging.getLogger("gpucomm")
@@ -33,7 +32,8 @@ DEFAULT_START_TIMEOUT = 120.0  # seconds all ranks have to reach init()
 SHUTDOWN_GRACE = 10.0  # rank 0 keeps serving the store this long for ranks still shutting down
 
 
-def _env_seconds(env: Mapping[str, str], names: tuple[str, ...], default: float) -> float:
+def env_seconds(env: Mapping[str, str], names: tuple[str, ...], default: float) -> float:
+    """The first of ``names`` set in ``env`` as a positive number of seconds, else ``default``."""
     for name in names:
         value = env.get(name)
         if value:
@@ -167,16 +167,6 @@ atexit.register(shutdown)
 # building a runtime
 
 
-def _route_ip(host: str, port: int) -> str:
-    """The local address other hosts reach us on when we talk to ``host``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, port))
-            return s.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
-
-
 def _torch_store_rendezvous(world: World, gen: int, start_timeout: float):
     """Under torchrun: rank 0 serves our store on a free port and publishes it, with a fresh secret,
     through torchrun's own TCPStore at MASTER_ADDR:MASTER_PORT."""
@@ -193,7 +183,7 @@ def _torch_store_rendezvous(world: World, gen: int, start_timeout: float):
     if world.rank == 0:
         secret = world.secret or secrets.token_bytes(32)
         server = RendezvousServer(secret, "0.0.0.0", 0)
-        host = _route_ip(world.rendezvous_addr, world.rendezvous_port)
+        host = address_towards(world.rendezvous_addr, world.rendezvous_port)
         store.set(key, json.dumps({"host": host, "port": server.port, "secret": secret.hex()}))
     info = json.loads(store.get(key))
     return server, info["host"], info["port"], bytes.fromhex(info["secret"])
@@ -274,8 +264,8 @@ def _configure_logging(env: Mapping[str, str]) -> None:
 def _build(env: Mapping[str, str], gen: int) -> Runtime:
     _configure_logging(env)
     world = detect_world(env)
-    timeout = _env_seconds(env, ("GPUCOMM_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS"), DEFAULT_TIMEOUT)
-    start_timeout = _env_seconds(env, ("GPUCOMM_START_TIMEOUT", "HOROVOD_START_TIMEOUT"), DEFAULT_START_TIMEOUT)
+    timeout = env_seconds(env, ("GPUCOMM_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS"), DEFAULT_TIMEOUT)
+    start_timeout = env_seconds(env, ("GPUCOMM_START_TIMEOUT", "HOROVOD_START_TIMEOUT"), DEFAULT_START_TIMEOUT)
     t0 = time.monotonic()
     server, client = _open_store(world, gen, start_timeout, timeout)
     prefix = f"{world.run_id}/g{gen}/"

@@ -38,6 +38,11 @@ def test_compressed_gradients_stay_close(compression, tol):
     assert max(diffs) <= tol, diffs
 
 
+def test_user_compressor_takes_the_unfused_path():
+    diffs = run_ranks(sc.train_matches_full_batch, 2, args=("adam", 3, "custom"), env=SMALL_BUCKETS)
+    assert max(diffs) <= 1e-5, diffs
+
+
 def test_backward_passes_per_step_two():
     diffs = run_ranks(sc.accumulation_matches_full_batch, 2, args=("adam",), env=SMALL_BUCKETS)
     assert max(diffs) <= 1e-5, diffs

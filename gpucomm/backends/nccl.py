@@ -42,6 +42,13 @@ def nccl_version() -> int:
         return 0
 
 
+def version_text(code: int) -> str:
+    """NCCL's version code as ``major.minor.patch`` (codes before 2.9 were major*1000 + minor*100 + patch)."""
+    major, rest = divmod(code, 10000) if code >= 10000 else divmod(code, 1000)
+    minor, patch = divmod(rest, 100)
+    return f"{major}.{minor}.{patch}"
+
+
 def _tables(nccl):
     dtypes = {
         torch.float32: nccl.NCCL_FLOAT32, torch.float16: nccl.NCCL_FLOAT16, torch.bfloat16: nccl.NCCL_BFLOAT16,

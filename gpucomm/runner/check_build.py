@@ -32,13 +32,12 @@ def _gloo() -> str:
 def _nccl() -> str:
     import cupy
 
-    from ..backends.nccl import nccl_module, nccl_version
+    from ..backends.nccl import nccl_module, nccl_version, version_text
 
     if nccl_module() is None:
         raise RuntimeError(f"CuPy {cupy.__version__} is installed but its NCCL bindings did not load; install "
                            f"nvidia-nccl-cu12/cu13 matching CuPy's CUDA")
-    code = nccl_version()
-    return f"NCCL {code // 10000}.{code // 100 % 100}.{code % 100} through CuPy {cupy.__version__}: CUDA tensors"
+    return f"NCCL {version_text(nccl_version())} through CuPy {cupy.__version__}: CUDA tensors"
 
 
 def _gpus() -> str:

@@ -18,7 +18,8 @@ import sys
 from typing import Sequence
 
 from ..failures import read_failures
-from ..rendezvous import RendezvousServer
+from ..rendezvous import RendezvousServer, address_towards
+from ..runtime import env_seconds
 from .hosts import HostSlots, HostSpecError, assign_slots, parse_hostfile, parse_hosts
 from .output import OutputSink
 from .spawn import SshOptions, build_launches, is_local, split_user
@@ -92,8 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
 def tunables_env(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
     """The tunable flags as the environment variables the ranks read (Horovod's names too)."""
     out: dict[str, str] = {}
-    start = args.start_timeout or _env_float(env, ("GPUCOMM_START_TIMEOUT", "HOROVOD_START_TIMEOUT")) \
-        or DEFAULT_START_TIMEOUT
+    try:
+        start = args.start_timeout or env_seconds(env, ("GPUCOMM_START_TIMEOUT", "HOROVOD_START_TIMEOUT"),
+                                                  DEFAULT_START_TIMEOUT)
+    except ValueError as e:
+        raise SystemExit(f"gpucomm-run: {e}") from None
     out["GPUCOMM_START_TIMEOUT"] = out["HOROVOD_START_TIMEOUT"] = f"{start:g}"
     if args.timeout:
         out["GPUCOMM_TIMEOUT"] = out["HOROVOD_GLOO_TIMEOUT_SECONDS"] = f"{args.timeout:g}"
@@ -114,16 +118,6 @@ def tunables_env(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str
     return out
 
 
-def _env_float(env: dict[str, str], names: tuple[str, ...]) -> float | None:
-    for name in names:
-        if env.get(name):
-            try:
-                return float(env[name])
-            except ValueError:
-                raise SystemExit(f"gpucomm-run: {name}={env[name]!r} is not a number of seconds") from None
-    return None
-
-
 def interface_address(nic: str) -> str:
     """The IPv4 address of a local network interface, or a clear error naming the ones that exist."""
     import psutil
@@ -136,17 +130,6 @@ def interface_address(nic: str) -> str:
         if a.family == socket.AF_INET:
             return a.address
     raise SystemExit(f"gpucomm-run: --network-interface {nic!r} has no IPv4 address.")
-
-
-def _route_address(host: str) -> str:
-    """This host's address on the route towards ``host`` (what a remote rank can reach us on)."""
-    name = split_user(host)[1].strip("[]")
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((socket.gethostbyname(name), 9))
-            return s.getsockname()[0]
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
 
 
 def _host_list(args: argparse.Namespace) -> list[HostSlots]:
@@ -179,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.nics:
         bind, addr = "0.0.0.0", interface_address(tunables["GPUCOMM_GLOO_IFACE"])
     elif remote_hosts:
-        bind, addr = "0.0.0.0", _route_address(remote_hosts[0])
+        bind, addr = "0.0.0.0", address_towards(split_user(remote_hosts[0])[1].strip("[]"))
     else:
         bind, addr = "127.0.0.1", "127.0.0.1"
     secret = secrets.token_bytes(32)

@@ -51,11 +51,12 @@ class _BucketState:
 
     plan: fusion.Bucket
     params: list[torch.Tensor]
-    wire_dtype: torch.dtype
+    wire_dtype: torch.dtype | None  # the fused buffer's dtype; None: a compressor the kernels cannot fuse
     pending: int = 0  # gradients still to arrive before the bucket is complete
     handle: Handle | None = None
-    buffer: torch.Tensor | None = None
-    sources: list[torch.Tensor] = field(default_factory=list)  # what was packed (kept alive while in flight)
+    reduced: list[torch.Tensor] = field(default_factory=list)  # the fusion buffer, or the compressed gradients
+    contexts: list[Any] = field(default_factory=list)  # the compressor's contexts (unfused buckets)
+    in_flight: list[torch.Tensor] = field(default_factory=list)  # gradients read by the launch, kept alive
 
 
 def _wire_dtype(compression: Any, dtype: torch.dtype) -> torch.dtype | None:
@@ -79,8 +80,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  gradient_predivide_factor, groups, sparse_as_dense):
         super(self.__class__, self).__init__(params)  # the wrapped class's __init__ with its defaults
         self._compression = compression
-        self._op = op
-        self._predivide = float(gradient_predivide_factor)
         self._sparse_as_dense = sparse_as_dense
         self._passes = backward_passes_per_step
         params_in_order = [p for group in self.param_groups for p in group["params"]]
@@ -88,6 +87,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._trainable = [p for p in params_in_order if p.requires_grad]
         rt = runtime.current()
         self._size = rt.world.size
+        # Average: 1/f before the sum (packed in), f/size after (unpacked out), Horovod's predivide rule
+        self._prescale = 1.0 / float(gradient_predivide_factor) if op == Average else 1.0
+        self._postscale = float(gradient_predivide_factor) / self._size if op == Average else 1.0
         self._check_same_parameters_everywhere(rt)
         self._buffers = fusion.FusionBuffers()
         self._buckets = self._plan(groups)
@@ -135,14 +137,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             plans = fusion.plan_buckets(trainable)
         else:
             plans = _explicit_buckets(trainable, groups)
-        states = []
-        for plan in plans:
-            params = [trainable[i] for i in plan.param_indices]
-            wire = _wire_dtype(self._compression, plan.dtype)
-            states.append(_BucketState(plan, params, wire if wire is not None else plan.dtype))
-        for s in states:
-            s.pending = len(s.params)
-        return states
+        return [_BucketState(plan, [trainable[i] for i in plan.param_indices],
+                             _wire_dtype(self._compression, plan.dtype), len(plan.param_indices))
+                for plan in plans]
 
     # ------------------------------------------------------------------ hooks and launching
 
@@ -173,31 +170,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._next_launch += 1
 
     def _launch(self, bucket: _BucketState) -> None:
-        sources = [self._gradient_to_send(p) for p in bucket.params]
-        rt = runtime.current()
-        prescale = 1.0 / self._predivide if self._op == Average else 1.0
-        fused = _wire_dtype(self._compression, bucket.plan.dtype) is not None
-        if fused:
+        grads = [self._gradient_to_send(p) for p in bucket.params]
+        if bucket.wire_dtype is not None:
             buffer = self._buffers.get(bucket.plan.device, bucket.wire_dtype, bucket.plan.numel, slot=bucket.plan.index)
             with torch.no_grad():
-                fusion.pack_bucket(sources, buffer, scale=prescale)
-            tensors = [buffer]
+                fusion.pack_bucket(grads, buffer, scale=self._prescale)
+            bucket.reduced = [buffer]
         else:  # a user compressor: compress each gradient, reduce them as one grouped call
-            compressed = []
-            for s in sources:
-                c, ctx = self._compression.compress(s.mul(prescale) if prescale != 1.0 else s)
-                compressed.append((c.contiguous(), ctx))
-            buffer = None
-            tensors = [c for c, _ in compressed]
-            bucket.sources = [ctx for _, ctx in compressed]
-        request = Request("allreduce", f"DistributedOptimizer.bucket.{bucket.plan.index}", tensors, outputs=tensors,
-                          op=ReduceOp.SUM, device=bucket.plan.device)
-        bucket.handle = rt.submit(request)
-        bucket.buffer = buffer
-        if fused:
-            bucket.sources = sources
-        else:
-            bucket.sources = [tensors, bucket.sources]
+            for g in grads:
+                c, ctx = self._compression.compress(g.mul(self._prescale) if self._prescale != 1.0 else g)
+                bucket.reduced.append(c.contiguous())
+                bucket.contexts.append(ctx)
+        bucket.in_flight = grads
+        request = Request("allreduce", f"DistributedOptimizer.bucket.{bucket.plan.index}", bucket.reduced,
+                          outputs=bucket.reduced, op=ReduceOp.SUM, device=bucket.plan.device)
+        bucket.handle = runtime.current().submit(request)
 
     def _gradient_to_send(self, p: torch.Tensor) -> torch.Tensor:
         g = p.grad
@@ -219,15 +206,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for bucket in self._buckets[self._next_launch:]:
                 self._launch(bucket)
             self._next_launch = len(self._buckets)
-        postscale = (self._predivide / self._size) if self._op == Average else 1.0
         try:
             for bucket in self._buckets:
-                self._finish(bucket, postscale)
+                self._finish(bucket)
         finally:
             self._reset_step()
         self._synchronized = True
 
-    def _finish(self, bucket: _BucketState, postscale: float) -> None:
+    def _finish(self, bucket: _BucketState) -> None:
         assert bucket.handle is not None
         bucket.handle.wait()
         targets = []
@@ -241,27 +227,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 p.grad = p.grad.to_dense()
             targets.append(p.grad)
         with torch.no_grad():
-            if bucket.buffer is not None:
+            if bucket.wire_dtype is not None:
                 dests = [t if t is not None and t.is_contiguous() else torch.empty(p.shape, dtype=p.dtype,
                                                                                     device=p.device)
                          for t, p in zip(targets, bucket.params)]
-                fusion.unpack_bucket(bucket.buffer[: bucket.plan.numel], dests, scale=postscale)
+                fusion.unpack_bucket(bucket.reduced[0], dests, scale=self._postscale)
                 for t, d in zip(targets, dests):
                     if t is not None and t is not d:
                         t.copy_(d)
             else:
-                reduced, contexts = bucket.sources
-                for t, r, ctx in zip(targets, reduced, contexts):
+                for t, r, ctx in zip(targets, bucket.reduced, bucket.contexts):
                     if t is not None:
-                        t.copy_(self._compression.decompress(r, ctx).mul(postscale) if postscale != 1.0
-                                else self._compression.decompress(r, ctx))
+                        averaged = self._compression.decompress(r, ctx)
+                        t.copy_(averaged.mul(self._postscale) if self._postscale != 1.0 else averaged)
 
     def _reset_step(self) -> None:
         for bucket in self._buckets:
             bucket.pending = len(bucket.params)
             bucket.handle = None
-            bucket.sources = []
-            bucket.buffer = None
+            bucket.reduced, bucket.contexts, bucket.in_flight = [], [], []
         for p in self._delay:
             self._delay[p] = self._passes
         self._fired.clear()
