@@ -73,7 +73,7 @@ class Communicator:
                 out.copy_(src)
             target = out if in_place else src
             req = Request(kind, f"comm.{kind}", [target], outputs=[target] if in_place else None, device=device, **fields)
-            result = self._rt.submit(req).wait()
+            result = self._rt.submit(req, send="on_wait").wait()
             tensor = result[0][0] if kind == "allgather" else result[0]
             if out is not None and not in_place:
                 out.view(-1).copy_(tensor.reshape(-1))
@@ -103,4 +103,4 @@ class Communicator:
         return self._run("reducescatter", send, recv, stream, reducing=True, op=ReduceOp(op))
 
     def barrier(self) -> None:
-        self._rt.submit(Request("barrier", "comm.barrier", [])).wait()
+        self._rt.submit(Request("barrier", "comm.barrier", []), send="on_wait").wait()

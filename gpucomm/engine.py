@@ -1,24 +1,15 @@
-"""Issue order and completion: the queue between the API and the backends.
+"""Handles: what a submitted collective gives its caller, from submission to result.
 
-Every rank must issue its collectives in the same order, so requests are issued one at a time in
-submission order. A request that can be issued without waiting on the network is issued on the
-caller's thread when nothing is queued ahead of it (no thread hand-off on the hot path); anything
-else goes to one background thread, which may block on a metadata exchange without blocking the
-caller. A later control plane (name-keyed negotiation, join, process sets) plugs in as the step
-that turns a submitted request into an issued one.
+A handle becomes *issued* when the control plane (``controller.py``) has negotiated its request
+and handed it to a backend; ``wait`` then waits for the backend's work and produces the result.
 """
 
 from __future__ import annotations
 
-import collections
-import logging
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .errors import CollectiveError, ShutdownError
-
-log = logging.getLogger("gpucomm.engine")
+from .errors import CollectiveError
 
 
 @dataclass
@@ -37,7 +28,7 @@ class Handle:
 
     __slots__ = ("request", "_issued", "_error", "_result", "_finished", "_engine")
 
-    def __init__(self, request: Any, engine: "Engine") -> None:
+    def __init__(self, request: Any, engine: Any) -> None:
         self.request, self._engine = request, engine
         self._issued: Issued | None = None
         self._error: BaseException | None = None
@@ -64,11 +55,7 @@ class Handle:
             return self._result
         timeout = self._engine.timeout
         if not self._ready():
-            with self._engine._cv:
-                if not self._engine._cv.wait_for(self._ready, timeout):
-                    raise CollectiveError(
-                        f"{_describe(self.request)} was not issued within {timeout:.0f} s: the operations queued "
-                        f"before it are stuck (another rank may be missing from an earlier collective).")
+            self._engine.wait_ready(self, timeout)
         if self._error is not None:
             raise self._error
         issued = self._issued
@@ -84,9 +71,12 @@ class Handle:
                 _used_on(self._result, stream)
             else:
                 self._result = issued.finalize()
-        except CollectiveError:
-            raise
         except Exception as e:
+            cause = self._engine.failure()
+            if cause is not None:  # another rank's failure broke this collective: name that first cause
+                raise CollectiveError(f"{_describe(self.request)} failed because {cause}") from e
+            if isinstance(e, CollectiveError):
+                raise
             raise CollectiveError(f"{_describe(self.request)} failed: {e}") from e
         self._finished = True
         self._issued = None  # drop the backend's references
@@ -108,77 +98,3 @@ def _used_on(result: Any, stream: Any) -> None:
 def _describe(request: Any) -> str:
     describe = getattr(request, "describe", None)
     return describe() if callable(describe) else repr(request)
-
-
-@dataclass
-class Engine:
-    """Issues requests in submission order, inline when possible, else on the background thread."""
-
-    execute: Callable[[Any], Issued]
-    timeout: float
-    _queue: collections.deque = field(default_factory=collections.deque)
-    _cv: threading.Condition = field(default_factory=threading.Condition)
-    _busy: bool = False
-    _closed: bool = False
-    _thread: threading.Thread | None = None
-
-    def __post_init__(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="gpucomm-engine", daemon=True)
-        self._thread.start()
-
-    def submit(self, request: Any, *, inline: bool) -> Handle:
-        """Queue ``request``; ``inline`` says it can be issued without blocking on the network."""
-        handle = Handle(request, self)
-        with self._cv:
-            if self._closed:
-                raise ShutdownError(f"{_describe(request)} was submitted after gpucomm shut down; call hvd.init() first.")
-            run_here = inline and not self._busy and not self._queue
-            if run_here:
-                self._busy = True
-            else:
-                self._queue.append(handle)
-                self._cv.notify_all()
-        if run_here:
-            try:
-                self._issue(handle)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    if self._queue:  # wake the thread only when work arrived meanwhile
-                        self._cv.notify_all()
-        return handle
-
-    def _issue(self, handle: Handle) -> None:
-        try:
-            handle._issued = self.execute(handle.request)
-        except BaseException as e:  # the error belongs to the caller of wait()
-            handle._error = e
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._closed and (self._busy or not self._queue):
-                    self._cv.wait()
-                if self._closed:
-                    return
-                handle = self._queue.popleft()
-                self._busy = True
-            try:
-                self._issue(handle)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()  # wake threads waiting for this handle to be issued
-
-    def shutdown(self) -> None:
-        """Stop issuing; queued requests fail with ``ShutdownError``."""
-        with self._cv:
-            self._closed = True
-            pending, self._queue = list(self._queue), collections.deque()
-            self._cv.notify_all()
-        with self._cv:
-            for h in pending:
-                h._error = ShutdownError(f"{_describe(h.request)} never ran: gpucomm was shut down while it was queued.")
-            self._cv.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.timeout)

@@ -13,11 +13,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from .backends.base import WireOp
 from .engine import Issued
-from .errors import CollectiveError
+from .negotiation import Descriptor
 
 
 class ReduceOp(enum.IntEnum):
@@ -55,16 +56,24 @@ class Request:
     splits: list[int] | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     ready_event: Any = None  # CUDA: recorded on the caller's stream when submitted
+    set_id: int = 0  # the process set it runs on (0: every rank)
+    ranks: tuple[int, ...] | None = None  # add_process_set: the new set's ranks
 
     def describe(self) -> str:
         shapes = ", ".join(f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in self.tensors[:3])
         more = f" (+{len(self.tensors) - 3} more)" if len(self.tensors) > 3 else ""
         return f"{self.kind} '{self.name}' of [{shapes}{more}] on {self.device}"
 
-    @property
-    def needs_exchange(self) -> bool:
-        """True when issuing must first learn other ranks' shapes (it blocks on the network)."""
-        return self.kind in ("allgather", "alltoall")
+
+
+_DTYPE_NAMES = {dt: str(dt).replace("torch.", "") for dt in MOVABLE}
+
+
+def descriptor_of(req: Request) -> Descriptor:
+    """What ``req``'s rank tells the coordinator about it."""
+    return Descriptor(req.kind, req.set_id, tuple(_DTYPE_NAMES.get(t.dtype, str(t.dtype)) for t in req.tensors),
+                      tuple(tuple(t.shape) for t in req.tensors), req.device.type, int(req.op), req.prescale,
+                      req.postscale, req.root, None if req.splits is None else tuple(req.splits), req.ranks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,30 +150,157 @@ def _prod(dims: Sequence[int]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# small CPU allreduces ride the control round
+#
+# A CPU allreduce of a few KiB costs more in its second round trip (the Gloo call after the
+# negotiation) than in moving its bytes, so its ranks send their input with the request and the
+# coordinator reduces and answers with the result: one round trip instead of two. Every rank gets
+# the same bytes. The coordinator falls back to the data plane unless every member sent its input.
+
+DEFAULT_INLINE_BYTES = 16 << 10
+
+
+def inline_payload(req: Request, limit: int) -> bytes | None:
+    """``req``'s input bytes if it may be reduced by the coordinator, else None."""
+    if req.kind != "allreduce" or req.device.type != "cpu" or limit <= 0:
+        return None
+    if sum(t.numel() * t.element_size() for t in req.tensors) > limit:
+        return None
+    return b"".join(_raw_bytes(t) for t in req.tensors)
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    if t.dtype in _NUMPY_DTYPES:
+        return t.numpy().tobytes()  # one torch call: this runs once per small allreduce
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+_NUMPY_DTYPES = {torch.uint8: np.uint8, torch.int8: np.int8, torch.int32: np.int32, torch.int64: np.int64,
+                 torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+_NUMPY_REDUCE = {ReduceOp.SUM: np.add, ReduceOp.AVERAGE: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
+                 ReduceOp.PRODUCT: np.multiply}
+
+
+def _scale_np(a: np.ndarray, factor: float) -> np.ndarray:
+    """``scale_``'s rules on a NumPy array (a new array)."""
+    if factor == 1.0 or a.size == 0:
+        return a
+    if a.dtype.kind in "iu":
+        divisor = 1.0 / factor
+        if divisor == round(divisor) or abs(divisor - round(divisor)) < 1e-9 * abs(divisor):
+            d = int(round(divisor))
+            q = np.abs(a) // d  # truncate toward zero, exactly
+            return np.where(a < 0, -q, q).astype(a.dtype)
+        return (a.astype(np.float64) * factor).astype(a.dtype)
+    if a.dtype == np.float16:
+        return (a.astype(np.float32) * np.float32(factor)).astype(np.float16)
+    return a * a.dtype.type(factor)
+
+
+def reduce_inline(descriptor: Descriptor, payloads: Sequence[bytes], set_size: int) -> bytes:
+    """The allreduce result of ``payloads`` (each member's input bytes, in rank order; ranks that
+    joined send none and count as zeros): prescale, reduce, postscale, as the data plane does."""
+    op = ReduceOp(descriptor.op)
+    post = descriptor.postscale / set_size if op == ReduceOp.AVERAGE else descriptor.postscale
+    dtypes = [getattr(torch, name) for name in descriptor.dtypes]
+    if all(dt in _NUMPY_DTYPES for dt in dtypes):  # the fast path: one NumPy reduction per tensor
+        out, pos = [], 0
+        for dt, shape in zip(dtypes, descriptor.shapes):
+            n = _prod(shape) * dt.itemsize
+            rows = np.frombuffer(b"".join(p[pos : pos + n] for p in payloads), dtype=_NUMPY_DTYPES[dt])
+            rows = _scale_np(rows.reshape(len(payloads), -1), descriptor.prescale)
+            reduced = _NUMPY_REDUCE[op].reduce(rows, axis=0, dtype=rows.dtype)
+            out.append(_scale_np(reduced, post).tobytes())
+            pos += n
+        return b"".join(out)
+    results = None  # bfloat16: through torch
+    for data in payloads:
+        tensors = _unpack(dtypes, descriptor.shapes, data)
+        for t in tensors:
+            scale_(t, descriptor.prescale)
+        results = tensors if results is None else [_REDUCERS[op](a, b) for a, b in zip(results, tensors)]
+    for t in results:
+        scale_(t, post)
+    return b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes() for t in results)
+
+
+def _unpack(dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]], data: bytes) -> list[torch.Tensor]:
+    out, pos = [], 0
+    for dtype, shape in zip(dtypes, shapes):
+        n = _prod(shape) * dtype.itemsize
+        raw = torch.frombuffer(bytearray(data[pos : pos + n]), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+        out.append(raw.view(dtype).reshape(shape))
+        pos += n
+    return out
+
+
+_REDUCERS = {ReduceOp.SUM: torch.add, ReduceOp.AVERAGE: torch.add, ReduceOp.MIN: torch.minimum,
+             ReduceOp.MAX: torch.maximum, ReduceOp.PRODUCT: torch.mul}
+
+
+def write_inline(req: Request, result: bytes) -> list[torch.Tensor]:
+    """``req``'s results from the coordinator's bytes: written into its outputs when in place."""
+    outs, pos = [], 0
+    for i, t in enumerate(req.tensors):
+        n = t.numel() * t.element_size()
+        target = req.outputs[i] if req.outputs is not None else None
+        if t.dtype in _NUMPY_DTYPES:
+            value = np.frombuffer(result, dtype=_NUMPY_DTYPES[t.dtype], count=t.numel(), offset=pos)
+            if target is None:
+                outs.append(torch.from_numpy(value.reshape(t.shape).copy()))
+            else:
+                np.copyto(target.numpy().reshape(-1), value)
+                outs.append(target)
+        else:
+            raw = torch.frombuffer(bytearray(result[pos : pos + n]), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+            value = raw.view(t.dtype).reshape(t.shape)
+            if target is not None:
+                target.copy_(value)
+                value = target
+            outs.append(value)
+        pos += n
+    return outs
+
+
+# ---------------------------------------------------------------------------------------------
 # execution (engine's issuing thread)
 
 Plan = tuple[list[Any], Callable[[], Any]]  # backend works, and the step that produces the result
 
 
 class Executor:
-    """Turns requests into backend calls for one initialized job."""
+    """Turns negotiated requests into backend calls for one initialized job.
 
-    def __init__(self, rank: int, size: int, gloo, nccl_factory: Callable[[], Any], *, timeout: float) -> None:
-        self.rank, self.size, self._timeout = rank, size, timeout
-        self._gloo = gloo
-        self._nccl_factory = nccl_factory
+    ``groups(set_id)`` gives the process set a request runs on (its members, this rank's index in
+    it, its Gloo and NCCL backends); ``meta`` is what the coordinator added: the other ranks' first
+    dimensions for allgather and the matrix of splits for alltoall, so no extra exchange is needed."""
+
+    def __init__(self, groups: Callable[[int], Any], tracer: Callable[[], Any] = lambda: None) -> None:
+        self._groups = groups
+        self._tracer = tracer  # the timeline's tracer while one is recording (rank 0), else None
         self._streams: dict[int, Any] = {}
 
-    def __call__(self, req: Request) -> Issued:
-        if req.device.type == "cpu" or req.kind == "barrier":
-            works, after = self._plan(req, self._gloo, None)
+    def __call__(self, req: Request, meta: dict) -> Issued:
+        group = self._groups(req.set_id)
+        tracer = self._tracer()
+        if req.device.type == "cpu":
+            works, after = self._plan(req, meta, group, group.gloo(), None)
+            if tracer is not None:
+                tracer.cpu_op(req.name, req.kind, req.tensors, works)
             return Issued(works, None, after)
-        backend = self._nccl_factory()
+        backend = group.nccl()
         comm = self._comm_stream(req.device)
+        trace = tracer.gpu_op(req.name, req.kind, comm) if tracer is not None else None
         comm.wait_event(req.ready_event)
+        if trace is not None:
+            trace.step("QUEUE", comm)
         with torch.cuda.stream(comm):
-            works, after = self._plan(req, backend, comm.cuda_stream)
+            works, after = self._plan(req, meta, group, backend, comm.cuda_stream)
             result = after()
+            if trace is not None:
+                trace.step(f"NCCL_{req.kind.upper()}", comm)
+                trace.submit(req.tensors[0].dtype if req.tensors else None,
+                             req.tensors[0].shape if len(req.tensors) == 1 else f"[{len(req.tensors)} tensors]")
             done = torch.cuda.Event()
             done.record(comm)
         for t in req.tensors + (req.outputs or []):
@@ -178,69 +314,27 @@ class Executor:
             stream = self._streams[index] = torch.cuda.Stream(device=index)
         return stream
 
-    def _plan(self, req: Request, backend, stream: int | None) -> Plan:
-        return getattr(self, "_" + req.kind)(req, backend, stream)
-
-    # -- metadata exchange -------------------------------------------------------------------
-    def _exchange(self, values: list[int]) -> list[list[int]]:
-        """Every rank's integer vector (lengths may differ), through Gloo."""
-        n = torch.tensor([len(values)], dtype=torch.int64)
-        lengths = torch.empty(self.size, dtype=torch.int64)
-        self._gloo.allgather(n, lengths).wait(self._timeout)
-        width = int(lengths.max())
-        mine = torch.zeros(width, dtype=torch.int64)
-        mine[: len(values)] = torch.tensor(values, dtype=torch.int64)
-        every = torch.empty(self.size * width, dtype=torch.int64)
-        self._gloo.allgather(mine, every).wait(self._timeout)
-        rows = every.view(self.size, width).tolist()
-        return [row[: int(lengths[r])] for r, row in enumerate(rows)]
-
-    def _shapes_everywhere(self, req: Request, extra: Sequence[int] = ()) -> list[list[list[int]]]:
-        """Each rank's (dtype code, shape) per tensor; raise on every rank when dtypes, ranks of
-        shape or trailing dimensions differ, since no data can move then."""
-        mine: list[int] = [len(req.tensors)]
-        for t in req.tensors:
-            mine += [_DTYPE_CODE[t.dtype], t.dim(), *t.shape]
-        mine += list(extra)
-        every = self._exchange(mine)
-        parsed = []
-        for r, vec in enumerate(every):
-            count, pos, shapes = vec[0], 1, []
-            for _ in range(count):
-                code, ndim = vec[pos], vec[pos + 1]
-                shapes.append([code, *vec[pos + 2 : pos + 2 + ndim]])
-                pos += 2 + ndim
-            parsed.append(shapes + [vec[pos:]])
-        ref = parsed[self.rank]
-        for r, shapes in enumerate(parsed):
-            if len(shapes) != len(ref):
-                raise CollectiveError(f"{req.describe()}: rank {r} passed {len(shapes) - 1} tensors but rank "
-                                      f"{self.rank} passed {len(ref) - 1}; every rank must pass the same number.")
-            for i, (a, b) in enumerate(zip(shapes[:-1], ref[:-1])):
-                if a[0] != b[0] or len(a) != len(b) or a[2:] != b[2:]:
-                    raise CollectiveError(
-                        f"Mismatched {req.kind.upper()} tensor shapes or types for tensor {i} of '{req.name}': rank "
-                        f"{r} sent {MOVABLE[a[0]]} of shape {a[1:]}, rank {self.rank} sent {MOVABLE[b[0]]} of shape "
-                        f"{b[1:]}. All ranks must agree on dtype and on every dimension but the first.")
-        return parsed
+    def _plan(self, req: Request, meta: dict, group, backend, stream: int | None) -> Plan:
+        return getattr(self, "_" + req.kind)(req, meta, group, backend, stream)
 
     # -- collectives -------------------------------------------------------------------------
-    def _wire(self, req: Request, backend, dtype: torch.dtype) -> tuple[WireOp, float]:
+    @staticmethod
+    def _wire(req: Request, group, backend, dtype: torch.dtype) -> tuple[WireOp, float]:
         """The backend reduction and the post-scale that together give ``req.op``."""
         if req.op != ReduceOp.AVERAGE:
             return _WIRE[req.op], req.postscale
         if backend.name == "nccl" and dtype.is_floating_point and req.prescale == 1.0 and req.postscale == 1.0:
             return WireOp.AVG, 1.0
-        return WireOp.SUM, req.postscale / self.size
+        return WireOp.SUM, req.postscale / group.size
 
-    def _allreduce(self, req: Request, backend, stream) -> Plan:
+    def _allreduce(self, req: Request, meta: dict, group, backend, stream) -> Plan:
         outs = req.outputs if req.outputs is not None else [torch.empty_like(t) for t in req.tensors]
         if len(req.tensors) == 1:
             src, out = req.tensors[0], outs[0]  # contiguous: backends need no flat view
             if out is not src:
                 out.copy_(src)
             scale_(out, req.prescale)
-            wire, post = self._wire(req, backend, out.dtype)
+            wire, post = self._wire(req, group, backend, out.dtype)
             work = backend.allreduce(out, out, op=wire, stream=stream)
 
             def after_one():
@@ -254,7 +348,7 @@ class Executor:
             idx = [i for i, t in enumerate(req.tensors) if t.dtype == dtype]
             buf = torch.cat([req.tensors[i].reshape(-1) for i in idx])
             scale_(buf, req.prescale)
-            wire, post = self._wire(req, backend, dtype)
+            wire, post = self._wire(req, group, backend, dtype)
             w = backend.allreduce(buf, buf, op=wire, stream=stream)
             if w is not None:
                 works.append(w)
@@ -272,17 +366,17 @@ class Executor:
 
         return works, after_group
 
-    def _broadcast(self, req: Request, backend, stream) -> Plan:
+    def _broadcast(self, req: Request, meta: dict, group, backend, stream) -> Plan:
         src = req.tensors[0]
-        out = req.outputs[0] if req.outputs is not None else (src.clone() if self.rank == req.root else torch.empty_like(src))
-        work = backend.broadcast(out.view(-1), out.view(-1), root=req.root, stream=stream)
+        root = group.index_of(req.root)
+        out = req.outputs[0] if req.outputs is not None else (src.clone() if group.rank == root else torch.empty_like(src))
+        work = backend.broadcast(out.view(-1), out.view(-1), root=root, stream=stream)
         return [w for w in (work,) if w is not None], lambda: [out]
 
-    def _allgather(self, req: Request, backend, stream) -> Plan:
-        parsed = self._shapes_everywhere(req)
+    def _allgather(self, req: Request, meta: dict, group, backend, stream) -> Plan:
         works, pieces = [], []
         for i, t in enumerate(req.tensors):
-            rows = [parsed[r][i][1] if len(parsed[r][i]) > 1 else 1 for r in range(self.size)]
+            rows = meta["rows"][i]
             tail = list(t.shape[1:])
             row_numel = _prod(tail)
             most = max(rows)
@@ -290,7 +384,7 @@ class Executor:
             if min(rows) != most:  # uneven first dimension: pad to the longest, compact afterwards
                 send = torch.zeros(most * row_numel, dtype=t.dtype, device=t.device)
                 send[: t.numel()].copy_(t.reshape(-1))
-            recv = torch.empty(self.size * most * row_numel, dtype=t.dtype, device=t.device)
+            recv = torch.empty(group.size * most * row_numel, dtype=t.dtype, device=t.device)
             w = backend.allgather(send, recv, stream=stream)
             if w is not None:
                 works.append(w)
@@ -300,21 +394,21 @@ class Executor:
             outs = []
             for recv, rows, most, row_numel, tail, scalar in pieces:
                 if scalar:
-                    outs.append(recv.view(self.size))
+                    outs.append(recv.view(group.size))
                 elif min(rows) == most:
-                    outs.append(recv.view(self.size * most, *tail))
+                    outs.append(recv.view(group.size * most, *tail))
                 else:
-                    parts = [recv[r * most * row_numel : (r * most + rows[r]) * row_numel] for r in range(self.size)]
+                    parts = [recv[r * most * row_numel : (r * most + rows[r]) * row_numel] for r in range(group.size)]
                     outs.append(torch.cat(parts).view(sum(rows), *tail))
             return outs, [p[1] for p in pieces]
 
         return works, after
 
-    def _alltoall(self, req: Request, backend, stream) -> Plan:
+    def _alltoall(self, req: Request, meta: dict, group, backend, stream) -> Plan:
         t = req.tensors[0]
-        splits = req.splits if req.splits is not None else equal_splits(t.shape[0], self.size, "alltoall")
-        parsed = self._shapes_everywhere(req, splits)
-        received = [parsed[r][-1][self.rank] for r in range(self.size)]
+        matrix = meta["splits"]
+        splits = matrix[group.rank]
+        received = [matrix[r][group.rank] for r in range(group.size)]
         tail = list(t.shape[1:])
         row_numel = _prod(tail)
         recv = torch.empty(sum(received) * row_numel, dtype=t.dtype, device=t.device)
@@ -322,24 +416,24 @@ class Executor:
                              stream=stream)
         return [w] if w is not None else [], lambda: (recv.view(sum(received), *tail), received)
 
-    def _reducescatter(self, req: Request, backend, stream) -> Plan:
+    def _reducescatter(self, req: Request, meta: dict, group, backend, stream) -> Plan:
         works, pieces = [], []
         for t in req.tensors:
-            rows = reducescatter_rows(t.shape[0], self.size)
+            rows = reducescatter_rows(t.shape[0], group.size)
             tail = list(t.shape[1:])
             row_numel, most = _prod(tail), rows[0]
-            send = torch.zeros(self.size * most * row_numel, dtype=t.dtype, device=t.device)
+            send = torch.zeros(group.size * most * row_numel, dtype=t.dtype, device=t.device)
             flat, pos = t.reshape(-1), 0
             for r, n in enumerate(rows):  # rank r's rows go to slot r, padded to the longest slot
                 send[r * most * row_numel : (r * most + n) * row_numel].copy_(flat[pos : pos + n * row_numel])
                 pos += n * row_numel
             scale_(send, req.prescale)
             recv = torch.empty(most * row_numel, dtype=t.dtype, device=t.device)
-            wire, post = self._wire(req, backend, t.dtype)
+            wire, post = self._wire(req, group, backend, t.dtype)
             w = backend.reducescatter(send, recv, op=wire, stream=stream)
             if w is not None:
                 works.append(w)
-            pieces.append((recv, rows[self.rank], row_numel, tail, post))
+            pieces.append((recv, rows[group.rank], row_numel, tail, post))
 
         def after():
             outs = []
@@ -350,6 +444,3 @@ class Executor:
             return outs
 
         return works, after
-
-    def _barrier(self, req: Request, backend, stream) -> Plan:
-        return [self._gloo.barrier()], lambda: None

@@ -19,7 +19,6 @@ is closed; the store keeps serving everyone else.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import os
@@ -98,7 +97,7 @@ def decode_fields(body: bytes) -> tuple[int, list[bytes]]:
 
 
 def _mac(secret: bytes, nonce: bytes, direction: bytes, seq: int, body: bytes) -> bytes:
-    return hmac.new(secret, nonce + direction + _SEQ.pack(seq) + body, hashlib.sha256).digest()
+    return hmac.digest(secret, nonce + direction + _SEQ.pack(seq) + body, "sha256")
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -136,11 +135,14 @@ class _Channel:
         if length < MAC_BYTES + 1 or length > self.max_frame + MAC_BYTES:
             raise FrameError(f"frame length {length} outside [{MAC_BYTES + 1}, {self.max_frame + MAC_BYTES}]")
         previous = self.sock.gettimeout()
-        self.sock.settimeout(body_timeout)
-        try:
+        if previous == body_timeout:
             payload = _recv_exact(self.sock, length)
-        finally:
-            self.sock.settimeout(previous)
+        else:
+            self.sock.settimeout(body_timeout)
+            try:
+                payload = _recv_exact(self.sock, length)
+            finally:
+                self.sock.settimeout(previous)
         mac, body = payload[:MAC_BYTES], payload[MAC_BYTES:]
         expected = _mac(self.secret, self.nonce, self.recv_dir, self.recv_seq, body)
         if not hmac.compare_digest(mac, expected):
@@ -384,6 +386,11 @@ class RendezvousClient:
                 self._idle.append(chan)
                 return
         chan.sock.close()
+
+    @property
+    def secret(self) -> bytes:
+        """The job secret this client authenticates with (the control plane reuses it)."""
+        return self._secret
 
     def close(self) -> None:
         with self._lock:

@@ -10,18 +10,24 @@ import json
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from . import devices, failures
 from .backends.gloo import GlooBackend
-from .engine import Engine, Handle
+from .controller import ControlConfig, Controller
+from .coordinator import Coordinator
+from .engine import Handle
 from .errors import GpucommError, NotInitializedError
-from .ops import Executor, Request
+from .ops import Executor, Request, reduce_inline
+from .control_channel import ControlListener, connect as connect_control
+from .process_sets import Group, check_members
+from .tracing import Tracer
 from .rendezvous import RendezvousClient, RendezvousError, RendezvousServer, address_towards, wait_for_ranks
 from .world import World, detect_world
 
@@ -61,42 +67,150 @@ class Runtime:
     hosts: list[str]
     cross_rank: int
     cross_size: int
-    engine: Engine = field(init=False)
+    control: ControlConfig
+    links: tuple = (None, {})  # (channel to rank 0, or None in rank 0; rank 0's channels to the others)
+    static_sets: list[tuple[int, ...]] = field(default_factory=list)
+    dynamic_sets: bool = False
+    controller: Controller = field(init=False)
+    groups: dict[int, Group] = field(init=False)
     _nccl: Any = None
     _nccl_lock: threading.Lock = field(default_factory=threading.Lock)
+    _set_counter: int = 0
+    join_device: int = -1  # hvd.join(device=...): the GPU for zero stand-ins; -1: this rank's GPU
+    tracer: Tracer | None = None  # rank 0's timeline while one is recording
 
     def __post_init__(self) -> None:
-        executor = Executor(self.world.rank, self.world.size, self.gloo, self.nccl, timeout=self.timeout)
-        self.engine = Engine(executor, self.timeout)
+        rank, size = self.world.rank, self.world.size
+        self.groups = {0: Group(0, range(size), rank, lambda g: self.gloo, lambda g: self.nccl())}
+        for set_id, ranks in enumerate(self.static_sets, start=1):
+            self.groups[set_id] = self._group(set_id, ranks)
+        link, workers = self.links
+        coordinator = None
+        if rank == 0:
+            coordinator = Coordinator(size, cache_capacity=self.control.cache_capacity, process_sets=self.static_sets,
+                                      reduce_inline=reduce_inline)
+        self._coordinator = coordinator
+        self.controller = Controller(rank, size, Executor(self.group, self._current_tracer), self.control,
+                                     coordinator=coordinator, workers=workers, link=link, on_done=self._on_done,
+                                     zeros_device=self._zeros_device, tracer=self._current_tracer,
+                                     nccl_health=self._nccl_health)
+
+    def _nccl_health(self, set_id: int, abort: bool) -> str | None:
+        """For the watchdog: NCCL's asynchronous error on ``set_id``'s communicator, or abort it."""
+        group = self.groups.get(set_id)
+        backend = group.nccl_if_created() if group is not None else None
+        if backend is None:
+            return None
+        if abort:
+            backend.abort()
+            return None
+        try:
+            backend.check_async_error()
+        except Exception as e:  # noqa: BLE001 - reported as the job's failure
+            return str(e)
+        return None
+
+    # -- timeline (rank 0 writes it) -------------------------------------------------------------
+    def _current_tracer(self) -> Tracer | None:
+        return self.tracer
+
+    def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
+        """Record a Horovod-format timeline to ``path`` (rank 0; other ranks ignore the call)."""
+        if self.world.rank != 0:
+            return
+        self.stop_timeline()
+        tracer = Tracer(path, mark_cycles=mark_cycles)
+        self.tracer = tracer
+        if self._coordinator is not None:
+            self._coordinator.observer = tracer
+        log.info("timeline: recording to %s", path)
+
+    def stop_timeline(self) -> None:
+        tracer, self.tracer = self.tracer, None
+        if self._coordinator is not None:
+            self._coordinator.observer = None
+        if tracer is not None:
+            tracer.close()
+
+    # -- process sets ----------------------------------------------------------------------------
+    def group(self, set_id: int) -> Group:
+        group = self.groups.get(set_id)
+        if group is None:
+            raise ValueError(f"process set {set_id} is not registered on this rank (it was removed, or never added).")
+        return group
+
+    def _group(self, set_id: int, ranks) -> Group:
+        return Group(set_id, ranks, self.world.rank, self._set_gloo, self._set_nccl)
+
+    def _set_gloo(self, group: Group) -> GlooBackend:
+        iface = os.environ.get("GPUCOMM_GLOO_IFACE") or os.environ.get("HOROVOD_GLOO_IFACE")
+        one_host = len(set(self.hosts)) == 1
+        return GlooBackend(self.client, f"{self.prefix}gloo/ps{group.id}/", group.rank, group.size,
+                           timeout=self.timeout, hostname="127.0.0.1" if one_host and not iface else None,
+                           interface=iface)
+
+    def _set_nccl(self, group: Group):
+        return self._make_nccl(f"{self.prefix}nccl/ps{group.id}/uid", group.rank, group.size)
+
+    def _on_done(self, kind: str, name: str, value: Any) -> None:
+        """Responses that change process sets (applied in the driver thread, in response order)."""
+        if name.startswith("process_set.add.") and isinstance(value, tuple):
+            set_id, ranks = value
+            self.groups[set_id] = self._group(set_id, ranks)
+        elif name.startswith("process_set.remove.") and isinstance(value, int):
+            group = self.groups.pop(value, None)
+            if group is not None:
+                group.close()
+
+    def next_set_name(self, what: str) -> str:
+        self._set_counter += 1
+        return f"process_set.{what}.{self._set_counter}"
+
+    # -- backends --------------------------------------------------------------------------------
+    def _cuda_device(self) -> torch.device:
+        return torch.device("cuda", self.device.cuda_ordinal if self.device is not None else torch.cuda.current_device())
+
+    def _zeros_device(self) -> torch.device:
+        return torch.device("cuda", self.join_device) if self.join_device >= 0 else self._cuda_device()
 
     def nccl(self):
-        """The NCCL backend, created on first use by the first CUDA collective (the same call on
-        every rank, since every rank issues collectives in the same order)."""
+        """The NCCL backend of the whole job, created by the first CUDA collective (the same call on
+        every rank, since every rank runs collectives in the same order)."""
         with self._nccl_lock:
             if self._nccl is None:
-                from .backends.nccl import NcclBackend, nccl_module  # noqa: PLC0415
-
-                nccl = nccl_module()
-                if nccl is None:
-                    raise GpucommError(
-                        "a collective on a CUDA tensor needs NCCL, but CuPy's NCCL bindings could not be loaded. "
-                        "Install the extra that matches your CUDA: pip install 'gpucomm[cuda12]' or 'gpucomm[cuda13]'.")
-                key = f"{self.prefix}nccl/uid"
-                if self.world.rank == 0:
-                    self.client.set(key, bytes(nccl.get_unique_id()))
-                uid = self.client.get(key, self.timeout)
-                ordinal = self.device.cuda_ordinal if self.device is not None else torch.cuda.current_device()
-                self._nccl = NcclBackend(uid, self.world.rank, self.world.size, ordinal)
+                self._nccl = self._make_nccl(f"{self.prefix}nccl/uid", self.world.rank, self.world.size)
             return self._nccl
 
-    def submit(self, request: Request) -> Handle:
+    def _make_nccl(self, key: str, rank: int, size: int):
+        from .backends.nccl import NcclBackend, nccl_module  # noqa: PLC0415
+
+        nccl = nccl_module()
+        if nccl is None:
+            raise GpucommError(
+                "a collective on a CUDA tensor needs NCCL, but CuPy's NCCL bindings could not be loaded. "
+                "Install the extra that matches your CUDA: pip install 'gpucomm[cuda12]' or 'gpucomm[cuda13]'.")
+        t0 = time.monotonic()
+        if rank == 0:
+            self.client.set(key, bytes(nccl.get_unique_id()))
+        uid = self.client.get(key, self.timeout)
+        backend = NcclBackend(uid, rank, size, self._cuda_device().index)
+        log.info("NCCL communicator (%s, rank %d of %d) created in %.3f s", key, rank, size, time.monotonic() - t0)
+        return backend
+
+    # -- submitting ------------------------------------------------------------------------------
+    def submit(self, request: Request, *, send: str = "cycle") -> Handle:
+        """Hand ``request`` to the control plane (``Controller.submit`` explains ``send``)."""
         if request.device.type == "cuda":
             request.ready_event = torch.cuda.Event()
             request.ready_event.record(torch.cuda.current_stream(request.device))
-        return self.engine.submit(request, inline=not request.needs_exchange)
+        return self.controller.submit(request, send=send)
 
     def close(self) -> None:
-        self.engine.shutdown()
+        self.controller.stop()
+        if self.world.rank == 0:
+            self.controller.wait_workers_gone(SHUTDOWN_GRACE)
+        for group in list(self.groups.values())[1:]:
+            group.close()
         if self._nccl is not None:
             self._nccl.close()
         self.gloo.close()
@@ -106,6 +220,8 @@ class Runtime:
                 self._wait_for_others_to_leave()
         except RendezvousError as e:
             log.debug("shutdown: store already gone: %s", e)
+        self.controller.close()
+        self.stop_timeline()
         self.client.close()
         if self.server is not None:
             self.server.close()
@@ -137,17 +253,36 @@ def is_initialized() -> bool:
     return _runtime is not None
 
 
-def init() -> Runtime:
-    """Join the job described by the environment; idempotent while initialized."""
+def init(process_sets: Sequence[Sequence[int]] | str | None = None) -> Runtime:
+    """Join the job described by the environment; idempotent while initialized.
+
+    ``process_sets``: the ranks of each process set to register now (ids 1, 2, ... in order, the
+    same list on every rank), or ``"dynamic"`` to allow ``add_process_set`` later."""
     global _runtime, _generation
     with _lock:
         if _runtime is not None:
             return _runtime
         _generation += 1
-        rt = _runtime = _build(os.environ, _generation)
-        failures.set_reporter(lambda exc: failures.record_failure(
-            rt.client, rt.world.run_id, rt.world.rank, rt.world.hostname, failures.summarize(exc)))
+        rt = _runtime = _build(os.environ, _generation, process_sets)
+        failures.set_reporter(lambda exc: _report(rt, exc))
+        path = os.environ.get("GPUCOMM_TIMELINE") or os.environ.get("HOROVOD_TIMELINE")
+        if path and path.upper() != "DYNAMIC":
+            marks = os.environ.get("GPUCOMM_TIMELINE_MARK_CYCLES", os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES", ""))
+            try:
+                rt.start_timeline(path, mark_cycles=marks.strip().lower() in ("1", "true", "yes", "on"))
+            except BaseException:
+                _runtime = None
+                rt.close()
+                raise
         return rt
+
+
+def _report(rt: Runtime, exc: BaseException) -> None:
+    """An uncaught exception is ending this rank: tell the coordinator (so every rank names it as
+    the cause) and the store (so the launcher does)."""
+    text = failures.summarize(exc)
+    rt.controller.report_failure(text)
+    failures.record_failure(rt.client, rt.world.run_id, rt.world.rank, rt.world.hostname, text)
 
 
 def shutdown() -> None:
@@ -245,8 +380,9 @@ _LOG_LEVELS = {"TRACE": logging.DEBUG, "DEBUG": logging.DEBUG, "INFO": logging.I
                "ERROR": logging.ERROR, "FATAL": logging.CRITICAL}
 
 
-def _configure_logging(env: Mapping[str, str]) -> None:
-    """Honour GPUCOMM_LOG_LEVEL / HOROVOD_LOG_LEVEL (gpucomm-run --log-level) with a stderr handler."""
+def _configure_logging(env: Mapping[str, str], rank: int) -> None:
+    """Honour GPUCOMM_LOG_LEVEL / HOROVOD_LOG_LEVEL (gpucomm-run --log-level; --verbose means INFO)
+    with a stderr handler whose lines carry this process's rank."""
     for name in ("GPUCOMM_LOG_LEVEL", "HOROVOD_LOG_LEVEL"):
         value = env.get(name, "").strip().upper()
         if not value:
@@ -254,20 +390,94 @@ def _configure_logging(env: Mapping[str, str]) -> None:
         if value not in _LOG_LEVELS:
             raise ValueError(f"{name}={value!r} is not a log level; use one of {', '.join(_LOG_LEVELS)}")
         log.setLevel(_LOG_LEVELS[value])
-        if not log.handlers:
+        handler = next((h for h in log.handlers if getattr(h, "_gpucomm", False)), None)
+        if handler is None:
             handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter("gpucomm %(levelname)s: %(message)s"))
+            handler._gpucomm = True  # type: ignore[attr-defined]
             log.addHandler(handler)
+        handler.setFormatter(logging.Formatter(f"gpucomm rank {rank} %(levelname)s %(name)s: %(message)s"))
         return
+    if not log.handlers and not logging.getLogger().handlers:  # warnings (stalls) still reach the user
+        handler = logging.StreamHandler()
+        handler._gpucomm = True  # type: ignore[attr-defined]
+        handler.setLevel(logging.WARNING)
+        handler.setFormatter(logging.Formatter(f"gpucomm rank {rank} %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
 
 
-def _build(env: Mapping[str, str], gen: int) -> Runtime:
-    _configure_logging(env)
+class _Steps:
+    """Times the set-up steps of ``init`` for the log (gpucomm-run --verbose shows them)."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.monotonic()
+
+    def done(self, what: str) -> None:
+        now = time.monotonic()
+        log.info("init: %s in %.3f s (%.3f s since init began)", what, now - self.last, now - self.start)
+        self.last = now
+
+
+def _static_sets(process_sets, size: int, env: Mapping[str, str]) -> tuple[list[tuple[int, ...]], bool]:
+    """The sets to register at init, and whether ``add_process_set`` is allowed later."""
+    dynamic = env.get("GPUCOMM_DYNAMIC_PROCESS_SETS", env.get("HOROVOD_DYNAMIC_PROCESS_SETS", "")).strip().lower() in (
+        "1", "true", "yes", "on")
+    if process_sets is None:
+        return [], dynamic
+    if isinstance(process_sets, str):
+        if process_sets != "dynamic":
+            raise ValueError(f"init(process_sets={process_sets!r}): pass a list of ProcessSet (or rank lists), or "
+                             f"the string 'dynamic'.")
+        return [], True
+    out: list[tuple[int, ...]] = []
+    for ps in process_sets:
+        ranks = tuple(sorted(getattr(ps, "ranks", ps)))
+        check_members(ranks, size, "init(process_sets=...)")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"init(process_sets=...): the set {list(ranks)} lists a rank twice.")
+        if ranks == tuple(range(size)) or ranks in out:
+            raise ValueError(f"init(process_sets=...): the set {list(ranks)} is registered twice (the set of all "
+                             f"ranks is always there as hvd.global_process_set).")
+        out.append(ranks)
+    return out, dynamic
+
+
+def _connect_control(client: RendezvousClient, prefix: str, world: World, secret: bytes, one_host: bool,
+                     iface: str | None, start_timeout: float) -> tuple:
+    """Connect every rank to rank 0's coordinator: (channel to rank 0 or None, rank 0's channels)."""
+    if world.size == 1:
+        return None, {}
+    key = f"{prefix}control"
+    if world.rank == 0:
+        listener = ControlListener(secret, "127.0.0.1" if one_host else "0.0.0.0")
+        host = "127.0.0.1" if one_host else (_interface_address(iface) if iface else
+                                             address_towards(world.rendezvous_addr or "8.8.8.8"))
+        client.set(key, json.dumps({"host": host, "port": listener.port}).encode())
+        return None, listener.accept(list(range(1, world.size)), start_timeout)
+    where = json.loads(client.get(key, start_timeout))
+    return connect_control(where["host"], where["port"], secret, world.rank, start_timeout), {}
+
+
+def _interface_address(iface: str) -> str:
+    import psutil  # noqa: PLC0415
+
+    for a in psutil.net_if_addrs().get(iface, []):
+        if a.family == socket.AF_INET:
+            return a.address
+    raise GpucommError(f"GPUCOMM_GLOO_IFACE={iface!r} names no interface with an IPv4 address on this host.")
+
+
+def _build(env: Mapping[str, str], gen: int, process_sets=None) -> Runtime:
     world = detect_world(env)
-    timeout = env_seconds(env, ("GPUCOMM_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS"), DEFAULT_TIMEOUT)
+    _configure_logging(env, world.rank)
+    steps = _Steps()
+    static_sets, dynamic_sets = _static_sets(process_sets, world.size, env)
+    control = ControlConfig.from_env(env, env_seconds(env, ("GPUCOMM_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS"),
+                                                      DEFAULT_TIMEOUT))
+    timeout = control.timeout
     start_timeout = env_seconds(env, ("GPUCOMM_START_TIMEOUT", "HOROVOD_START_TIMEOUT"), DEFAULT_START_TIMEOUT)
     t0 = time.monotonic()
     server, client = _open_store(world, gen, start_timeout, timeout)
+    steps.done(f"rendezvous store at {client.host}:{client.port} reached (launcher: {world.launcher})")
     prefix = f"{world.run_id}/g{gen}/"
     try:
         record: dict[str, Any] = {"host": world.hostname, "local_rank": world.local_rank, "pid": os.getpid()}
@@ -289,7 +499,9 @@ def _build(env: Mapping[str, str], gen: int) -> Runtime:
                 except RendezvousError:
                     pass
             raise
+        steps.done(f"device chosen: {pinned or 'CPU'}")
         records = _arrive(client, prefix, world, record, start_timeout)
+        steps.done(f"all {world.size} ranks arrived")
         gpus = [(r, rec["host"], rec["bus_id"]) for r, rec in enumerate(records) if rec.get("bus_id")]
         devices.check_unique_assignment(gpus, single_gpu_test=single_gpu)
         cross_rank, cross_size = _cross(world, records)
@@ -298,13 +510,21 @@ def _build(env: Mapping[str, str], gen: int) -> Runtime:
         iface = env.get("GPUCOMM_GLOO_IFACE") or env.get("HOROVOD_GLOO_IFACE")
         gloo = GlooBackend(client, f"{prefix}gloo/", world.rank, world.size, timeout=timeout,
                            hostname="127.0.0.1" if one_host and not iface else None, interface=iface)
+        steps.done("Gloo group ready")
+        try:
+            links = _connect_control(client, prefix, world, client.secret, one_host, iface, start_timeout)
+            steps.done("control plane connected" if world.size > 1 else "control plane ready (one rank)")
+        except BaseException:
+            gloo.close()
+            raise
     except BaseException:
         client.close()
         if server is not None:
             server.close()
         raise
-    log.debug("rank %d/%d initialized in %.2f s (device %s)", world.rank, world.size, time.monotonic() - t0, pinned)
-    return Runtime(world, client, server, prefix, timeout, gloo, pinned, hosts, cross_rank, cross_size)
+    log.info("init: rank %d of %d ready in %.2f s (device %s)", world.rank, world.size, time.monotonic() - t0, pinned or "CPU")
+    return Runtime(world, client, server, prefix, timeout, gloo, pinned, hosts, cross_rank, cross_size, control,
+                   links, static_sets, dynamic_sets)
 
 
 __all__ = ["Runtime", "current", "init", "is_initialized", "shutdown"]

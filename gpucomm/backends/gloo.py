@@ -82,6 +82,13 @@ class GlooWork:
         # passing one here takes a slower path in torch.
         self._work.wait()
 
+    def future(self):
+        """A ``torch.futures.Future`` completed with the work (the timeline times ops with it)."""
+        try:
+            return self._work.get_future()
+        except RuntimeError:
+            return None
+
 
 def _movable(t: torch.Tensor) -> torch.Tensor:
     """A view Gloo can move: its bytes when Gloo has no kernel for the dtype."""

@@ -29,17 +29,25 @@ DEFAULT_START_TIMEOUT = 120.0
 DEFAULT_GRACE = 10.0
 
 
-def _positive(kind: type):
+def _number(kind: type, *, allow_zero: bool):
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+        if value < 0 or (value == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {'non-negative' if allow_zero else 'positive'}")
         return value
     parse.__name__ = kind.__name__
     return parse
+
+
+def _positive(kind: type):
+    return _number(kind, allow_zero=False)
+
+
+def _non_negative(kind: type):
+    return _number(kind, allow_zero=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,6 +87,19 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--fusion-threshold-mb", type=_positive(float),
                       help="fusion buffer (bucket) cap in MiB (GPUCOMM_FUSION_THRESHOLD, HOROVOD_FUSION_THRESHOLD)")
     tune.add_argument("--timeline-filename", help="write a Chrome-trace timeline to this file (rank 0)")
+    tune.add_argument("--timeline-mark-cycles", action="store_true",
+                      help="mark each control-plane cycle in the timeline (GPUCOMM_TIMELINE_MARK_CYCLES)")
+    tune.add_argument("--cycle-time-ms", type=_non_negative(float),
+                      help="how long async requests wait to share one control round (GPUCOMM_CYCLE_TIME, default 1)")
+    tune.add_argument("--cache-capacity", type=_non_negative(int),
+                      help="response cache entries; 0 disables it (GPUCOMM_CACHE_CAPACITY, default 1024)")
+    tune.add_argument("--stall-check-warning-time-seconds", type=_positive(float),
+                      help="warn when some ranks have waited this long for others to submit an operation "
+                           "(GPUCOMM_STALL_CHECK_TIME_SECONDS, default 60)")
+    tune.add_argument("--stall-check-shutdown-time-seconds", type=_non_negative(float),
+                      help="turn such a stall into an error on every rank after this long "
+                           "(GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS; default 0: never)")
+    tune.add_argument("--no-stall-check", action="store_true", help="disable the stall inspector")
     tune.add_argument("--log-level", choices=["TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"], type=str.upper,
                       help="gpucomm log level in the ranks (GPUCOMM_LOG_LEVEL)")
     tune.add_argument("--cpu-affinity", action="store_true",
@@ -105,8 +126,24 @@ def tunables_env(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str
         out["GPUCOMM_FUSION_THRESHOLD"] = out["HOROVOD_FUSION_THRESHOLD"] = str(int(args.fusion_threshold_mb * 2**20))
     if args.timeline_filename:
         out["GPUCOMM_TIMELINE"] = out["HOROVOD_TIMELINE"] = os.path.abspath(args.timeline_filename)
+    if args.timeline_mark_cycles:
+        out["GPUCOMM_TIMELINE_MARK_CYCLES"] = out["HOROVOD_TIMELINE_MARK_CYCLES"] = "1"
+    if args.cycle_time_ms is not None:
+        out["GPUCOMM_CYCLE_TIME"] = out["HOROVOD_CYCLE_TIME"] = f"{args.cycle_time_ms:g}"
+    if args.cache_capacity is not None:
+        out["GPUCOMM_CACHE_CAPACITY"] = out["HOROVOD_CACHE_CAPACITY"] = str(args.cache_capacity)
+    if args.stall_check_warning_time_seconds:
+        out["GPUCOMM_STALL_CHECK_TIME_SECONDS"] = out["HOROVOD_STALL_CHECK_TIME_SECONDS"] = \
+            f"{args.stall_check_warning_time_seconds:g}"
+    if args.stall_check_shutdown_time_seconds is not None:
+        out["GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS"] = out["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = \
+            f"{args.stall_check_shutdown_time_seconds:g}"
+    if args.no_stall_check:
+        out["GPUCOMM_STALL_CHECK_DISABLE"] = out["HOROVOD_STALL_CHECK_DISABLE"] = "1"
     if args.log_level:
         out["GPUCOMM_LOG_LEVEL"] = out["HOROVOD_LOG_LEVEL"] = args.log_level
+    elif getattr(args, "verbose", False):  # --verbose: the ranks report their set-up steps with timings
+        out["GPUCOMM_LOG_LEVEL"] = out["HOROVOD_LOG_LEVEL"] = "INFO"
     if args.cpu_affinity:
         out["GPUCOMM_CPU_AFFINITY"] = "1"
     if args.single_gpu_test:

@@ -11,20 +11,43 @@ from .compression import Compression
 from .checkpoint import save_checkpoint
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .optimizer import DistributedOptimizer
-from .mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather_async, allreduce_, allreduce_async,
-                      allreduce_async_, alltoall_async, barrier, broadcast_, broadcast_async, broadcast_async_,
-                      grouped_allgather_async, grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
-                      grouped_reducescatter_async, poll, reducescatter_async, synchronize)
+from .mpi_ops import (Adasum, Average, Max, Min, Product, Sum, add_process_set, allgather_async, allreduce_,
+                      allreduce_async, allreduce_async_, alltoall_async, barrier, broadcast_, broadcast_async,
+                      broadcast_async_, grouped_allgather_async, grouped_allreduce_, grouped_allreduce_async,
+                      grouped_allreduce_async_, grouped_reducescatter_async, join, poll, reducescatter_async,
+                      remove_process_set, synchronize)
+from ..process_sets import ProcessSet, global_process_set
 
 
 def init(comm=None, process_sets=None) -> None:
-    """Join the job the launcher described (gpucomm-run, torchrun, Slurm, mpirun, or none: one process)."""
+    """Join the job the launcher described (gpucomm-run, torchrun, Slurm, mpirun, or none: one process).
+
+    ``process_sets``: ``ProcessSet``s to register now (the same list on every rank), or
+    ``"dynamic"`` to allow ``add_process_set``/``remove_process_set`` later."""
     if comm is not None:
         raise NotImplementedError("hvd.init(comm=...) (a sub-world or an mpi4py communicator) is not supported by "
                                   "gpucomm; start exactly the processes that should take part.")
-    if process_sets is not None:
-        raise NotImplementedError("process sets are not available in this version of gpucomm.")
-    _runtime.init()
+    sets = list(process_sets) if process_sets is not None and not isinstance(process_sets, str) else []
+    for ps in sets:
+        if not isinstance(ps, ProcessSet):
+            raise ValueError(f"init(process_sets=...) takes hvd.ProcessSet objects, got {type(ps).__name__}.")
+    if _runtime.is_initialized():
+        _runtime.init()
+        return
+    rt = _runtime.init(process_sets)
+    global_process_set._bind(0, range(rt.world.size), rt.world.rank)
+    for set_id, ps in enumerate(sets, start=1):
+        ps._bind(set_id, ps.ranks, rt.world.rank)
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing a Horovod-format timeline (Chrome trace JSON) to ``file_path`` on rank 0."""
+    _world().start_timeline(file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Stop the timeline and close its file (valid JSON)."""
+    _world().stop_timeline()
 
 
 def shutdown() -> None:

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from .. import runtime
-from .mpi_ops import broadcast_async_, broadcast_, synchronize, _submit
+from ..process_sets import ProcessSet, global_process_set
+from .mpi_ops import _run, _set_id, _submit, broadcast_, broadcast_async_, synchronize
 
 try:  # cloudpickle handles lambdas and local classes, as Horovod's helpers do
     import cloudpickle as _pickler
@@ -42,27 +43,29 @@ def _to_bytes_tensor(obj: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
-    """Root's ``obj`` on every rank (pickled, two broadcasts: size then bytes)."""
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Root's ``obj`` on every rank of ``process_set`` (pickled, two broadcasts: size then bytes)."""
     name = name or type(obj).__name__
-    rt = runtime.current()
-    if rt.world.rank == root_rank:
+    rank = runtime.current().world.rank
+    if rank == root_rank:
         data = _to_bytes_tensor(obj)
         size = torch.tensor([data.numel()], dtype=torch.int64)
     else:
         size = torch.zeros(1, dtype=torch.int64)
-    broadcast_(size, root_rank, name + ".sz")
-    if rt.world.rank != root_rank:
+    broadcast_(size, root_rank, name + ".sz", process_set)
+    if rank != root_rank:
         data = torch.empty(int(size.item()), dtype=torch.uint8)
-    broadcast_(data, root_rank, name + ".t")
-    return obj if rt.world.rank == root_rank else pickle.loads(data.numpy().tobytes())
+    broadcast_(data, root_rank, name + ".t", process_set)
+    return obj if rank == root_rank else pickle.loads(data.numpy().tobytes())
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
-    """Every rank's ``obj``, as a list indexed by rank."""
+def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Every rank's ``obj``, as a list indexed by rank (in ``process_set``)."""
     name = name or type(obj).__name__
+    _set_id(process_set)
     data = _to_bytes_tensor(obj)
-    outs, rows = synchronize(_submit("allgather", [data], name, lambda r: (r[0][0], r[1][0])))
+    outs, rows = _run(_submit, "allgather", [data], name, lambda r: (r[0][0], r[1][0]), process_set=process_set)
     result, pos = [], 0
     for n in rows:
         result.append(pickle.loads(outs[pos : pos + n].numpy().tobytes()))

@@ -14,6 +14,7 @@ import torch
 
 from .. import runtime
 from ..ops import (ReduceOp, Request, check_op, check_tensors, equal_splits)
+from ..process_sets import ProcessSet, check_members, global_process_set
 
 Average, Sum, Adasum, Min, Max, Product = (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM, ReduceOp.MIN,
                                            ReduceOp.MAX, ReduceOp.PRODUCT)
@@ -21,6 +22,7 @@ Average, Sum, Adasum, Min, Max, Product = (ReduceOp.AVERAGE, ReduceOp.SUM, Reduc
 _handles: dict[int, tuple[Any, Callable[[Any], Any]]] = {}
 _handles_lock = threading.Lock()
 _counter = itertools.count()
+_caller = threading.local()  # .waits: the caller synchronizes right after submitting
 
 
 def handle_average_backwards_compatibility(op: int | None, average: bool | None) -> ReduceOp:
@@ -36,21 +38,52 @@ def _name(kind: str, name: str | None, handle: int) -> str:
     return f"{kind}.{name}" if name else f"{kind}.noname.{handle}"
 
 
+def _set_id(process_set: ProcessSet | None) -> int:
+    """The registered id of ``process_set``; ``ValueError`` when this rank cannot use it."""
+    if process_set is None or process_set is global_process_set:
+        return 0
+    if not isinstance(process_set, ProcessSet):
+        raise ValueError(f"process_set must be a hvd.ProcessSet, got {type(process_set).__name__}.")
+    if process_set.process_set_id is None:
+        raise ValueError(f"{process_set} is not registered: pass it to hvd.init(process_sets=[...]) or register it "
+                         f"with hvd.add_process_set() on every rank first.")
+    if not process_set.included():
+        raise ValueError(f"Rank {runtime.current().world.rank} is not a member of the provided process set "
+                         f"{process_set.ranks}; only its members may run collectives on it.")
+    return process_set.process_set_id
+
+
+def _set_size(set_id: int) -> int:
+    return runtime.current().group(set_id).size
+
+
 def _submit(kind: str, tensors: Sequence[torch.Tensor], name: str | None, convert: Callable[[Any], Any], *,
-            in_place: bool = False, reducing: bool = False, **fields: Any) -> int:
+            in_place: bool = False, reducing: bool = False, process_set: ProcessSet | None = None,
+            **fields: Any) -> int:
     """Validate, submit and register a request; returns Horovod's integer handle."""
     rt = runtime.current()
     device = check_tensors(kind, tensors, reducing=reducing)
     if "op" in fields:
         check_op(kind, fields["op"])
+    set_id = _set_id(process_set)
     detached = [t.detach() if t.requires_grad else t for t in tensors]  # in-place targets may be leaves
     handle_id = next(_counter)
     req = Request(kind, _name(kind, name, handle_id), detached, outputs=detached if in_place else None,
-                  device=device, **fields)
-    handle = rt.submit(req)
+                  device=device, set_id=set_id, **fields)
+    handle = rt.submit(req, send="on_wait" if getattr(_caller, "waits", False) else "cycle")
     with _handles_lock:
         _handles[handle_id] = (handle, convert)
     return handle_id
+
+
+def _run(submit: Callable[..., int], *args: Any, **kwargs: Any) -> Any:
+    """Submit through ``submit`` and wait: the request is sent at once instead of after a cycle."""
+    _caller.waits = True
+    try:
+        handle = submit(*args, **kwargs)
+    finally:
+        _caller.waits = False
+    return synchronize(handle)
 
 
 def poll(handle: int) -> bool:
@@ -82,46 +115,51 @@ def _check_scale(prescale_factor: float, postscale_factor: float) -> dict:
 
 # -- allreduce -------------------------------------------------------------------------------
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
-                    prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> int:
     """Start an allreduce into a new tensor; returns a handle for ``synchronize``."""
     rop = handle_average_backwards_compatibility(op, average)
-    return _submit("allreduce", [tensor], name, _first, reducing=True, op=rop,
+    return _submit("allreduce", [tensor], name, _first, reducing=True, op=rop, process_set=process_set,
                    **_check_scale(prescale_factor, postscale_factor))
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
-                     prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> int:
     """Start an in-place allreduce of ``tensor``."""
     rop = handle_average_backwards_compatibility(op, average)
-    return _submit("allreduce", [tensor], name, _first, in_place=True, reducing=True, op=rop,
+    return _submit("allreduce", [tensor], name, _first, in_place=True, reducing=True, op=rop, process_set=process_set,
                    **_check_scale(prescale_factor, postscale_factor))
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
-               prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place allreduce; returns ``tensor``."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor))
+    return _run(allreduce_async_, tensor, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                            op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+                            op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> int:
     """Start one fused allreduce of several tensors into new tensors."""
     rop = handle_average_backwards_compatibility(op, average)
-    return _submit("allreduce", list(tensors), name, list, reducing=True, op=rop,
+    return _submit("allreduce", list(tensors), name, list, reducing=True, op=rop, process_set=process_set,
                    **_check_scale(prescale_factor, postscale_factor))
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                             op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+                             op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> int:
     rop = handle_average_backwards_compatibility(op, average)
     return _submit("allreduce", list(tensors), name, list, in_place=True, reducing=True, op=rop,
-                   **_check_scale(prescale_factor, postscale_factor))
+                   process_set=process_set, **_check_scale(prescale_factor, postscale_factor))
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                       op: int | None = None, prescale_factor: float = 1.0,
-                       postscale_factor: float = 1.0) -> list[torch.Tensor]:
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor))
+                       op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    return _run(grouped_allreduce_async_, tensors, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
 # -- allgather -------------------------------------------------------------------------------
@@ -129,42 +167,51 @@ def _gathered_first(result) -> torch.Tensor:
     return result[0][0]
 
 
-def allgather_async(tensor: torch.Tensor, name: str | None = None) -> int:
+def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set) -> int:
     """Start an allgather along dim 0 (dim 0 may differ per rank)."""
-    return _submit("allgather", [tensor], name, _gathered_first)
+    return _submit("allgather", [tensor], name, _gathered_first, process_set=process_set)
 
 
-def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None) -> int:
-    return _submit("allgather", list(tensors), name, lambda result: result[0])
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> int:
+    return _submit("allgather", list(tensors), name, lambda result: result[0], process_set=process_set)
 
 
 # -- broadcast -------------------------------------------------------------------------------
-def _check_root(root_rank: int) -> int:
-    size = runtime.current().world.size
-    if not isinstance(root_rank, int) or not 0 <= root_rank < size:
-        raise ValueError(f"root_rank={root_rank!r} is not a rank of this job (0..{size - 1}).")
+def _check_root(root_rank: int, process_set: ProcessSet | None = None) -> int:
+    set_id = _set_id(process_set)
+    members = runtime.current().group(set_id).ranks
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or root_rank not in members:
+        where = (f"a rank of this job (0..{len(members) - 1})" if set_id == 0 else
+                 f"a member of the process set {list(members)} (root_rank is a global rank)")
+        raise ValueError(f"root_rank={root_rank!r} is not {where}.")
     return root_rank
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
     """Start a broadcast of root's ``tensor`` into a new tensor on every rank."""
-    return _submit("broadcast", [tensor], name, _first, root=_check_root(root_rank))
+    return _submit("broadcast", [tensor], name, _first, root=_check_root(root_rank, process_set),
+                   process_set=process_set)
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> int:
     """Start an in-place broadcast of root's ``tensor``."""
-    return _submit("broadcast", [tensor], name, _first, in_place=True, root=_check_root(root_rank))
+    return _submit("broadcast", [tensor], name, _first, in_place=True, root=_check_root(root_rank, process_set),
+                   process_set=process_set)
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
-    return synchronize(broadcast_async_(tensor, root_rank, name))
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    return _run(broadcast_async_, tensor, root_rank, name, process_set)
 
 
 # -- alltoall --------------------------------------------------------------------------------
-def _normalize_splits(tensor: torch.Tensor, splits) -> list[int] | None:
+def _normalize_splits(tensor: torch.Tensor, splits, set_id: int) -> list[int] | None:
     if splits is None:
         return None
-    size = runtime.current().world.size
+    size = _set_size(set_id)
     values = splits.tolist() if isinstance(splits, torch.Tensor) else list(splits)
     if len(values) != size or any(int(s) != s or s < 0 for s in values):
         raise ValueError(f"alltoall: splits must hold {size} non-negative integers (one per rank), got {values}.")
@@ -174,15 +221,17 @@ def _normalize_splits(tensor: torch.Tensor, splits) -> list[int] | None:
     return [int(s) for s in values]
 
 
-def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None) -> int:
+def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> int:
     """Start an alltoall; ``synchronize`` returns ``(output, received_splits)``."""
     if tensor.dim() == 0:
         raise ValueError("alltoall needs a tensor of at least one dimension.")
-    norm = _normalize_splits(tensor, splits)
+    set_id = _set_id(process_set)
+    norm = _normalize_splits(tensor, splits, set_id)
     if norm is None:
-        equal_splits(tensor.shape[0], runtime.current().world.size, "alltoall")
-    return _submit("alltoall", [tensor], name,
-                   lambda r: (r[0], torch.tensor(r[1], dtype=torch.int32)), splits=norm)
+        equal_splits(tensor.shape[0], _set_size(set_id), "alltoall")
+    return _submit("alltoall", [tensor], name, lambda r: (r[0], torch.tensor(r[1], dtype=torch.int32)), splits=norm,
+                   process_set=process_set)
 
 
 # -- reducescatter ---------------------------------------------------------------------------
@@ -193,23 +242,75 @@ def _check_reducescatter(tensors: Sequence[torch.Tensor]) -> None:
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int = Average,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+                        process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> int:
     """Start a reduce-scatter: reduce across ranks, each keeps its share of dim 0 (Horovod's split)."""
     _check_reducescatter([tensor])
-    return _submit("reducescatter", [tensor], name, _first, reducing=True, op=ReduceOp(op),
+    return _submit("reducescatter", [tensor], name, _first, reducing=True, op=ReduceOp(op), process_set=process_set,
                    **_check_scale(prescale_factor, postscale_factor))
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None, op: int = Average,
-                                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+                                process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> int:
     _check_reducescatter(tensors)
-    return _submit("reducescatter", list(tensors), name, list, reducing=True, op=ReduceOp(op),
+    return _submit("reducescatter", list(tensors), name, list, reducing=True, op=ReduceOp(op), process_set=process_set,
                    **_check_scale(prescale_factor, postscale_factor))
 
 
-# -- barrier ---------------------------------------------------------------------------------
-def barrier() -> None:
-    """Block until every rank has called ``barrier``."""
+# -- control operations: barrier, join, process sets -------------------------------------------
+def _control(kind: str, name: str, set_id: int = 0, **fields: Any) -> Any:
+    """Run a control operation (no tensors) and return its value."""
     rt = runtime.current()
-    handle = rt.submit(Request("barrier", "barrier", []))
-    handle.wait()
+    return rt.submit(Request(kind, name, [], set_id=set_id, **fields), send="on_wait").wait()
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Block until every rank of ``process_set`` has called ``barrier``."""
+    _control("barrier", "barrier", _set_id(process_set))
+
+
+def join(device: int = -1) -> int:
+    """This rank has no more data: until every rank has joined, take part in the others'
+    allreduces with zeros. Returns the rank that joined last (the same on every rank).
+
+    ``device``: the GPU index for the zero tensors of CUDA collectives (-1: this rank's GPU)."""
+    rt = runtime.current()
+    if device >= 0:
+        rt.join_device = device
+    try:
+        return _control("join", "join")
+    finally:
+        rt.join_device = -1
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a new process set; every rank must call this, in the same order, with the same ranks.
+    Needs ``hvd.init(process_sets="dynamic")`` (or GPUCOMM_DYNAMIC_PROCESS_SETS=1)."""
+    rt = runtime.current()
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if not rt.dynamic_sets:
+        raise ValueError("add_process_set needs dynamic process sets: call hvd.init(process_sets='dynamic') or set "
+                         "GPUCOMM_DYNAMIC_PROCESS_SETS=1 (HOROVOD_DYNAMIC_PROCESS_SETS=1) on every rank; or pass the "
+                         "sets to hvd.init(process_sets=[...]).")
+    if ps.process_set_id is not None:
+        raise ValueError(f"{ps} is already registered.")
+    check_members(ps.ranks, rt.world.size, "add_process_set")
+    set_id, ranks = _control("add_process_set", rt.next_set_name("add"), ranks=tuple(ps.ranks))
+    ps._bind(set_id, ranks, rt.world.rank)
+    return ps
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister ``process_set`` (every rank, same order). False if it was not registered."""
+    rt = runtime.current()
+    if not rt.dynamic_sets:
+        raise ValueError("remove_process_set needs dynamic process sets: call hvd.init(process_sets='dynamic') or "
+                         "set GPUCOMM_DYNAMIC_PROCESS_SETS=1 on every rank.")
+    if process_set is global_process_set or process_set.process_set_id == 0:
+        raise ValueError("the global process set cannot be removed.")
+    if process_set.process_set_id is None:
+        return False
+    _control("remove_process_set", rt.next_set_name("remove"), root=process_set.process_set_id)
+    process_set._unbind()
+    return True

@@ -33,7 +33,8 @@ from ..kernels.rules import CASTS
 from ..ops import ReduceOp, Request
 from .compression import BF16Compressor, Compression, FP16Compressor, NoneCompressor
 from .functions import allgather_object
-from .mpi_ops import Adasum, Average, Sum
+from ..process_sets import ProcessSet, global_process_set
+from .mpi_ops import Adasum, Average, Sum, _set_id
 
 TWICE_ERROR = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
                "Increase backward_passes_per_step to accumulate gradients locally.")
@@ -59,6 +60,10 @@ class _BucketState:
     in_flight: list[torch.Tensor] = field(default_factory=list)  # gradients read by the launch, kept alive
 
 
+def _bucket_name(bucket: _BucketState) -> str:
+    return f"DistributedOptimizer.bucket.{bucket.plan.index}"
+
+
 def _wire_dtype(compression: Any, dtype: torch.dtype) -> torch.dtype | None:
     """The dtype a bucket of ``dtype`` gradients travels in, or None when the compressor is not one
     the pack kernels can fuse (then gradients are compressed one by one)."""
@@ -77,7 +82,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into a dynamic subclass of the user's optimizer class; see ``DistributedOptimizer``."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, groups, sparse_as_dense):
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set):
         super(self.__class__, self).__init__(params)  # the wrapped class's __init__ with its defaults
         self._compression = compression
         self._sparse_as_dense = sparse_as_dense
@@ -86,7 +91,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._parameter_names = _names(named_parameters, params_in_order)
         self._trainable = [p for p in params_in_order if p.requires_grad]
         rt = runtime.current()
-        self._size = rt.world.size
+        self._process_set = process_set
+        self._set_id = _set_id(process_set)
+        self._size = rt.group(self._set_id).size
         # Average: 1/f before the sum (packed in), f/size after (unpacked out), Horovod's predivide rule
         self._prescale = 1.0 / float(gradient_predivide_factor) if op == Average else 1.0
         self._postscale = float(gradient_predivide_factor) / self._size if op == Average else 1.0
@@ -102,6 +109,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._local_only = False
         self._hooks = []
         self._lock = threading.Lock()  # hooks of CPU and CUDA parameters run on different autograd threads
+        self._backward_span: tuple[float, float] | None = None  # first and last gradient of this step (timeline)
         if self._size > 1:
             for p in self._trainable:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook()))
@@ -113,7 +121,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 for p in (q for g in self.param_groups for q in g["params"])]
         if self._size == 1:
             return
-        every = allgather_object(mine, name="DistributedOptimizer.parameters")
+        every = allgather_object(mine, name="DistributedOptimizer.parameters", process_set=self._process_set)
         reference = every[0]
         for rank, theirs in enumerate(every):
             if theirs == reference:
@@ -154,6 +162,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._delay[p] -= 1
                 if self._delay[p] > 0:
                     return
+                tracer = runtime.current().tracer
+                if tracer is not None:  # the backward pass, as seen from its gradients (timeline)
+                    now = tracer.now_us()
+                    self._backward_span = (self._backward_span[0] if self._backward_span else now, now)
                 if self._delay[p] < 0 or p in self._fired:
                     raise AssertionError(TWICE_ERROR)
                 self._fired.add(p)
@@ -173,8 +185,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         grads = [self._gradient_to_send(p) for p in bucket.params]
         if bucket.wire_dtype is not None:
             buffer = self._buffers.get(bucket.plan.device, bucket.wire_dtype, bucket.plan.numel, slot=bucket.plan.index)
+            tracer = runtime.current().tracer
+            start = tracer.now_us() if tracer is not None else 0.0
             with torch.no_grad():
                 fusion.pack_bucket(grads, buffer, scale=self._prescale)
+            if tracer is not None and buffer.device.type == "cpu":  # GPU copies are timed by CUDA events
+                tracer.span(_bucket_name(bucket), "MEMCPY_IN_FUSION_BUFFER", start, tracer.now_us())
             bucket.reduced = [buffer]
         else:  # a user compressor: compress each gradient, reduce them as one grouped call
             for g in grads:
@@ -182,9 +198,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 bucket.reduced.append(c.contiguous())
                 bucket.contexts.append(ctx)
         bucket.in_flight = grads
-        request = Request("allreduce", f"DistributedOptimizer.bucket.{bucket.plan.index}", bucket.reduced,
-                          outputs=bucket.reduced, op=ReduceOp.SUM, device=bucket.plan.device)
-        bucket.handle = runtime.current().submit(request)
+        request = Request("allreduce", _bucket_name(bucket), bucket.reduced,
+                          outputs=bucket.reduced, op=ReduceOp.SUM, device=bucket.plan.device, set_id=self._set_id)
+        bucket.handle = runtime.current().submit(request, send="now")  # start it while backward goes on
 
     def _gradient_to_send(self, p: torch.Tensor) -> torch.Tensor:
         g = p.grad
@@ -212,6 +228,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._reset_step()
         self._synchronized = True
+        span, self._backward_span = self._backward_span, None
+        tracer = runtime.current().tracer
+        if tracer is not None and span is not None:
+            tracer.span("DistributedOptimizer.backward", "BACKWARD", span[0], span[1])
 
     def _finish(self, bucket: _BucketState) -> None:
         assert bucket.handle is not None
@@ -226,6 +246,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             elif p.grad.is_sparse:
                 p.grad = p.grad.to_dense()
             targets.append(p.grad)
+        tracer = runtime.current().tracer
+        start = tracer.now_us() if tracer is not None else 0.0
         with torch.no_grad():
             if bucket.wire_dtype is not None:
                 dests = [t if t is not None and t.is_contiguous() else torch.empty(p.shape, dtype=p.dtype,
@@ -240,6 +262,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     if t is not None:
                         averaged = self._compression.decompress(r, ctx)
                         t.copy_(averaged.mul(self._postscale) if self._postscale != 1.0 else averaged)
+        if tracer is not None and bucket.plan.device.type == "cpu":
+            tracer.span(_bucket_name(bucket), "MEMCPY_OUT_FUSION_BUFFER", start, tracer.now_us())
 
     def _reset_step(self) -> None:
         for bucket in self._buckets:
@@ -373,7 +397,8 @@ def _explicit_buckets(trainable: list[torch.Tensor], groups) -> list[fusion.Buck
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None = None,
                          compression: Any = Compression.none, backward_passes_per_step: int = 1, op: int = Average,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
-                         sparse_as_dense: bool = False) -> torch.optim.Optimizer:
+                         sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks (Horovod's API).
 
     The result is an instance of a subclass of ``optimizer``'s class built from its
@@ -393,7 +418,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
             groups = num_groups
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, groups, sparse_as_dense)
+               gradient_predivide_factor, groups, sparse_as_dense, process_set)
 
 
 __all__ = ["DistributedOptimizer"]

@@ -1,0 +1,114 @@
+"""Process sets: collectives among a subset of the job's ranks (Horovod's ``ProcessSet`` API).
+
+``ProcessSet`` is the user's handle; a ``Group`` is what the data plane uses for one registered set:
+its members in order, this rank's index in it, and its backends, built on first use (a Gloo group
+on the rendezvous store; an NCCL communicator from a unique id the set's first member publishes).
+Every member reaches the first use of a set in the same collective, so lazy construction is safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Sequence
+
+
+class ProcessSet:
+    """A subset of the job's ranks. Registered at ``init(process_sets=[...])`` or with
+    ``add_process_set``; until then ``process_set_id`` is None."""
+
+    def __init__(self, ranks_or_comm: Sequence[int] | Any) -> None:
+        if hasattr(ranks_or_comm, "Get_rank"):
+            raise NotImplementedError("ProcessSet(mpi4py communicator) is not supported: gpucomm does not use MPI. "
+                                      "Pass the list of ranks instead.")
+        ranks = list(ranks_or_comm)
+        if any(not isinstance(r, int) or isinstance(r, bool) for r in ranks):
+            raise ValueError(f"ProcessSet ranks must be integers, got {ranks!r}")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"ProcessSet ranks must be distinct, got {ranks!r}")
+        self.ranks: list[int] = sorted(ranks)
+        self.process_set_id: int | None = None
+        self._my_rank: int | None = None  # this process's global rank, once registered
+
+    def _bind(self, set_id: int, ranks: Sequence[int], my_rank: int) -> None:
+        self.process_set_id, self.ranks, self._my_rank = set_id, sorted(ranks), my_rank
+
+    def _unbind(self) -> None:
+        self.process_set_id, self._my_rank = None, None
+
+    def size(self) -> int | None:
+        """Number of ranks in the set (None until registered)."""
+        return None if self.process_set_id is None else len(self.ranks)
+
+    def rank(self) -> int | None:
+        """This process's index in the set; None until registered or when not a member."""
+        if self.process_set_id is None or self._my_rank not in self.ranks:
+            return None
+        return self.ranks.index(self._my_rank)
+
+    def included(self) -> bool | None:
+        """Whether this process is a member (None until registered)."""
+        return None if self.process_set_id is None else self._my_rank in self.ranks
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, ProcessSet) and self.ranks == other.ranks
+                and self.process_set_id == other.process_set_id)
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.ranks), self.process_set_id))
+
+    def __repr__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+
+
+global_process_set = ProcessSet([])  # id 0 once gpucomm is initialized: every rank
+
+
+class Group:
+    """One registered set as the data plane sees it."""
+
+    def __init__(self, set_id: int, ranks: Sequence[int], my_rank: int, make_gloo: Callable[["Group"], Any],
+                 make_nccl: Callable[["Group"], Any]) -> None:
+        self.id, self.ranks = set_id, tuple(ranks)
+        self.size = len(self.ranks)
+        self.rank = self.ranks.index(my_rank) if my_rank in self.ranks else -1
+        self._make_gloo, self._make_nccl = make_gloo, make_nccl
+        self._gloo = self._nccl = None
+        self._lock = threading.Lock()
+
+    def index_of(self, global_rank: int) -> int:
+        return self.ranks.index(global_rank)
+
+    def gloo(self):
+        with self._lock:
+            if self._gloo is None:
+                self._gloo = self._make_gloo(self)
+            return self._gloo
+
+    def nccl(self):
+        with self._lock:
+            if self._nccl is None:
+                self._nccl = self._make_nccl(self)
+            return self._nccl
+
+    def nccl_if_created(self):
+        """The NCCL backend if a collective has created it (the watchdog must not create one)."""
+        return self._nccl
+
+    def close(self) -> None:
+        with self._lock:
+            for backend in (self._nccl, self._gloo):
+                if backend is not None:
+                    backend.close()
+            self._gloo = self._nccl = None
+
+
+def check_members(ranks: Sequence[int], size: int, what: str) -> None:
+    """Raise ``ValueError`` unless ``ranks`` are distinct ranks of a ``size``-rank job."""
+    bad = [r for r in ranks if not 0 <= r < size]
+    if bad:
+        raise ValueError(f"{what}: ranks {bad} are not ranks of this job (0..{size - 1}).")
+    if not ranks:
+        raise ValueError(f"{what}: a process set needs at least one rank.")
+
+
+__all__ = ["Group", "ProcessSet", "check_members", "global_process_set"]

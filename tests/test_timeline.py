@@ -1,0 +1,638 @@
+"""Timeline writer (Horovod's Chrome-trace format), renderer, overlap helper and CLI.
+
+Real files in tmp_path and the real writer thread throughout; the disk-error case runs a child
+process under a real file-size limit (RLIMIT_FSIZE), so the OS itself makes the write fail."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from gpucomm.timeline import GpuActivities, Timeline, dtype_name, main, shape_str
+from gpucomm.timeline_plot import busy_ms, load_trace, overlap_ms, read_records, render
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _records(path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _events(records: list[dict]) -> list[dict]:
+    """The records after the two header records."""
+    return records[2:]
+
+
+def _pid_names(records: list[dict]) -> dict[int, str]:
+    return {r["pid"]: r["args"]["name"] for r in records
+            if r.get("ph") == "M" and r["name"] == "process_name" and "name" in r["args"]}
+
+
+def _run(args: list[str], **kw) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120, **kw)
+
+
+@pytest.fixture
+def timeline(tmp_path):
+    tl = Timeline(str(tmp_path / "timeline.json"))
+    yield tl
+    tl.close()
+
+
+# -- writer: format ------------------------------------------------------------------------------
+
+
+def test_header_records_and_wall_clock_of_ts_zero(tmp_path):
+    before_us = time.time_ns() // 1000
+    tl = Timeline(str(tmp_path / "t.json"))
+    after_us = time.time_ns() // 1000
+    try:
+        assert tl.flush()
+        records = _records(tl.path)
+        start = tl.start_time_since_epoch_us
+        assert records == [
+            {"name": "process_name", "ph": "M", "pid": 0, "args": {"start_time_since_epoch_in_micros": start}},
+            {"name": "process_sort_index", "ph": "M", "pid": 0, "args": {"sort_index": 0}},
+        ]
+        assert before_us <= start <= after_us
+        # ts is µs since that wall-clock instant: start + now_us() tracks the wall clock
+        assert abs(start + tl.now_us() - time.time_ns() / 1000) < 50_000
+    finally:
+        tl.close()
+
+
+def test_each_name_gets_the_next_pid_with_name_and_sort_index(timeline):
+    for name in ("allreduce.a", "broadcast.b", "allreduce.a", 'odd "name"\\x'):
+        timeline.activity_start(name, "QUEUE", 1.0)
+        timeline.activity_end(name, 2.0)
+    assert timeline.flush()
+    meta = [r for r in _events(_records(timeline.path)) if r["ph"] == "M"]
+    assert meta == [
+        {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "allreduce.a"}},
+        {"name": "process_sort_index", "ph": "M", "pid": 1, "args": {"sort_index": 1}},
+        {"name": "process_name", "ph": "M", "pid": 2, "args": {"name": "broadcast.b"}},
+        {"name": "process_sort_index", "ph": "M", "pid": 2, "args": {"sort_index": 2}},
+        {"name": "process_name", "ph": "M", "pid": 3, "args": {"name": 'odd "name"\\x'}},
+        {"name": "process_sort_index", "ph": "M", "pid": 3, "args": {"sort_index": 3}},
+    ]
+
+
+def test_op_sequence_matches_horovods_records_exactly(timeline):
+    name = "allreduce.test_allreduce"
+    timeline.negotiate_start(name, "allreduce", 10)
+    timeline.negotiate_rank_ready(name, 0, 11)
+    timeline.negotiate_rank_ready(name, 1, 12.4)
+    timeline.negotiate_end(name, 13)
+    timeline.op_start(name, "allreduce", 14)
+    timeline.activity_start(name, "QUEUE", 15)
+    timeline.activity_end(name, 16)
+    timeline.activity_start(name, "NCCL_ALLREDUCE", 16.6)
+    timeline.activity_end(name, 20)
+    timeline.op_end(name, "float32", "[17, 17]", 21)
+    assert timeline.flush()
+    events = [r for r in _events(_records(timeline.path)) if r["ph"] != "M"]
+    assert events == [
+        {"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": 10, "pid": 1},
+        {"ph": "X", "name": "0", "ts": 11, "pid": 1, "dur": 0},
+        {"ph": "X", "name": "1", "ts": 12, "pid": 1, "dur": 0},
+        {"ph": "E", "ts": 13, "pid": 1},
+        {"ph": "B", "name": "ALLREDUCE", "ts": 14, "pid": 1},
+        {"ph": "B", "name": "QUEUE", "ts": 15, "pid": 1},
+        {"ph": "E", "ts": 16, "pid": 1},
+        {"ph": "B", "name": "NCCL_ALLREDUCE", "ts": 17, "pid": 1},
+        {"ph": "E", "ts": 20, "pid": 1},
+        {"ph": "E", "ts": 21, "pid": 1, "args": {"dtype": "float32", "shape": "[17, 17]"}},
+    ]
+    assert all(isinstance(e["ts"], int) for e in events)  # integer µs, as Horovod writes
+    assert '"tid"' not in open(timeline.path).read()
+
+
+def test_op_end_formats_torch_dtypes_and_sizes():
+    torch = pytest.importorskip("torch")
+    assert dtype_name(torch.float32) == "float32" and dtype_name(torch.bfloat16) == "bfloat16"
+    assert dtype_name("int64") == "int64"
+    assert shape_str(torch.Size([17, 17])) == "[17, 17]" and shape_str(()) == "[]" and shape_str("[3]") == "[3]"
+
+
+def test_default_timestamps_come_from_the_steady_clock(timeline):
+    lo = timeline.now_us()
+    timeline.op_start("allreduce.x", "allreduce")
+    time.sleep(0.002)
+    timeline.op_end("allreduce.x", "float16", [3])
+    hi = timeline.now_us()
+    assert timeline.flush()
+    b, e = [r for r in _events(_records(timeline.path)) if r["ph"] in "BE"]
+    assert lo - 1 <= b["ts"] <= e["ts"] <= hi + 1
+    assert e["ts"] - b["ts"] >= 1900
+    assert e["args"] == {"dtype": "float16", "shape": "[3]"}
+
+
+def test_span_writes_a_pair_at_the_given_times(timeline):
+    timeline.span("DistributedOptimizer.backward", "BACKWARD", 100.0, 2500.0, args={"step": 3})
+    timeline.span("DistributedOptimizer.backward", "BACKWARD", 3000.0, 3100.0)
+    assert timeline.flush()
+    events = [r for r in _events(_records(timeline.path)) if r["ph"] != "M"]
+    assert events == [
+        {"ph": "B", "name": "BACKWARD", "ts": 100, "pid": 1, "args": {"step": 3}},
+        {"ph": "E", "ts": 2500, "pid": 1},
+        {"ph": "B", "name": "BACKWARD", "ts": 3000, "pid": 1},
+        {"ph": "E", "ts": 3100, "pid": 1},
+    ]
+
+
+@pytest.mark.parametrize("mark_cycles", [True, False])
+def test_cycle_markers_only_when_enabled(tmp_path, mark_cycles):
+    with Timeline(str(tmp_path / "t.json"), mark_cycles=mark_cycles) as tl:
+        tl.mark_cycle(5)
+        tl.mark_cycle()
+        tl.op_start("allreduce.x", "allreduce", 6)
+        tl.op_end("allreduce.x", "float32", [1], 7)
+    cycles = [r for r in _records(tl.path) if r.get("name") == "CYCLE_START"]
+    if mark_cycles:
+        assert cycles[0] == {"ph": "i", "name": "CYCLE_START", "ts": 5, "s": "g"}
+        assert len(cycles) == 2 and "pid" not in cycles[1]
+    else:
+        assert cycles == []
+
+
+def test_a_malformed_event_is_dropped_not_fatal(timeline, caplog):
+    timeline.op_start("allreduce.x", "allreduce", float("nan"))  # round(nan) raises in the writer
+    timeline.op_start("allreduce.y", "allreduce", 3)
+    assert timeline.flush()
+    records = _records(timeline.path)
+    assert [r for r in _events(records) if r["ph"] == "B"] == [{"ph": "B", "name": "ALLREDUCE", "ts": 3, "pid": 1}]
+    assert _pid_names(records) == {1: "allreduce.y"}  # the dropped event left no orphan row
+    assert any("malformed event" in r.getMessage() for r in caplog.records)
+
+
+# -- writer: file validity, flushing, threads ------------------------------------------------------
+
+
+def test_file_is_valid_json_after_every_flush_while_open(timeline):
+    for round_ in range(4):
+        name = f"allreduce.r{round_}"
+        timeline.op_start(name, "allreduce", 10 * round_)
+        timeline.op_end(name, "float32", [round_], 10 * round_ + 5)
+        assert timeline.flush()
+        with open(timeline.path, "rb") as f:
+            raw = f.read()
+        assert raw.endswith(b"}\n]")
+        records = json.loads(raw)
+        assert len(records) == 2 + 4 * (round_ + 1)
+        assert _pid_names(records)[round_ + 1] == name
+
+
+def test_events_reach_the_file_without_flush_within_a_tenth_of_a_second(timeline):
+    timeline.op_start("allreduce.test_allreduce", "allreduce")
+    start = time.monotonic()
+    while time.monotonic() - start < 2.0:  # generous deadline for a loaded CI box; usually ~50 ms
+        if "allreduce.test_allreduce" in open(timeline.path).read():
+            break
+        time.sleep(0.01)
+    else:
+        pytest.fail("an event did not reach the file within 2 s without flush(); "
+                    "the writer thread is not writing periodically")
+    assert json.loads(open(timeline.path).read())
+
+
+def test_many_threads_give_valid_json_and_balanced_spans_per_pid(tmp_path):
+    tl = Timeline(str(tmp_path / "t.json"), mark_cycles=True)
+    n_threads, n_ops = 8, 400
+
+    def worker(k: int) -> None:
+        for i in range(n_ops):
+            name = f"allreduce.t{k}.{i % 3}"
+            tl.negotiate_start(name, "allreduce")
+            tl.negotiate_rank_ready(name, k)
+            tl.negotiate_end(name)
+            tl.op_start(name, "allreduce")
+            tl.activity_start(name, "QUEUE")
+            tl.activity_end(name)
+            tl.activity_start(name, "NCCL_ALLREDUCE")
+            tl.activity_end(name)
+            tl.op_end(name, "float32", [i])
+            tl.mark_cycle()
+            if i % 97 == 0:
+                assert tl.flush()
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    tl.close()
+    records = _records(tl.path)
+    names = _pid_names(records)
+    assert sorted(names) == list(range(0 + 1, n_threads * 3 + 1))
+    depth: dict[int, int] = {}
+    last_ts: dict[int, int] = {}
+    begins = 0
+    for r in records:
+        if r["ph"] not in ("B", "E"):
+            continue
+        pid = r["pid"]
+        depth[pid] = depth.get(pid, 0) + (1 if r["ph"] == "B" else -1)
+        assert depth[pid] >= 0, f"E without B on {names[pid]}"
+        assert r["ts"] >= last_ts.get(pid, 0), "one thread's events on a pid went back in time"
+        last_ts[pid] = r["ts"]
+        begins += r["ph"] == "B"
+    assert set(depth.values()) == {0}
+    assert begins == n_threads * n_ops * 4
+    assert sum(r["ph"] == "X" for r in records) == n_threads * n_ops
+    assert sum(r.get("name") == "CYCLE_START" for r in records) == n_threads * n_ops
+
+
+def test_close_is_idempotent_and_later_calls_are_ignored(tmp_path):
+    tl = Timeline(str(tmp_path / "t.json"), mark_cycles=True)
+    tl.op_start("allreduce.x", "allreduce", 1)
+    tl.op_end("allreduce.x", "float32", [2], 2)
+    tl.close()
+    content = open(tl.path, "rb").read()
+    assert tl.closed and len(_records(tl.path)) == 2 + 4
+    tl.close()
+    tl.negotiate_start("allreduce.y", "allreduce")
+    tl.negotiate_rank_ready("allreduce.y", 0)
+    tl.negotiate_end("allreduce.y")
+    tl.op_start("allreduce.y", "allreduce")
+    tl.activity_start("allreduce.y", "QUEUE")
+    tl.activity_end("allreduce.y")
+    tl.op_end("allreduce.y", "float32", [1])
+    tl.span("b", "BACKWARD", 0, 1)
+    tl.mark_cycle()
+    assert tl.flush(timeout=0.5)
+    tl.close()
+    assert open(tl.path, "rb").read() == content
+    assert not tl._queue  # ignored, not queued forever (the hot path would leak after close)
+    assert not tl._thread.is_alive()
+
+
+def test_missing_directory_is_reported_at_construction(tmp_path):
+    path = tmp_path / "no_such_dir" / "t.json"
+    with pytest.raises(OSError) as err:
+        Timeline(str(path))
+    assert str(path) in str(err.value) and "does not exist" in str(err.value)
+
+
+def test_directory_as_path_is_reported_at_construction(tmp_path):
+    with pytest.raises(OSError) as err:
+        Timeline(str(tmp_path))
+    assert str(tmp_path) in str(err.value) and "directory" in str(err.value)
+
+
+def test_empty_path_is_a_value_error():
+    with pytest.raises(ValueError, match="non-empty"):
+        Timeline("")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_full_disk_at_construction_is_an_oserror():
+    with pytest.raises(OSError, match="cannot write the timeline header to '/dev/full'"):
+        Timeline("/dev/full")
+
+
+_DISK_ERROR_CHILD = textwrap.dedent("""
+    import json, logging, resource, signal, sys
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    from gpucomm.timeline import Timeline
+    assert "matplotlib" not in sys.modules, "importing gpucomm.timeline imported matplotlib"
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # exceeding the limit -> EFBIG, not a kill
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+    tl = Timeline(sys.argv[1])
+    tl.op_start("allreduce.small", "allreduce", 1)
+    tl.op_end("allreduce.small", "float32", [1], 2)
+    print("first flush", tl.flush())
+    for i in range(5000):
+        tl.activity_start("allreduce.big", "NCCL_ALLREDUCE")
+        tl.activity_end("allreduce.big")
+    print("second flush", tl.flush(), "closed", tl.closed)
+    tl.op_start("allreduce.after", "allreduce")  # must be a silent no-op
+    tl.close()
+    print("done")
+""")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE/SIGXFSZ semantics are Linux's")
+def test_disk_error_in_writer_warns_once_keeps_valid_file_and_never_raises(tmp_path):
+    # the child also checks that importing gpucomm.timeline leaves matplotlib unimported
+    path = tmp_path / "t.json"
+    proc = _run(["-c", _DISK_ERROR_CHILD, str(path)])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:3] == ["first flush True", "second flush False closed True", "done"]
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("gpucomm.timeline:")]
+    assert len(warnings) == 1 and "cannot write to the timeline file" in warnings[0], proc.stderr
+    records = _records(path)  # cut back to the last complete write
+    assert list(_pid_names(records).values()) == ["allreduce.small"]
+    assert os.path.getsize(path) < 64 * 1024
+
+
+def test_writer_hot_path_costs_microseconds_not_io(timeline):
+    n = 20_000
+    start = time.perf_counter()
+    for _ in range(n):
+        timeline.activity_start("allreduce.x", "NCCL_ALLREDUCE")
+        timeline.activity_end("allreduce.x")
+    per_call_us = (time.perf_counter() - start) / (2 * n) * 1e6
+    assert timeline.flush(timeout=30)
+    assert per_call_us < 20, f"{per_call_us:.2f} µs per event call: the hot path is doing I/O or locking"
+    assert len(_records(timeline.path)) == 2 + 2 + 2 * n
+
+
+# -- GPU activities --------------------------------------------------------------------------------
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(_cuda_available(), reason="checks the no-CUDA error; this machine has CUDA")
+def test_gpu_activities_without_cuda_say_what_to_use_instead(timeline):
+    pytest.importorskip("torch")
+    with pytest.raises(RuntimeError, match="needs a CUDA device.*activity_start/activity_end"):
+        GpuActivities(timeline)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("reanchor_s", [5.0, 0.0])
+def test_gpu_activities_time_real_cuda_work(tmp_path, reanchor_s):
+    import torch
+
+    tl = Timeline(str(tmp_path / "gpu.json"))
+    gpu = GpuActivities(tl, reanchor_s=reanchor_s)
+    x = torch.randn(2048, 2048, device="cuda")
+    torch.cuda.synchronize()
+    names = ["allreduce.a", "allreduce.b"]  # a fused pair: identical activity records
+    ops_started = tl.now_us()
+    for _ in range(3):  # enqueued back to back: the host runs ahead of the GPU
+        trace = gpu.trace(names, "allreduce")
+        torch.cuda._sleep(1_000_000)  # ~0.5-1 ms of GPU time on current parts
+        trace.step("QUEUE")
+        y = x @ x
+        trace.step("NCCL_ALLREDUCE")
+        y.add_(1)
+        trace.step("MEMCPY_OUT_FUSION_BUFFER")
+        trace.submit("float32", x.shape)
+    torch.cuda.synchronize()
+    done = tl.now_us()
+    gpu.close()
+    tl.close()
+    trace = load_trace(tl.path)
+    for n in names:
+        spans = [s for s in trace.spans if s.process == n]
+        ops = sorted((s for s in spans if s.depth == 0), key=lambda s: s.start_us)
+        acts = sorted((s for s in spans if s.depth == 1), key=lambda s: s.start_us)
+        assert [s.label for s in ops] == ["ALLREDUCE"] * 3
+        assert [s.label for s in acts] == ["QUEUE", "NCCL_ALLREDUCE", "MEMCPY_OUT_FUSION_BUFFER"] * 3
+        for a, b in zip(ops, ops[1:]):  # the finalizer keeps the host-ahead ops from overlapping
+            assert a.end_us <= b.start_us
+        for a, b in zip(acts, acts[1:]):
+            assert a.end_us <= b.start_us + 1  # integer µs rounding
+        for k, op in enumerate(ops):
+            assert all(op.start_us <= a.start_us <= a.end_us <= op.end_us for a in acts[3 * k:3 * k + 3])
+        assert ops_started - 1 <= ops[0].start_us and ops[-1].end_us <= done + 200
+        assert all(s.end_us - s.start_us > 50 for s in acts if s.label == "QUEUE")
+    assert trace.open_spans == 0 and trace.unmatched_ends == 0
+    assert all(r.get("ph") != "E" or r.get("args", {}).get("shape") in (None, "[2048, 2048]")
+               for r in read_records(tl.path))
+
+
+# -- renderer ------------------------------------------------------------------------------------
+
+
+def _write_synthetic(path: str, *, close: bool = True, open_op: bool = False) -> Timeline:
+    """3 allreduces (negotiation with 2 rank ticks, QUEUE + NCCL_ALLREDUCE) and a backward span,
+    at known times (µs): op k runs [1000k + 100, 1000k + 900]."""
+    tl = Timeline(path, mark_cycles=True)
+    tl.span("DistributedOptimizer.backward", "BACKWARD", 0, 3000)
+    for k in range(3):
+        name, t = f"allreduce.w{k}", 1000 * k
+        tl.mark_cycle(t)
+        tl.negotiate_start(name, "allreduce", t + 10)
+        tl.negotiate_rank_ready(name, 0, t + 20)
+        tl.negotiate_rank_ready(name, 1, t + 30)
+        tl.negotiate_end(name, t + 40)
+        tl.op_start(name, "allreduce", t + 100)
+        tl.activity_start(name, "QUEUE", t + 100)
+        tl.activity_end(name, t + 200)
+        tl.activity_start(name, "NCCL_ALLREDUCE", t + 200)
+        tl.activity_end(name, t + 900)
+        tl.op_end(name, "float32", [4], t + 900)
+    if open_op:
+        tl.op_start("allreduce.open", "allreduce", 3500)
+        tl.activity_start("allreduce.open", "NCCL_ALLREDUCE", 3600)
+    if close:
+        tl.close()
+    else:
+        assert tl.flush()
+    return tl
+
+
+def _assert_png(path) -> None:
+    with open(path, "rb") as f:
+        head = f.read(8)
+    assert head == PNG_SIGNATURE and os.path.getsize(path) > 5000
+
+
+def test_render_draws_a_png_and_counts_what_it_drew(tmp_path):
+    trace_path = str(tmp_path / "t.json")
+    _write_synthetic(trace_path)
+    out = str(tmp_path / "t.png")
+    summary = render(trace_path, out, title="synthetic")
+    _assert_png(out)
+    assert summary["rows"] == ["DistributedOptimizer.backward", "allreduce.w0", "allreduce.w1", "allreduce.w2"]
+    assert summary["n_rows"] == 4
+    assert summary["spans"] == {"BACKWARD": 1, "NEGOTIATE_ALLREDUCE": 3, "ALLREDUCE": 3, "QUEUE": 3,
+                                "NCCL_ALLREDUCE": 3}
+    assert summary["n_spans"] == 13 and summary["n_markers"] == 6 and summary["n_instants"] == 3
+    assert summary["n_records"] == 2 + (2 + 2) + 3 * (1 + 2 + 4 + 6)  # header, backward, 3 ops
+    assert summary["open_spans"] == 0
+    assert summary["time_range_ms"] == (0.0, 3.0)
+
+
+def test_rows_follow_sort_index_and_depths_follow_nesting():
+    records = [
+        {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "late"}},
+        {"name": "process_sort_index", "ph": "M", "pid": 1, "args": {"sort_index": 9}},
+        {"name": "process_name", "ph": "M", "pid": 2, "args": {"name": "early"}},
+        {"name": "process_sort_index", "ph": "M", "pid": 2, "args": {"sort_index": 1}},
+        {"ph": "B", "name": "ALLREDUCE", "ts": 0, "pid": 1},
+        {"ph": "B", "name": "GLOO_ALLREDUCE", "ts": 5, "pid": 1},
+        {"ph": "B", "name": "ALLGATHER", "ts": 1, "pid": 2},
+        {"ph": "B", "name": "BROADCAST", "ts": 20, "pid": 2},  # the host's next op ...
+        {"ph": "E", "ts": 2, "pid": 2},  # ... written before a finalizer's end of the first
+        {"ph": "E", "ts": 7, "pid": 1},
+        {"ph": "E", "ts": 9, "pid": 1},
+        {"ph": "E", "ts": 25, "pid": 2},
+        {"ph": "E", "ts": 26, "pid": 2},  # no open B: counted, not drawn
+    ]
+    trace = load_trace(records)
+    assert [trace.name_of(p) for p in trace.rows()] == ["early", "late"]
+    spans = {(s.process, s.label): (s.start_us, s.end_us, s.depth) for s in trace.spans}
+    assert spans == {("late", "ALLREDUCE"): (0, 9, 0), ("late", "GLOO_ALLREDUCE"): (5, 7, 1),
+                     ("early", "ALLGATHER"): (1, 2, 0), ("early", "BROADCAST"): (20, 25, 0)}
+    assert trace.unmatched_ends == 1
+
+
+@pytest.mark.parametrize("damage", ["no_bracket", "comma_bracket", "trailing_comma", "cut_record"])
+def test_reader_accepts_a_file_that_is_still_being_written(tmp_path, damage):
+    trace_path = str(tmp_path / "t.json")
+    _write_synthetic(trace_path)
+    text = open(trace_path).read()
+    body = text.rstrip()[:-1].rstrip()  # without the closing "]"
+    damaged = {"no_bracket": body, "comma_bracket": body + ",]", "trailing_comma": body + ",\n",
+               "cut_record": body + ',\n{"ph": "B", "name": "NCCL_ALL'}[damage]
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(damaged)
+    (tmp_path / "d.json").write_text(damaged)
+    assert read_records(str(tmp_path / "d.json")) == json.loads(text)
+
+
+def test_render_an_open_trace_with_unfinished_ops(tmp_path):
+    trace_path = str(tmp_path / "t.json")
+    tl = _write_synthetic(trace_path, close=False, open_op=True)
+    try:
+        text = open(trace_path).read()
+        (tmp_path / "open.json").write_text(text.rstrip()[:-1])  # as if caught mid-write
+        out = str(tmp_path / "open.png")
+        summary = render(str(tmp_path / "open.json"), out)
+        _assert_png(out)
+        assert summary["open_spans"] == 2 and summary["n_rows"] == 5
+        assert summary["spans"]["NCCL_ALLREDUCE"] == 4 and summary["spans"]["ALLREDUCE"] == 4
+        assert summary["time_range_ms"] == (0.0, 3.6)
+        unfinished = [s for s in load_trace(str(tmp_path / "open.json")).spans if not s.closed]
+        assert sorted((s.label, s.start_us, s.end_us) for s in unfinished) == [
+            ("ALLREDUCE", 3500, 3600), ("NCCL_ALLREDUCE", 3600, 3600)]
+    finally:
+        tl.close()
+
+
+def test_render_handles_a_large_trace_quickly(tmp_path):
+    trace_path = str(tmp_path / "big.json")
+    with Timeline(trace_path, mark_cycles=True) as tl:
+        for step in range(500):
+            t = step * 10_000
+            tl.mark_cycle(t)
+            tl.span("DistributedOptimizer.backward", "BACKWARD", t, t + 6000)
+            for b in range(8):
+                name, s = f"DistributedOptimizer.bucket.{b}", t + 700 * b
+                tl.op_start(name, "allreduce", s)
+                for label, a, z in (("MEMCPY_IN_FUSION_BUFFER", 0, 50), ("NCCL_ALLREDUCE", 50, 600),
+                                    ("MEMCPY_OUT_FUSION_BUFFER", 600, 650)):
+                    tl.activity_start(name, label, s + a)
+                    tl.activity_end(name, s + z)
+                tl.op_end(name, "float32", [1 << 20], s + 650)
+    start = time.perf_counter()
+    summary = render(trace_path, str(tmp_path / "big.png"))
+    elapsed = time.perf_counter() - start
+    assert summary["n_records"] > 33_000 and summary["n_spans"] == 500 * (1 + 8 * 4)
+    assert elapsed < 10, f"rendering {summary['n_records']} records took {elapsed:.1f} s"
+    zoom = render(trace_path, str(tmp_path / "zoom.png"), window_ms=(0.0, 10.0))
+    _assert_png(tmp_path / "zoom.png")
+    assert zoom["n_spans"] == summary["n_spans"]  # the summary always covers the whole trace
+
+
+def test_render_rejects_a_reversed_window(tmp_path):
+    trace_path = str(tmp_path / "t.json")
+    _write_synthetic(trace_path)
+    with pytest.raises(ValueError, match="start <= end"):
+        render(trace_path, str(tmp_path / "t.png"), window_ms=(2.0, 1.0))
+
+
+def test_render_an_empty_timeline(tmp_path):
+    path = str(tmp_path / "empty.json")
+    Timeline(path).close()
+    summary = render(path, str(tmp_path / "empty.png"))
+    _assert_png(tmp_path / "empty.png")
+    assert summary["n_rows"] == 0 and summary["n_records"] == 2 and summary["time_range_ms"] == (0.0, 0.0)
+
+
+# -- overlap helper --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def overlap_trace(tmp_path):
+    """Backward passes [1000, 5000] and [8000, 9000] µs; bucket NCCL activities [3500, 5500],
+    [4500, 4800] (concurrent with the first) and [8500, 10000]."""
+    path = str(tmp_path / "overlap.json")
+    with Timeline(path) as tl:
+        tl.span("DistributedOptimizer.backward", "BACKWARD", 1000, 5000)
+        tl.span("DistributedOptimizer.backward", "BACKWARD", 8000, 9000)
+        for name, op, act in (("DistributedOptimizer.bucket.0", (3000, 6000), (3500, 5500)),
+                              ("DistributedOptimizer.bucket.1", (4400, 4900), (4500, 4800)),
+                              ("DistributedOptimizer.bucket.0", (8400, 10100), (8500, 10000))):
+            tl.op_start(name, "allreduce", op[0])
+            tl.activity_start(name, "NCCL_ALLREDUCE", act[0])
+            tl.activity_end(name, act[1])
+            tl.op_end(name, "float32", [8], op[1])
+    return path
+
+
+def test_overlap_of_bucket_allreduces_with_backward(overlap_trace):
+    trace = load_trace(overlap_trace)
+    backward = "DistributedOptimizer.backward"
+    nccl = ("DistributedOptimizer.bucket.*", "NCCL_ALLREDUCE")
+    # [3500, 5000] + [8500, 9000]; bucket.1's [4500, 4800] lies inside and is not counted twice
+    assert overlap_ms(trace, backward, nccl) == pytest.approx(2.0)
+    assert overlap_ms(trace, nccl, backward) == pytest.approx(2.0)
+    assert busy_ms(trace, nccl) == pytest.approx(2.0 + 1.5)
+    assert busy_ms(trace, backward) == pytest.approx(5.0)
+    # a bare process glob takes every label: op spans [3000, 6000] and [8400, 10100] too
+    assert overlap_ms(overlap_trace, backward, "DistributedOptimizer.bucket.*") == pytest.approx(2.0 + 0.6)
+    assert overlap_ms(trace, backward, ("DistributedOptimizer.bucket.1", "*")) == pytest.approx(0.5)
+    assert overlap_ms(trace, backward, "no.such.op") == 0.0
+    assert overlap_ms(trace, "DistributedOptimizer.bucket.0", "DistributedOptimizer.bucket.1") == pytest.approx(0.5)
+
+
+# -- CLI -----------------------------------------------------------------------------------------
+
+
+def test_cli_renders_and_prints_a_summary(tmp_path):
+    trace_path = str(tmp_path / "t.json")
+    _write_synthetic(trace_path)
+    out = tmp_path / "cli.png"
+    proc = _run(["-m", "gpucomm.timeline", trace_path, "-o", str(out), "--title", "CLI"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("rendered 4 rows, 45 records (13 spans, 6 rank ticks), 3.000 ms")
+    assert str(out) in proc.stdout
+    _assert_png(out)
+
+
+def test_cli_missing_file_exits_2_with_one_line(tmp_path):
+    missing = str(tmp_path / "missing.json")
+    proc = _run(["-m", "gpucomm.timeline", missing, "-o", str(tmp_path / "x.png")])
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and missing in lines[0] and lines[0].startswith("python -m gpucomm.timeline: error:")
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize("content", ["", "not json at all", '{"a": 1}', "[1, 2]"])
+def test_cli_invalid_file_exits_2(tmp_path, capsys, content):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    assert main([str(bad), "-o", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(bad) in err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_cli_requires_an_output(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([str(tmp_path / "t.json")])
+    assert exc.value.code == 2 and "-o/--output" in capsys.readouterr().err
