@@ -267,11 +267,10 @@ class Coordinator:
             age = now - pending.first_seen
             if age < older_than:
                 continue
-            members = self.sets.get(set_id, ())
             if pending.kind == "join":
-                missing = [r for r in range(self.size) if r not in self._joined]
-            else:
-                missing = [r for r in members if r not in pending.descriptors and r not in self._joined]
+                continue  # joined ranks wait on purpose while the others finish their data (as in Horovod)
+            members = self.sets.get(set_id, ())
+            missing = [r for r in members if r not in pending.descriptors and r not in self._joined]
             if missing:
                 out.append((set_id, name, age, missing))
         return out
