@@ -26,6 +26,7 @@ from .coordinator import DEFAULT_CACHE_CAPACITY, Coordinator, Outgoing
 from .engine import Handle, Issued
 from .errors import CollectiveError, ShutdownError
 from .negotiation import Descriptor
+from .settings import env_flag, env_number
 from .ops import DEFAULT_INLINE_BYTES, Request, descriptor_of, inline_payload, write_inline
 
 log = logging.getLogger("gpucomm.control")
@@ -47,32 +48,18 @@ class ControlConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], timeout: float) -> "ControlConfig":
-        def number(names: tuple[str, ...], default: float | None, *, allow_zero: bool = False) -> float | None:
-            for name in names:
-                value = env.get(name, "").strip()
-                if not value:
-                    continue
-                try:
-                    x = float(value)
-                except ValueError:
-                    raise ValueError(f"{name}={value!r} is not a number") from None
-                if x < 0 or (x == 0 and not allow_zero):
-                    raise ValueError(f"{name}={value!r} must be {'non-negative' if allow_zero else 'positive'}")
-                return x
-            return default
-
-        cycle_ms = number(("GPUCOMM_CYCLE_TIME", "HOROVOD_CYCLE_TIME"), 1.0, allow_zero=True)
-        capacity = number(("GPUCOMM_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY"), DEFAULT_CACHE_CAPACITY, allow_zero=True)
-        disabled = any(env.get(n, "").strip().lower() in ("1", "true", "yes", "on")
-                       for n in ("GPUCOMM_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_DISABLE"))
-        warning = number(("GPUCOMM_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS"), 60.0)
-        shutdown = number(("GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"), 0.0,
-                          allow_zero=True)
+        cycle_ms = env_number(env, ("GPUCOMM_CYCLE_TIME", "HOROVOD_CYCLE_TIME"), 1.0, allow_zero=True)
+        capacity = env_number(env, ("GPUCOMM_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY"), DEFAULT_CACHE_CAPACITY,
+                              allow_zero=True)
+        disabled = env_flag(env, ("GPUCOMM_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_DISABLE"))
+        warning = env_number(env, ("GPUCOMM_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS"), 60.0)
+        shutdown = env_number(env, ("GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"), 0.0,
+                              allow_zero=True)
         if shutdown and not disabled and shutdown <= warning:
             raise ValueError(f"the stall shutdown time ({shutdown:g} s) must exceed the stall warning time "
                              f"({warning:g} s): a stall is reported first, then turned into an error. Raise "
                              f"GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS or lower GPUCOMM_STALL_CHECK_TIME_SECONDS.")
-        inline = number(("GPUCOMM_INLINE_BYTES",), DEFAULT_INLINE_BYTES, allow_zero=True)
+        inline = env_number(env, ("GPUCOMM_INLINE_BYTES",), DEFAULT_INLINE_BYTES, allow_zero=True)
         return cls(timeout=timeout, cycle_time=cycle_ms / 1000.0, cache_capacity=int(capacity),
                    stall_warning=None if disabled else warning, stall_shutdown=(shutdown or None) if not disabled else None,
                    inline_bytes=int(inline))
@@ -100,6 +87,7 @@ class Controller:
         self._execute = execute
         self._coordinator = coordinator
         self._workers = dict(workers or {})  # rank 0: rank -> channel
+        self._rank_of = {c.sock: r for r, c in self._workers.items()}
         self._link = link  # other ranks: the channel to rank 0
         self._on_done = on_done or (lambda kind, name, value: None)
         self._zeros_device = zeros_device or (lambda: torch.device("cpu"))
@@ -287,8 +275,8 @@ class Controller:
             if sock is self._link.sock:
                 self._receive_from_coordinator()
             return
-        rank = next((r for r, c in self._workers.items() if c.sock is sock and r not in self._left), None)
-        if rank is not None:
+        rank = self._rank_of.get(sock)
+        if rank is not None and rank not in self._left:
             self._receive_from_worker(rank)
 
     def _receive_from_coordinator(self) -> None:
@@ -485,12 +473,11 @@ class Controller:
         if error is None and not overdue:
             return
         self._nccl_health(request.set_id, True)  # abort
-        members = sorted(set(r for r in range(self.size)))
         if error is not None:
             why = f"NCCL reported an error while {request.describe()} was in flight on rank {self.rank}: {error}"
         else:
             why = (f"{request.describe()} did not finish within {self.timeout:.0f} s (GPUCOMM_TIMEOUT) on rank "
-                   f"{self.rank}: at least one of the ranks it needs ({_ranks_text(request.set_id, members)}) never "
+                   f"{self.rank}: at least one of the ranks it needs ({_ranks_text(request.set_id)}) never "
                    f"reached it — that rank died, hangs before this collective, or cannot reach this one")
         inflight.clear()
         self.report_failure(why + ". The NCCL communicator was aborted. " + NCCL_HINT, locked=True)
@@ -639,7 +626,7 @@ class Controller:
                 pass
 
 
-def _ranks_text(set_id: int, members: list[int]) -> str:
+def _ranks_text(set_id: int) -> str:
     return "every rank" if set_id == 0 else f"the members of process set {set_id}"
 
 

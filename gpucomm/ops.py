@@ -133,16 +133,24 @@ def scale_(t: torch.Tensor, factor: float) -> None:
     if factor == 1.0 or t.numel() == 0:
         return
     if not t.dtype.is_floating_point:
-        divisor = 1.0 / factor
-        if divisor == round(divisor) or abs(divisor - round(divisor)) < 1e-9 * abs(divisor):
-            # an average: divide exactly (49 * (1/49) in float64 is just under 1 and would truncate to 0)
-            t.copy_(torch.div(t, int(round(divisor)), rounding_mode="trunc"))
+        divisor = exact_divisor(factor)
+        if divisor is not None:
+            t.copy_(torch.div(t, divisor, rounding_mode="trunc"))
         else:
             t.copy_((t.double() * factor).to(t.dtype))
     elif t.device.type == "cpu" and t.dtype in (torch.float16, torch.bfloat16):
         t.copy_(t.float().mul_(factor))
     else:
         t.mul_(factor)
+
+
+def exact_divisor(factor: float) -> int | None:
+    """``n`` when ``factor`` is ``1/n`` (an average), so integers can be divided exactly:
+    49 * (1/49) in float64 is just under 1 and would truncate to 0."""
+    divisor = 1.0 / factor
+    if divisor == round(divisor) or abs(divisor - round(divisor)) < 1e-9 * abs(divisor):
+        return int(round(divisor))
+    return None
 
 
 def _prod(dims: Sequence[int]) -> int:
@@ -186,9 +194,8 @@ def _scale_np(a: np.ndarray, factor: float) -> np.ndarray:
     if factor == 1.0 or a.size == 0:
         return a
     if a.dtype.kind in "iu":
-        divisor = 1.0 / factor
-        if divisor == round(divisor) or abs(divisor - round(divisor)) < 1e-9 * abs(divisor):
-            d = int(round(divisor))
+        d = exact_divisor(factor)
+        if d is not None:
             q = np.abs(a) // d  # truncate toward zero, exactly
             return np.where(a < 0, -q, q).astype(a.dtype)
         return (a.astype(np.float64) * factor).astype(a.dtype)

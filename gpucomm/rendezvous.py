@@ -480,6 +480,16 @@ def barrier(client: RendezvousClient, name: str, rank: int, size: int, timeout: 
     wait_for_ranks(client, name, range(size), timeout, f"'{name}'")
 
 
+def interface_ipv4(nic: str) -> str | None:
+    """The IPv4 address of local network interface ``nic``, or None when it has none (or does not exist)."""
+    import psutil  # noqa: PLC0415
+
+    for a in psutil.net_if_addrs().get(nic, []):
+        if a.family == socket.AF_INET:
+            return a.address
+    return None
+
+
 def address_towards(host: str, port: int = 9) -> str:
     """This host's address on the route towards ``host``: the address a peer there can reach us on.
     No packet is sent (a UDP socket is only connected); an unresolvable or unroutable host falls

@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import secrets
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,7 +27,9 @@ from .ops import Executor, Request, reduce_inline
 from .control_channel import ControlListener, connect as connect_control
 from .process_sets import Group, check_members
 from .tracing import Tracer
-from .rendezvous import RendezvousClient, RendezvousError, RendezvousServer, address_towards, wait_for_ranks
+from .rendezvous import (RendezvousClient, RendezvousError, RendezvousServer, address_towards, interface_ipv4,
+                         wait_for_ranks)
+from .settings import env_flag, env_seconds
 from .world import World, detect_world
 
 log = logging.getLogger("gpucomm")
@@ -36,21 +37,6 @@ log = logging.getLogger("gpucomm")
 DEFAULT_TIMEOUT = 300.0  # seconds a collective may take before it is declared failed
 DEFAULT_START_TIMEOUT = 120.0  # seconds all ranks have to reach init()
 SHUTDOWN_GRACE = 10.0  # rank 0 keeps serving the store this long for ranks still shutting down
-
-
-def env_seconds(env: Mapping[str, str], names: tuple[str, ...], default: float) -> float:
-    """The first of ``names`` set in ``env`` as a positive number of seconds, else ``default``."""
-    for name in names:
-        value = env.get(name)
-        if value:
-            try:
-                seconds = float(value)
-            except ValueError:
-                raise ValueError(f"{name}={value!r} is not a number of seconds") from None
-            if seconds <= 0:
-                raise ValueError(f"{name}={value!r} must be positive")
-            return seconds
-    return default
 
 
 @dataclass
@@ -143,11 +129,8 @@ class Runtime:
         return Group(set_id, ranks, self.world.rank, self._set_gloo, self._set_nccl)
 
     def _set_gloo(self, group: Group) -> GlooBackend:
-        iface = os.environ.get("GPUCOMM_GLOO_IFACE") or os.environ.get("HOROVOD_GLOO_IFACE")
-        one_host = len(set(self.hosts)) == 1
-        return GlooBackend(self.client, f"{self.prefix}gloo/ps{group.id}/", group.rank, group.size,
-                           timeout=self.timeout, hostname="127.0.0.1" if one_host and not iface else None,
-                           interface=iface)
+        return _gloo(self.client, f"{self.prefix}gloo/ps{group.id}/", group.rank, group.size, self.timeout,
+                     self.hosts, _gloo_iface(os.environ))
 
     def _set_nccl(self, group: Group):
         return self._make_nccl(f"{self.prefix}nccl/ps{group.id}/uid", group.rank, group.size)
@@ -267,9 +250,9 @@ def init(process_sets: Sequence[Sequence[int]] | str | None = None) -> Runtime:
         failures.set_reporter(lambda exc: _report(rt, exc))
         path = os.environ.get("GPUCOMM_TIMELINE") or os.environ.get("HOROVOD_TIMELINE")
         if path and path.upper() != "DYNAMIC":
-            marks = os.environ.get("GPUCOMM_TIMELINE_MARK_CYCLES", os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES", ""))
             try:
-                rt.start_timeline(path, mark_cycles=marks.strip().lower() in ("1", "true", "yes", "on"))
+                rt.start_timeline(path, mark_cycles=env_flag(os.environ, ("GPUCOMM_TIMELINE_MARK_CYCLES",
+                                                                          "HOROVOD_TIMELINE_MARK_CYCLES")))
             except BaseException:
                 _runtime = None
                 rt.close()
@@ -419,8 +402,7 @@ class _Steps:
 
 def _static_sets(process_sets, size: int, env: Mapping[str, str]) -> tuple[list[tuple[int, ...]], bool]:
     """The sets to register at init, and whether ``add_process_set`` is allowed later."""
-    dynamic = env.get("GPUCOMM_DYNAMIC_PROCESS_SETS", env.get("HOROVOD_DYNAMIC_PROCESS_SETS", "")).strip().lower() in (
-        "1", "true", "yes", "on")
+    dynamic = env_flag(env, ("GPUCOMM_DYNAMIC_PROCESS_SETS", "HOROVOD_DYNAMIC_PROCESS_SETS"))
     if process_sets is None:
         return [], dynamic
     if isinstance(process_sets, str):
@@ -457,13 +439,24 @@ def _connect_control(client: RendezvousClient, prefix: str, world: World, secret
     return connect_control(where["host"], where["port"], secret, world.rank, start_timeout), {}
 
 
-def _interface_address(iface: str) -> str:
-    import psutil  # noqa: PLC0415
+def _gloo_iface(env: Mapping[str, str]) -> str | None:
+    return env.get("GPUCOMM_GLOO_IFACE") or env.get("HOROVOD_GLOO_IFACE")
 
-    for a in psutil.net_if_addrs().get(iface, []):
-        if a.family == socket.AF_INET:
-            return a.address
-    raise GpucommError(f"GPUCOMM_GLOO_IFACE={iface!r} names no interface with an IPv4 address on this host.")
+
+def _gloo(client: RendezvousClient, prefix: str, rank: int, size: int, timeout: float, hosts: list[str],
+          iface: str | None) -> GlooBackend:
+    """A Gloo group on the store under ``prefix``: on loopback when every rank is on one host, else
+    on ``iface`` (or the default route's interface)."""
+    one_host = len(set(hosts)) == 1
+    return GlooBackend(client, prefix, rank, size, timeout=timeout,
+                       hostname="127.0.0.1" if one_host and not iface else None, interface=iface)
+
+
+def _interface_address(iface: str) -> str:
+    address = interface_ipv4(iface)
+    if address is None:
+        raise GpucommError(f"GPUCOMM_GLOO_IFACE={iface!r} names no interface with an IPv4 address on this host.")
+    return address
 
 
 def _build(env: Mapping[str, str], gen: int, process_sets=None) -> Runtime:
@@ -507,9 +500,8 @@ def _build(env: Mapping[str, str], gen: int, process_sets=None) -> Runtime:
         cross_rank, cross_size = _cross(world, records)
         hosts = [rec["host"] for rec in records]
         one_host = len(set(hosts)) == 1
-        iface = env.get("GPUCOMM_GLOO_IFACE") or env.get("HOROVOD_GLOO_IFACE")
-        gloo = GlooBackend(client, f"{prefix}gloo/", world.rank, world.size, timeout=timeout,
-                           hostname="127.0.0.1" if one_host and not iface else None, interface=iface)
+        iface = _gloo_iface(env)
+        gloo = _gloo(client, f"{prefix}gloo/", world.rank, world.size, timeout, hosts, iface)
         steps.done("Gloo group ready")
         try:
             links = _connect_control(client, prefix, world, client.secret, one_host, iface, start_timeout)

@@ -15,22 +15,15 @@ from typing import Any, Sequence
 log = logging.getLogger("gpucomm.timeline")
 
 
-def _shape_of(tensors: Sequence[Any]) -> str:
-    return "[" + ", ".join(str(d) for d in tensors[0].shape) + "]" if len(tensors) == 1 else f"[{len(tensors)} tensors]"
-
-
-def _dtype_of(tensors: Sequence[Any]) -> str:
-    return str(tensors[0].dtype).replace("torch.", "") if tensors else "none"
-
-
 class Tracer:
     """Rank 0's timeline and the vocabulary the rest of gpucomm uses to fill it."""
 
     def __init__(self, path: str, *, mark_cycles: bool = False) -> None:
         # imported here: `python -m gpucomm.timeline` must find the module not yet imported by gpucomm
-        from .timeline import Timeline  # noqa: PLC0415
+        from .timeline import Timeline, dtype_name, shape_str  # noqa: PLC0415
 
         self.timeline = Timeline(path, mark_cycles=mark_cycles)
+        self._dtype_name, self._shape_str = dtype_name, shape_str
         self.path = path
         self._gpu: Any = None  # GpuActivities, made by the first CUDA collective
 
@@ -53,7 +46,7 @@ class Tracer:
         tl = self.timeline
         tl.op_start(name, kind)
         tl.activity_start(name, f"GLOO_{kind.upper()}")
-        dtype, shape = _dtype_of(tensors), _shape_of(tensors)
+        dtype, shape = self._describe(tensors)
         futures = [w.future() for w in works]
         futures = [f for f in futures if f is not None]
         if not futures:
@@ -77,7 +70,13 @@ class Tracer:
         now = tl.now_us()
         tl.op_start(name, kind, now)
         tl.span(name, "COORDINATOR_REDUCE", now, now)
-        tl.op_end(name, _dtype_of(tensors), _shape_of(tensors), now)
+        tl.op_end(name, *self._describe(tensors), now)
+
+    def _describe(self, tensors: Sequence[Any]) -> tuple[str, str]:
+        """Horovod's dtype and shape args for an op (a grouped op shows its tensor count)."""
+        dtype = self._dtype_name(tensors[0].dtype) if tensors else "none"
+        shape = self._shape_str(tensors[0].shape) if len(tensors) == 1 else f"[{len(tensors)} tensors]"
+        return dtype, shape
 
     def gpu_op(self, name: str, kind: str, stream: Any):
         """Start timing a CUDA collective on ``stream``; the caller marks ``step``s and ``submit``s."""

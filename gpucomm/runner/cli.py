@@ -13,13 +13,12 @@ import argparse
 import os
 import secrets
 import shlex
-import socket
 import sys
 from typing import Sequence
 
 from ..failures import read_failures
-from ..rendezvous import RendezvousServer, address_towards
-from ..runtime import env_seconds
+from ..rendezvous import RendezvousServer, address_towards, interface_ipv4
+from ..settings import env_seconds
 from .hosts import HostSlots, HostSpecError, assign_slots, parse_hostfile, parse_hosts
 from .output import OutputSink
 from .spawn import SshOptions, build_launches, is_local, split_user
@@ -163,10 +162,10 @@ def interface_address(nic: str) -> str:
     if nic not in addrs:
         raise SystemExit(f"gpucomm-run: --network-interface {nic!r} does not exist on this host; it has "
                          f"{', '.join(sorted(addrs)) or 'none'}.")
-    for a in addrs[nic]:
-        if a.family == socket.AF_INET:
-            return a.address
-    raise SystemExit(f"gpucomm-run: --network-interface {nic!r} has no IPv4 address.")
+    address = interface_ipv4(nic)
+    if address is None:
+        raise SystemExit(f"gpucomm-run: --network-interface {nic!r} has no IPv4 address.")
+    return address
 
 
 def _host_list(args: argparse.Namespace) -> list[HostSlots]:
