@@ -10,7 +10,7 @@ neither always goes first); an "on" block is wrapped in ``hvd.start_timeline(DIR
 is zero_grad, forward, loss, backward, ``optimizer.step()``; its time is the slowest rank's.
 
 The last timeline is drawn to ``DIR/timeline.png`` (and its last step to ``DIR/timeline_step.png``)
-with ``gpucomm.timeline_plot.render``. From every timeline, with ``gpucomm.timeline_plot``:
+with ``gpucomm.timeline.plot.render``. From every timeline, with ``gpucomm.timeline.plot``:
 
 * ``overlap_ms("DistributedOptimizer.backward", ("DistributedOptimizer.bucket.*", "GLOO_ALLREDUCE"))``:
   how long a bucket allreduce ran while backward was still producing gradients;
@@ -49,7 +49,7 @@ import models  # noqa: E402
 
 import gpucomm  # noqa: E402
 import gpucomm.torch as hvd  # noqa: E402
-from gpucomm import timeline_plot  # noqa: E402
+from gpucomm.timeline import plot as timeline_plot  # noqa: E402
 
 BACKWARD = "DistributedOptimizer.backward"
 BUCKETS = "DistributedOptimizer.bucket.*"

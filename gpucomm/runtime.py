@@ -26,7 +26,7 @@ from .errors import GpucommError, NotInitializedError
 from .ops import Executor, Request, reduce_inline
 from .control_channel import ControlListener, connect as connect_control
 from .process_sets import Group, check_members
-from .tracing import Tracer
+from .timeline.tracing import Tracer
 from .rendezvous import (RendezvousClient, RendezvousError, RendezvousServer, address_towards, interface_ipv4,
                          wait_for_ranks)
 from .settings import env_flag, env_seconds

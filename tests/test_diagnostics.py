@@ -8,7 +8,7 @@ import re
 
 from tests.launcher_util import PYTHON, launcher_cmd, run
 from gpucomm.runner.cli import build_parser, tunables_env
-from gpucomm import timeline_plot
+from gpucomm.timeline import plot as timeline_plot
 
 
 def _job(name: str, *extra: str, env: dict | None = None, np: int = 2, timeout: float = 120.0):

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from gpucomm.timeline import GpuActivities, Timeline, dtype_name, main, shape_str
-from gpucomm.timeline_plot import busy_ms, load_trace, overlap_ms, read_records, render
+from gpucomm.timeline.plot import busy_ms, load_trace, overlap_ms, read_records, render
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

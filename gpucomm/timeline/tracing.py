@@ -19,8 +19,7 @@ class Tracer:
     """Rank 0's timeline and the vocabulary the rest of gpucomm uses to fill it."""
 
     def __init__(self, path: str, *, mark_cycles: bool = False) -> None:
-        # imported here: `python -m gpucomm.timeline` must find the module not yet imported by gpucomm
-        from .timeline import Timeline, dtype_name, shape_str  # noqa: PLC0415
+        from .writer import Timeline, dtype_name, shape_str  # noqa: PLC0415
 
         self.timeline = Timeline(path, mark_cycles=mark_cycles)
         self._dtype_name, self._shape_str = dtype_name, shape_str
@@ -81,7 +80,7 @@ class Tracer:
     def gpu_op(self, name: str, kind: str, stream: Any):
         """Start timing a CUDA collective on ``stream``; the caller marks ``step``s and ``submit``s."""
         if self._gpu is None:
-            from .timeline import GpuActivities  # noqa: PLC0415
+            from .gpu import GpuActivities  # noqa: PLC0415
 
             self._gpu = GpuActivities(self.timeline)
         return self._gpu.trace(name, kind, stream=stream)
