@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from . import runtime
-from .ops import ReduceOp, Request, check_op, check_tensors
+from .dataplane.requests import Request, check_op, check_tensors
+from .reduce_op import ReduceOp
 
 
 def _as_tensor(array: Any) -> torch.Tensor:

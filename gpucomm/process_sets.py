@@ -1,15 +1,12 @@
 """Process sets: collectives among a subset of the job's ranks (Horovod's ``ProcessSet`` API).
 
-``ProcessSet`` is the user's handle; a ``Group`` is what the data plane uses for one registered set:
-its members in order, this rank's index in it, and its backends, built on first use (a Gloo group
-on the rendezvous store; an NCCL communicator from a unique id the set's first member publishes).
-Every member reaches the first use of a set in the same collective, so lazy construction is safe.
+``ProcessSet`` is the user's handle (importable without torch); the data plane's view of a
+registered set is ``gpucomm.dataplane.groups.Group``.
 """
 
 from __future__ import annotations
 
-import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 
 class ProcessSet:
@@ -63,45 +60,6 @@ class ProcessSet:
 global_process_set = ProcessSet([])  # id 0 once gpucomm is initialized: every rank
 
 
-class Group:
-    """One registered set as the data plane sees it."""
-
-    def __init__(self, set_id: int, ranks: Sequence[int], my_rank: int, make_gloo: Callable[["Group"], Any],
-                 make_nccl: Callable[["Group"], Any]) -> None:
-        self.id, self.ranks = set_id, tuple(ranks)
-        self.size = len(self.ranks)
-        self.rank = self.ranks.index(my_rank) if my_rank in self.ranks else -1
-        self._make_gloo, self._make_nccl = make_gloo, make_nccl
-        self._gloo = self._nccl = None
-        self._lock = threading.Lock()
-
-    def index_of(self, global_rank: int) -> int:
-        return self.ranks.index(global_rank)
-
-    def gloo(self):
-        with self._lock:
-            if self._gloo is None:
-                self._gloo = self._make_gloo(self)
-            return self._gloo
-
-    def nccl(self):
-        with self._lock:
-            if self._nccl is None:
-                self._nccl = self._make_nccl(self)
-            return self._nccl
-
-    def nccl_if_created(self):
-        """The NCCL backend if a collective has created it (the watchdog must not create one)."""
-        return self._nccl
-
-    def close(self) -> None:
-        with self._lock:
-            for backend in (self._nccl, self._gloo):
-                if backend is not None:
-                    backend.close()
-            self._gloo = self._nccl = None
-
-
 def check_members(ranks: Sequence[int], size: int, what: str) -> None:
     """Raise ``ValueError`` unless ``ranks`` are distinct ranks of a ``size``-rank job."""
     bad = [r for r in ranks if not 0 <= r < size]
@@ -111,4 +69,4 @@ def check_members(ranks: Sequence[int], size: int, what: str) -> None:
         raise ValueError(f"{what}: a process set needs at least one rank.")
 
 
-__all__ = ["Group", "ProcessSet", "check_members", "global_process_set"]
+__all__ = ["ProcessSet", "check_members", "global_process_set"]

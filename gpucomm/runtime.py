@@ -17,20 +17,24 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from . import devices, failures
+from . import failures
+from .bootstrap import devices
 from .backends.gloo import GlooBackend
-from .controller import ControlConfig, Controller
-from .coordinator import Coordinator
-from .engine import Handle
+from .control.controller import ControlConfig, Controller
+from .control.coordinator import Coordinator
+from .dataplane.handles import Handle
 from .errors import GpucommError, NotInitializedError
-from .ops import Executor, Request, reduce_inline
-from .control_channel import ControlListener, connect as connect_control
-from .process_sets import Group, check_members
+from .dataplane.executor import Executor
+from .dataplane.inline import reduce_inline
+from .dataplane.requests import Request
+from .control.channel import ControlListener, connect as connect_control
+from .dataplane.groups import Group
+from .process_sets import check_members
 from .timeline.tracing import Tracer
-from .rendezvous import (RendezvousClient, RendezvousError, RendezvousServer, address_towards, interface_ipv4,
+from .bootstrap.rendezvous import (RendezvousClient, RendezvousError, RendezvousServer, address_towards, interface_ipv4,
                          wait_for_ranks)
 from .settings import env_flag, env_seconds
-from .world import World, detect_world
+from .bootstrap.world import World, detect_world
 
 log = logging.getLogger("gpucomm")
 

@@ -12,7 +12,7 @@ import time
 import torch
 
 import gpucomm.torch as hvd
-from gpucomm.ops import MOVABLE, REDUCIBLE
+from gpucomm.dataplane.requests import MOVABLE, REDUCIBLE
 
 SHAPES = [(), (1,), (7,), (3, 5), (2, 3, 4), (0,)]
 OPS = {"avg": hvd.Average, "sum": hvd.Sum, "min": hvd.Min, "max": hvd.Max, "prod": hvd.Product}

@@ -14,7 +14,7 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
-from gpucomm.rendezvous import RendezvousServer
+from gpucomm.bootstrap.rendezvous import RendezvousServer
 
 _CTX = mp.get_context("spawn")
 FAILURE_GRACE = 10.0  # seconds the other ranks get to report once one rank has failed

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from gpucomm.rendezvous import RendezvousServer
+from gpucomm.bootstrap.rendezvous import RendezvousServer
 from tests import control_scenarios as sc
 from tests.harness import rank_env, run_ranks
 from tests.launcher_util import ROOT

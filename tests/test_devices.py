@@ -1,4 +1,4 @@
-"""Tests for gpucomm.devices: pure pinning logic, CPU-machine behaviour, and GPU checks."""
+"""Tests for gpucomm.bootstrap.devices: pure pinning logic, CPU-machine behaviour, and GPU checks."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import warnings
 
 import pytest
 
-from gpucomm import devices
-from gpucomm.devices import (
+from gpucomm.bootstrap import devices
+from gpucomm.bootstrap.devices import (
     DevicePinningError,
     GpuInfo,
     apply_single_gpu_test_env,

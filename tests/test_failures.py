@@ -7,7 +7,7 @@ import sys
 import textwrap
 
 from gpucomm.failures import Failure, read_failures, record_failure, summarize
-from gpucomm.rendezvous import RendezvousClient, RendezvousServer
+from gpucomm.bootstrap.rendezvous import RendezvousClient, RendezvousServer
 from tests.launcher_util import ROOT
 
 

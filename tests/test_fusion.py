@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from gpucomm import fusion
-from gpucomm.fusion import Bucket, FusionBuffers, FusionLimits, fusion_limits, pack_bucket, plan_buckets, unpack_bucket
+from gpucomm.dataplane import fusion
+from gpucomm.dataplane.fusion import Bucket, FusionBuffers, FusionLimits, fusion_limits, pack_bucket, plan_buckets, unpack_bucket
 from tests.kernels.reference import assert_same_bits, random_values, reference, special_values
 
 MiB = 1 << 20
@@ -242,7 +242,7 @@ def test_cpu_empty_lists_and_zero_length():
 
 
 def test_cpu_path_does_not_import_numba():
-    code = ("import sys, torch; from gpucomm import fusion; "
+    code = ("import sys, torch; from gpucomm.dataplane import fusion; "
             "fusion.unpack_bucket(fusion.pack_bucket([torch.ones(3)], torch.empty(3), scale=2.0), [torch.empty(3)]); "
             "fusion.plan_buckets([torch.ones(3)]); assert 'numba' not in sys.modules, 'numba was imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import gpucomm.torch as hvd
-from gpucomm.rendezvous import RendezvousServer
+from gpucomm.bootstrap.rendezvous import RendezvousServer
 from tests import rank_scenarios as sc
 from tests.harness import RankFailure, run_ranks
 

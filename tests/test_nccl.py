@@ -11,7 +11,7 @@ import torch
 from gpucomm.backends.base import WireOp
 from gpucomm.backends.nccl import NcclBackend, _tables, nccl_module, nccl_version
 from gpucomm.errors import CollectiveError
-from gpucomm.rendezvous import RendezvousClient, RendezvousServer
+from gpucomm.bootstrap.rendezvous import RendezvousClient, RendezvousServer
 from tests import collective_checks as checks
 from tests.harness import run_ranks
 
@@ -26,7 +26,7 @@ def test_dtype_and_op_tables_cover_everything_we_reduce():
     dtypes, ops = _tables(nccl)
     assert dtypes[torch.bfloat16] == nccl.NCCL_BFLOAT16 and dtypes[torch.float16] == nccl.NCCL_FLOAT16
     assert set(ops) == set(WireOp) and ops[WireOp.AVG] == nccl.NCCL_AVG
-    from gpucomm.ops import REDUCIBLE
+    from gpucomm.dataplane.requests import REDUCIBLE
 
     assert all(dt in dtypes for dt in REDUCIBLE)
     assert nccl_version() > 20000

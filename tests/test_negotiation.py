@@ -11,10 +11,11 @@ from fractions import Fraction
 import pytest
 import torch
 
-from gpucomm.controller import ControlConfig, stall_report
-from gpucomm.coordinator import Coordinator, ProtocolError
-from gpucomm.negotiation import Descriptor, disagreement, joined_disagreement
-from gpucomm.ops import REDUCIBLE, ReduceOp, Request, descriptor_of, inline_payload, reduce_inline, write_inline
+from gpucomm.control.controller import ControlConfig, stall_report
+from gpucomm.control.coordinator import Coordinator, ProtocolError
+from gpucomm.control.negotiation import Descriptor, descriptor_of, disagreement, joined_disagreement
+from gpucomm.dataplane.inline import inline_payload, reduce_inline, write_inline
+from gpucomm.dataplane.requests import REDUCIBLE, ReduceOp, Request
 
 
 def ar(shape=(3,), dtype="float32", op=ReduceOp.SUM, **kw) -> Descriptor:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from gpucomm.rendezvous import (HELLO_BYTES, RendezvousAuthError, RendezvousClient, RendezvousError,
+from gpucomm.bootstrap.rendezvous import (HELLO_BYTES, RendezvousAuthError, RendezvousClient, RendezvousError,
                                 RendezvousServer, RendezvousTimeout, barrier, wait_for_ranks)
 
 SECRET = b"0123456789abcdef0123456789abcdef"
@@ -141,7 +141,7 @@ def test_truncated_frame_then_disconnect(server):
 
 def test_replayed_frame_is_rejected(server):
     """A frame captured on one connection is useless on another (per-connection nonce)."""
-    from gpucomm.rendezvous import MAC_BYTES, OP_SET, _mac, encode_fields
+    from gpucomm.bootstrap.rendezvous import MAC_BYTES, OP_SET, _mac, encode_fields
 
     c = client_for(server)
     chan = c._acquire()

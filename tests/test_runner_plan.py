@@ -12,7 +12,7 @@ from gpucomm.runner.hosts import HostSlots, HostSpecError, Slot, assign_slots, p
 from gpucomm.runner.remote import encode_request
 from gpucomm.runner.spawn import SshOptions, build_launches, is_local, split_user, ssh_argv
 from gpucomm.runner.worker_env import forwarded_env, job_env, worker_env
-from gpucomm.world import detect_world
+from gpucomm.bootstrap.world import detect_world
 
 # ---------------------------------------------------------------- host lists
 

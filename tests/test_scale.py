@@ -1,10 +1,10 @@
-"""Scaling rules of ``gpucomm.ops.scale_`` (pre/post scale factors and integer averages)."""
+"""Scaling rules of ``gpucomm.dataplane.requests.scale_`` (pre/post scale factors and integer averages)."""
 
 from __future__ import annotations
 
 import torch
 
-from gpucomm.ops import scale_
+from gpucomm.dataplane.requests import scale_
 
 
 def test_integer_average_divides_exactly():

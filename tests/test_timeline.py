@@ -449,14 +449,16 @@ def _assert_png(path) -> None:
     assert head == PNG_SIGNATURE and os.path.getsize(path) > 5000
 
 
-def test_render_draws_a_png_and_counts_what_it_drew(tmp_path):
+@pytest.mark.parametrize("view, rows", [
+    ("tensors", ["DistributedOptimizer.backward", "allreduce.w0", "allreduce.w1", "allreduce.w2"]),
+    ("summary", ["backward pass", "negotiate", "op in flight", "wait / queue", "collective"])])
+def test_render_draws_a_png_and_counts_what_it_drew(tmp_path, view, rows):
     trace_path = str(tmp_path / "t.json")
     _write_synthetic(trace_path)
     out = str(tmp_path / "t.png")
-    summary = render(trace_path, out, title="synthetic")
+    summary = render(trace_path, out, title="synthetic", view=view)
     _assert_png(out)
-    assert summary["rows"] == ["DistributedOptimizer.backward", "allreduce.w0", "allreduce.w1", "allreduce.w2"]
-    assert summary["n_rows"] == 4
+    assert summary["rows"] == rows and summary["n_rows"] == len(rows)
     assert summary["spans"] == {"BACKWARD": 1, "NEGOTIATE_ALLREDUCE": 3, "ALLREDUCE": 3, "QUEUE": 3,
                                 "NCCL_ALLREDUCE": 3}
     assert summary["n_spans"] == 13 and summary["n_markers"] == 6 and summary["n_instants"] == 3
@@ -510,7 +512,7 @@ def test_render_an_open_trace_with_unfinished_ops(tmp_path):
         text = open(trace_path).read()
         (tmp_path / "open.json").write_text(text.rstrip()[:-1])  # as if caught mid-write
         out = str(tmp_path / "open.png")
-        summary = render(str(tmp_path / "open.json"), out)
+        summary = render(str(tmp_path / "open.json"), out, view="tensors")
         _assert_png(out)
         assert summary["open_spans"] == 2 and summary["n_rows"] == 5
         assert summary["spans"]["NCCL_ALLREDUCE"] == 4 and summary["spans"]["ALLREDUCE"] == 4
@@ -608,7 +610,8 @@ def test_cli_renders_and_prints_a_summary(tmp_path):
     out = tmp_path / "cli.png"
     proc = _run(["-m", "gpucomm.timeline", trace_path, "-o", str(out), "--title", "CLI"])
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("rendered 4 rows, 45 records (13 spans, 6 rank ticks), 3.000 ms")
+    # the default (summary) view: phase lanes backward, negotiate, op, wait/queue, collective
+    assert proc.stdout.startswith("rendered 5 lanes for 4 ops, 45 records (13 spans, 6 rank ticks), 3.000 ms")
     assert str(out) in proc.stdout
     _assert_png(out)
 

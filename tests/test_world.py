@@ -1,4 +1,4 @@
-"""Tests for gpucomm.world: launcher detection, parsing and validation (no I/O)."""
+"""Tests for gpucomm.bootstrap.world: launcher detection, parsing and validation (no I/O)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from gpucomm import world as W
-from gpucomm.world import (World, WorldError, derive_port, detect_world,
+from gpucomm.bootstrap import world as W
+from gpucomm.bootstrap.world import (World, WorldError, derive_port, detect_world,
                            expand_slurm_nodelist, parse_slurm_tasks_per_node)
 
 SECRET_HEX = "00112233445566778899aabbccddeeff" * 2

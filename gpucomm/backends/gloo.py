@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..rendezvous import RendezvousClient, RendezvousTimeout
+from ..bootstrap.rendezvous import RendezvousClient, RendezvousTimeout
 from .base import WireOp
 
 _GLOO_OPS = {

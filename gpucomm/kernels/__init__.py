@@ -6,7 +6,7 @@ driven by a cached device table of addresses (``table.py``) on torch's stream; w
 simulator on CPU tensors (for tests). Without either they raise ``KernelUnavailableError``.
 
 Importing this package is cheap: numba is imported on first use of a name that needs it, so the
-CPU path (``gpucomm.fusion``) can share ``rules`` without loading Numba.
+CPU path (``gpucomm.dataplane.fusion``) can share ``rules`` without loading Numba.
 """
 
 from __future__ import annotations

@@ -147,10 +147,10 @@ def _check_runnable(direction: str, device: torch.device) -> None:
         if reason:
             raise KernelUnavailableError(
                 f"{direction}: the Numba CUDA kernels need a GPU and none can be used here ({reason}); got {device} "
-                f"tensors. For CPU tensors use gpucomm.fusion.pack_bucket/unpack_bucket (plain torch ops); to test the "
+                f"tensors. For CPU tensors use gpucomm.dataplane.fusion.pack_bucket/unpack_bucket (plain torch ops); to test the "
                 f"kernels without a GPU, set NUMBA_ENABLE_CUDASIM=1 before numba is imported.")
         raise ValueError(f"{direction}: the kernels pack CUDA tensors, got {device} tensors. For CPU tensors use "
-                         f"gpucomm.fusion.pack_bucket/unpack_bucket (plain torch ops).")
+                         f"gpucomm.dataplane.fusion.pack_bucket/unpack_bucket (plain torch ops).")
     if reason:
         raise KernelUnavailableError(
             f"{direction}: torch sees {device} but Numba cannot use the GPU ({reason}). Likely cause: numba-cuda or "

@@ -102,7 +102,7 @@ def _compile(spec: KernelSpec, device: torch.device) -> Any:
                         "Likely causes: numba-cuda cannot find NVRTC/NVVM (install 'numba-cuda[cu13]' or "
                         "'numba-cuda[cu12]', matching the CUDA version `nvidia-smi` reports), or the driver is "
                         "older than that toolkit. Fix the installation, or pack CPU tensors with "
-                        "gpucomm.fusion instead.") from e
+                        "gpucomm.dataplane.fusion instead.") from e
             _compiled[spec.name] = kernel
     return kernel
 

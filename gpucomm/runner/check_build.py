@@ -41,7 +41,7 @@ def _nccl() -> str:
 
 
 def _gpus() -> str:
-    from .. import devices
+    from ..bootstrap import devices
 
     gpus = devices.nvml_gpus()
     if not gpus:

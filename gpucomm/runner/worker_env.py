@@ -20,7 +20,7 @@ NOT_FORWARDED_PREFIXES = ("BASH_FUNC_", "XDG_", "SSH_")
 
 
 def job_env(slot: Slot, *, rendezvous_addr: str, rendezvous_port: int, secret: bytes, run_id: str) -> dict[str, str]:
-    """The variables that place one rank in the job (``gpucomm.world`` reads them back)."""
+    """The variables that place one rank in the job (``gpucomm.bootstrap.world`` reads them back)."""
     env = {
         "GPUCOMM_RANK": str(slot.rank), "GPUCOMM_SIZE": str(slot.size),
         "GPUCOMM_LOCAL_RANK": str(slot.local_rank), "GPUCOMM_LOCAL_SIZE": str(slot.local_size),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
-from ..ops import ReduceOp
+from ..reduce_op import ReduceOp
 from ..process_sets import ProcessSet, global_process_set
 from .compression import Compression
 from .mpi_ops import (Average, Sum, _check_root, _run, _set_id, _submit, allgather_async, allreduce_async,

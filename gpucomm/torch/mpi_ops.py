@@ -13,7 +13,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import runtime
-from ..ops import (ReduceOp, Request, check_op, check_tensors, equal_splits)
+from ..dataplane.requests import Request, check_op, check_tensors, equal_splits
+from ..reduce_op import ReduceOp
 from ..process_sets import ProcessSet, check_members, global_process_set
 
 Average, Sum, Adasum, Min, Max, Product = (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM, ReduceOp.MIN,

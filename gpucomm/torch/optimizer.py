@@ -1,7 +1,7 @@
 """``DistributedOptimizer``: gradients averaged across ranks while backward is still running.
 
 Each trainable parameter gets a post-accumulate-grad hook. Parameters are grouped into buckets
-(``gpucomm.fusion``: reverse order, one dtype and device each, 1 MiB first, then 25 MiB). When the
+(``gpucomm.dataplane.fusion``: reverse order, one dtype and device each, 1 MiB first, then 25 MiB). When the
 last gradient of a bucket arrives, and every earlier bucket has been launched, the bucket's
 gradients are packed into its fusion buffer (scaled, and cast for compression, in the same pass)
 and its allreduce is submitted — on a communication stream after an event (GPU) or as an async
@@ -27,10 +27,12 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from .. import fusion, runtime
-from ..engine import Handle
+from .. import runtime
+from ..dataplane import fusion
+from ..dataplane.handles import Handle
 from ..kernels.rules import CASTS
-from ..ops import ReduceOp, Request
+from ..dataplane.requests import Request
+from ..reduce_op import ReduceOp
 from .compression import BF16Compressor, Compression, FP16Compressor, NoneCompressor
 from .functions import allgather_object
 from ..process_sets import ProcessSet, global_process_set

@@ -134,7 +134,7 @@ def test_cached_table_is_safe_on_a_second_stream():
 
 
 def test_fusion_gpu_and_cpu_paths_agree():
-    from gpucomm import fusion  # noqa: PLC0415
+    from gpucomm.dataplane import fusion  # noqa: PLC0415
 
     gen = torch.Generator().manual_seed(4)
     cpu = [random_values(torch.float32, n, gen) for n in (10, 0, 70_000)] + [special_values(torch.float32)]

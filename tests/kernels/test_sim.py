@@ -18,7 +18,7 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from gpucomm import fusion, kernels  # noqa: E402
+from gpucomm.dataplane import fusion, kernels  # noqa: E402
 from gpucomm.kernels import api, launch, table  # noqa: E402
 from tests.kernels.reference import (  # noqa: E402
     BF16_EDGE_BITS, assert_same_bits, f32_from_bits, random_values, reference, special_values)
@@ -251,7 +251,7 @@ def test_a_shorter_view_of_a_known_flat_buffer_is_rejected():
 
 
 def test_fusion_cpu_path_matches_the_kernels():
-    """gpucomm.fusion's torch-ops path and the kernels agree bit for bit (NaN as NaN)."""
+    """gpucomm.dataplane.fusion's torch-ops path and the kernels agree bit for bit (NaN as NaN)."""
     gen = torch.Generator().manual_seed(13)
     for src, wire_dtype in [(torch.float32, torch.float32), *kernels.CASTS, (torch.bfloat16, torch.bfloat16)]:
         srcs = [special_values(src), random_values(src, 77, gen)]

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from typing import Mapping, NamedTuple, Sequence
 
+from ..dataplane.requests import DTYPE_NAMES, Request
+from ..reduce_op import ReduceOp
+
 # Kinds that negotiate but move no tensors.
 CONTROL_KINDS = ("barrier", "join", "add_process_set", "remove_process_set")
 
@@ -29,6 +32,13 @@ class Descriptor(NamedTuple):
     root: int = 0
     splits: tuple[int, ...] | None = None
     ranks: tuple[int, ...] | None = None  # add/remove_process_set: the set's global ranks
+
+
+def descriptor_of(req: Request) -> Descriptor:
+    """What ``req``'s rank tells the coordinator about it."""
+    return Descriptor(req.kind, req.set_id, tuple(DTYPE_NAMES.get(t.dtype, str(t.dtype)) for t in req.tensors),
+                      tuple(tuple(t.shape) for t in req.tensors), req.device.type, int(req.op), req.prescale,
+                      req.postscale, req.root, None if req.splits is None else tuple(req.splits), req.ranks)
 
 
 def _fmt_shape(shape: Sequence[int]) -> str:
@@ -101,8 +111,6 @@ def disagreement(name: str, descriptors: Mapping[int, Descriptor]) -> str | None
     if kind in _REDUCING:
         ops = {r: d.op for r, d in descriptors.items()}
         if len(set(ops.values())) > 1:
-            from .ops import ReduceOp  # noqa: PLC0415 - avoid a cycle at import
-
             return (f"Mismatched {what} reduction ops: "
                     f"{_describe_groups(ops, lambda v: 'hvd.' + ReduceOp(v).name.title())}.")
         scales = {r: (d.prescale, d.postscale) for r, d in descriptors.items()}
@@ -123,8 +131,6 @@ def disagreement(name: str, descriptors: Mapping[int, Descriptor]) -> str | None
 
 def joined_disagreement(name: str, kind: str, op: int, joined: Sequence[int]) -> str | None:
     """The error when ``kind`` cannot run while ``joined`` ranks stand in with zeros, else None."""
-    from .ops import ReduceOp  # noqa: PLC0415
-
     if kind in CONTROL_KINDS:
         return None
     who = _who(joined)
@@ -138,4 +144,4 @@ def joined_disagreement(name: str, kind: str, op: int, joined: Sequence[int]) ->
     return None
 
 
-__all__ = ["CONTROL_KINDS", "Descriptor", "disagreement", "joined_disagreement"]
+__all__ = ["CONTROL_KINDS", "Descriptor", "descriptor_of", "disagreement", "joined_disagreement"]

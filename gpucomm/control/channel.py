@@ -12,7 +12,7 @@ import pickle
 import select
 import socket
 import time
-from .rendezvous import (HELLO_BYTES, MAGIC, NONCE_BYTES, VERSION, FrameError, _Channel as Channel, _recv_exact)
+from ..bootstrap.rendezvous import (HELLO_BYTES, MAGIC, NONCE_BYTES, VERSION, FrameError, _Channel as Channel, _recv_exact)
 
 MAX_CONTROL_FRAME = 256 << 20  # a burst of thousands of full requests stays far below this
 BODY_TIMEOUT = 30.0  # a peer that has started a frame must finish it this fast

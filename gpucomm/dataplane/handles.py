@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .errors import CollectiveError
+from ..errors import CollectiveError
 
 
 @dataclass

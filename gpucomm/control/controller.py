@@ -20,14 +20,15 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from . import control_channel as wire
-from .backends.nccl import NCCL_HINT
+from . import channel as wire
+from ..backends.nccl import NCCL_HINT
 from .coordinator import DEFAULT_CACHE_CAPACITY, Coordinator, Outgoing
-from .engine import Handle, Issued
-from .errors import CollectiveError, ShutdownError
-from .negotiation import Descriptor
-from .settings import env_flag, env_number
-from .ops import DEFAULT_INLINE_BYTES, Request, descriptor_of, inline_payload, write_inline
+from ..dataplane.handles import Handle, Issued
+from ..errors import CollectiveError, ShutdownError
+from .negotiation import Descriptor, descriptor_of
+from ..settings import env_flag, env_number
+from ..dataplane.inline import DEFAULT_INLINE_BYTES, inline_payload, write_inline
+from ..dataplane.requests import Request
 
 log = logging.getLogger("gpucomm.control")
 

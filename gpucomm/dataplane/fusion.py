@@ -27,8 +27,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .errors import KernelUnavailableError
-from .kernels import rules
+from ..errors import KernelUnavailableError
+from ..kernels import rules
 
 __all__ = [
     "DEFAULT_FIRST_BUCKET_BYTES", "DEFAULT_BUCKET_CAP_BYTES", "THRESHOLD_ENV", "FIRST_BUCKET_ENV", "FusionLimits",
@@ -229,7 +229,7 @@ def pack_bucket(tensors: Sequence[torch.Tensor], buffer: torch.Tensor, *, scale:
     the current stream; ``validate`` as in ``gpucomm.kernels.pack``); CPU: torch ops."""
     tensors = rules.tensor_list("pack", tensors)
     if _kernels_enabled(buffer):
-        from . import kernels  # noqa: PLC0415 - imports numba
+        from .. import kernels  # noqa: PLC0415 - imports numba
 
         try:
             kernels.pack(tensors, buffer, scale=scale, stream=stream, validate=validate)
@@ -246,7 +246,7 @@ def unpack_bucket(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], *, scal
     the reverse of ``pack_bucket``."""
     tensors = rules.tensor_list("unpack", tensors)
     if _kernels_enabled(buffer):
-        from . import kernels  # noqa: PLC0415
+        from .. import kernels  # noqa: PLC0415
 
         try:
             kernels.unpack(buffer, tensors, scale=scale, stream=stream, validate=validate)
