@@ -14,9 +14,9 @@ from .reduce_op import ReduceOp
 
 __version__ = "0.1.0"
 
-_LAZY = {"Communicator": "communicator", "stats": "stats"}
+_LAZY = {"Communicator": "communicator", "stats": "counters"}
 
-__all__ = ["Communicator", "CollectiveError", "GpucommError", "NotInitializedError", "ReduceOp", "ShutdownError",
+__all__ = ["Communicator", "CollectiveError", "GpucommError", "NotInitializedError", "ReduceOp", "ShutdownError", "stats",
            "__version__"]
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from . import runtime
+from .control.config import Send
 from .dataplane.requests import Request, check_op, check_tensors
 from .reduce_op import ReduceOp
 
@@ -74,7 +75,7 @@ class Communicator:
                 out.copy_(src)
             target = out if in_place else src
             req = Request(kind, f"comm.{kind}", [target], outputs=[target] if in_place else None, device=device, **fields)
-            result = self._rt.submit(req, send="on_wait").wait()
+            result = self._rt.submit(req, send=Send.ON_WAIT).wait()
             tensor = result[0][0] if kind == "allgather" else result[0]
             if out is not None and not in_place:
                 out.view(-1).copy_(tensor.reshape(-1))
@@ -104,4 +105,4 @@ class Communicator:
         return self._run("reducescatter", send, recv, stream, reducing=True, op=ReduceOp(op))
 
     def barrier(self) -> None:
-        self._rt.submit(Request("barrier", "comm.barrier", []), send="on_wait").wait()
+        self._rt.submit(Request("barrier", "comm.barrier", []), send=Send.ON_WAIT).wait()

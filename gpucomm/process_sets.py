@@ -6,7 +6,9 @@ registered set is ``gpucomm.dataplane.groups.Group``.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
+
+from .settings import env_flag
 
 
 class ProcessSet:
@@ -69,4 +71,28 @@ def check_members(ranks: Sequence[int], size: int, what: str) -> None:
         raise ValueError(f"{what}: a process set needs at least one rank.")
 
 
-__all__ = ["ProcessSet", "check_members", "global_process_set"]
+def init_sets(process_sets: Any, size: int, env: Mapping[str, str]) -> tuple[list[tuple[int, ...]], bool]:
+    """What ``init(process_sets=...)`` registers (the ranks of sets 1, 2, ...), and whether
+    ``add_process_set`` is allowed later (``"dynamic"``, or GPUCOMM_DYNAMIC_PROCESS_SETS=1)."""
+    dynamic = env_flag(env, ("GPUCOMM_DYNAMIC_PROCESS_SETS", "HOROVOD_DYNAMIC_PROCESS_SETS"))
+    if process_sets is None:
+        return [], dynamic
+    if isinstance(process_sets, str):
+        if process_sets != "dynamic":
+            raise ValueError(f"init(process_sets={process_sets!r}): pass a list of ProcessSet (or rank lists), or "
+                             f"the string 'dynamic'.")
+        return [], True
+    out: list[tuple[int, ...]] = []
+    for ps in process_sets:
+        ranks = tuple(sorted(getattr(ps, "ranks", ps)))
+        check_members(ranks, size, "init(process_sets=...)")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"init(process_sets=...): the set {list(ranks)} lists a rank twice.")
+        if ranks == tuple(range(size)) or ranks in out:
+            raise ValueError(f"init(process_sets=...): the set {list(ranks)} is registered twice (the set of all "
+                             f"ranks is always there as hvd.global_process_set).")
+        out.append(ranks)
+    return out, dynamic
+
+
+__all__ = ["ProcessSet", "check_members", "global_process_set", "init_sets"]

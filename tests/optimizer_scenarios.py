@@ -100,19 +100,19 @@ def train_matches_full_batch(kind: str, steps: int = 5, compression: str = "none
                                    compression=DoubleWireCompressor if compression == "custom"
                                    else getattr(hvd.Compression, compression), groups=chosen)
     if groups == "lists":
-        assert sorted(len(b.params) for b in opt._buckets) == [1, 1, 1, 3]
+        assert sorted(len(b.params) for b in opt._buckets.buckets) == [1, 1, 1, 3]
     assert isinstance(opt, type(make_opt(kind, model.parameters())))
-    assert len(opt._buckets) > 1, "the test wants several buckets (GPUCOMM_FUSION_THRESHOLD)"
+    assert len(opt._buckets.buckets) > 1, "the test wants several buckets (GPUCOMM_FUSION_THRESHOLD)"
     launches = []
-    original = opt._launch
-    opt._launch = lambda b: (launches.append(b.plan.index), original(b))[1]
+    original = opt._buckets._launch
+    opt._buckets._launch = lambda b: (launches.append(b.plan.index), original(b))[1]
     for s in range(steps):
         x, y = (t.to(device) for t in batch(s))
         opt.zero_grad()
         nn.functional.mse_loss(model(half(x, r, n)), half(y, r, n)).backward()
         # overlap: every bucket was launched by the hooks during backward, in index order, once
-        assert launches == list(range(len(opt._buckets))), launches
-        assert all(b.handle is not None for b in opt._buckets)
+        assert launches == list(range(len(opt._buckets.buckets))), launches
+        assert all(b.handle is not None for b in opt._buckets.buckets)
         launches.clear()
         opt.step()
     ref = reference(kind, steps, device=device)
@@ -170,7 +170,7 @@ def accumulation_matches_full_batch(kind: str, steps: int = 3) -> float:
         opt.zero_grad()
         for part in range(2):
             nn.functional.mse_loss(model(half(xs, part, 2)), half(ys, part, 2)).div(2).backward()
-            assert all(b.handle is None for b in opt._buckets) == (part == 0)  # launched on the 2nd pass only
+            assert all(b.handle is None for b in opt._buckets.buckets) == (part == 0)  # launched on the 2nd pass only
         opt.step()
     diff = max_rel_diff(model, reference(kind, steps))
     hvd.shutdown()
@@ -188,7 +188,7 @@ def no_sync_matches_full_batch(steps: int = 3) -> float:
         opt.zero_grad()
         with opt.no_sync():
             nn.functional.mse_loss(model(half(xs, 0, 2)), half(ys, 0, 2)).div(2).backward()
-            assert all(b.handle is None for b in opt._buckets)
+            assert all(b.handle is None for b in opt._buckets.buckets)
         nn.functional.mse_loss(model(half(xs, 1, 2)), half(ys, 1, 2)).div(2).backward()
         opt.step()
     diff = max_rel_diff(model, reference("sgd", steps))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gpucomm.control.controller import ControlConfig, stall_report
-from gpucomm.control.coordinator import Coordinator, ProtocolError
+from gpucomm.control.coordinator import Coordinator, ProtocolError, set_bits
 from gpucomm.control.negotiation import Descriptor, descriptor_of, disagreement, joined_disagreement
 from gpucomm.dataplane.inline import inline_payload, reduce_inline, write_inline
 from gpucomm.dataplane.requests import REDUCIBLE, ReduceOp, Request
@@ -221,7 +221,7 @@ def test_cache_hit_sends_no_meta_when_unchanged():
     cache_id = first[3]
     assert c.submit(0, [("hit", cache_id, None)]) == []
     [(dest, second)] = c.submit(1, [("hit", cache_id, None)])
-    assert dest == (0, 1) and second == ("run", 0, "allreduce.a", cache_id, None, None)
+    assert dest == (0, 1) and second == ("bits", 1 << cache_id)  # an unchanged answer is one bit
     # a different name gets the next id
     c.submit(0, [req("allreduce.b", ar())])
     assert c.submit(1, [req("allreduce.b", ar())])[0][1][3] == 1
@@ -234,7 +234,7 @@ def test_cache_resends_meta_when_it_changes():
     [(_, first)] = c.submit(1, [req("allgather.g", g._replace(shapes=((5, 3),)))])
     assert first[4] == {"rows": [[2, 5]]}
     c.submit(0, [("hit", first[3], None)])
-    assert c.submit(1, [("hit", first[3], None)])[0][1][4] is None
+    assert c.submit(1, [("hit", first[3], None)])[0][1] == ("bits", 1 << first[3])
     # rank 0 now sends 4 rows (a fresh request); rank 1 still a hit: the new rows are sent
     c.submit(0, [req("allgather.g", g._replace(shapes=((4, 3),)))])
     [(_, third)] = c.submit(1, [("hit", first[3], None)])
@@ -248,6 +248,30 @@ def test_hit_against_a_changed_request_is_still_validated():
     c.submit(0, [("hit", cache_id, None)])
     [(_, resp)] = c.submit(1, [req("a", ar((4,)))])  # rank 1 changed its shape; rank 0 did not
     assert resp[0] == "error" and "rank 0 sent [3]; rank 1 sent [4]" in resp[3]
+
+
+def test_cached_requests_travel_and_answer_as_one_bit_each():
+    c = Coordinator(2)
+    ids = []
+    for name in ("a", "b", "c"):
+        c.submit(0, [req(name, ar())])
+        ids.append(c.submit(1, [req(name, ar())])[0][1][3])
+    bits = sum(1 << i for i in ids)
+    assert c.submit(0, [("bits", bits)]) == []
+    [(dest, answer)] = c.submit(1, [("bits", bits)])
+    assert dest == (0, 1) and answer == ("bits", bits)  # one response for the whole cycle
+    assert set_bits(answer[1]) == sorted(ids)
+
+
+def test_bits_fold_only_runs_for_the_same_ranks():
+    c = Coordinator(3, process_sets=[(0, 1)])
+    for name, set_id in (("a", 0), ("b", 1)):
+        for rank in (0, 1, 2)[: 3 if set_id == 0 else 2]:
+            c.submit(rank, [("req", set_id, name, ar()._replace(set_id=set_id), None)])
+    c.submit(2, [("bits", 1 << 0)])
+    c.submit(0, [("bits", 0b11)])
+    out = c.submit(1, [("bits", 0b11)])
+    assert out == [((0, 1, 2), ("bits", 1 << 0)), ((0, 1), ("bits", 1 << 1))]
 
 
 def test_cache_capacity_zero_never_caches():

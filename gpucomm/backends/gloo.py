@@ -155,3 +155,16 @@ class GlooBackend:
         except RuntimeError:
             pass
         self.pg = None  # type: ignore[assignment]
+
+
+def gloo_iface(env) -> str | None:
+    """The network interface Gloo should use across hosts (``GPUCOMM_GLOO_IFACE`` / Horovod's name)."""
+    return env.get("GPUCOMM_GLOO_IFACE") or env.get("HOROVOD_GLOO_IFACE")
+
+
+def gloo_group(client: RendezvousClient, prefix: str, rank: int, size: int, *, timeout: float, one_host: bool,
+               iface: str | None) -> GlooBackend:
+    """A Gloo group on the store under ``prefix``: on loopback when every rank is on one host, else
+    on ``iface`` (or the default route's interface)."""
+    return GlooBackend(client, prefix, rank, size, timeout=timeout,
+                       hostname="127.0.0.1" if one_host and not iface else None, interface=iface)

@@ -8,6 +8,7 @@ from a 128-byte unique id that rank 0 publishes through the rendezvous store.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Sequence
 
 import torch
@@ -167,3 +168,19 @@ class NcclBackend:
             self.comm.destroy()
         except Exception as e:
             log.debug("NCCL destroy: %s", e)
+
+
+def create_nccl(client, key: str, rank: int, size: int, device_ordinal: int, timeout: float) -> NcclBackend:
+    """A communicator of ``size`` ranks: rank 0 publishes a fresh unique id under ``key`` in the
+    rendezvous store (``client``), every rank reads it and joins (a collective call)."""
+    nccl = nccl_module()
+    if nccl is None:
+        raise CollectiveError(
+            "a collective on a CUDA tensor needs NCCL, but CuPy's NCCL bindings could not be loaded. "
+            "Install the extra that matches your CUDA: pip install 'gpucomm[cuda12]' or 'gpucomm[cuda13]'.")
+    t0 = time.monotonic()
+    if rank == 0:
+        client.set(key, bytes(nccl.get_unique_id()))
+    backend = NcclBackend(client.get(key, timeout), rank, size, device_ordinal)
+    log.info("NCCL communicator (%s, rank %d of %d) created in %.3f s", key, rank, size, time.monotonic() - t0)
+    return backend

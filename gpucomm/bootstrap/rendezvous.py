@@ -100,7 +100,7 @@ def _mac(secret: bytes, nonce: bytes, direction: bytes, seq: int, body: bytes) -
     return hmac.digest(secret, nonce + direction + _SEQ.pack(seq) + body, "sha256")
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
@@ -111,7 +111,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-class _Channel:
+class FramedChannel:
     """One authenticated, sequenced connection end (used by both server and client)."""
 
     def __init__(self, sock: socket.socket, secret: bytes, nonce: bytes, send_dir: bytes, max_frame: int):
@@ -127,20 +127,20 @@ class _Channel:
         self.sock.sendall(_LEN.pack(MAC_BYTES + len(body)) + mac + body)
 
     def recv(self, body_timeout: float | None) -> bytes:
-        header = _recv_exact(self.sock, 4)
+        header = recv_exact(self.sock, 4)
         if header == DENY[:4]:
-            rest = _recv_exact(self.sock, 4)
+            rest = recv_exact(self.sock, 4)
             raise FrameError("DENY" if rest == DENY[4:] else "zero-length frame")
         (length,) = _LEN.unpack(header)
         if length < MAC_BYTES + 1 or length > self.max_frame + MAC_BYTES:
             raise FrameError(f"frame length {length} outside [{MAC_BYTES + 1}, {self.max_frame + MAC_BYTES}]")
         previous = self.sock.gettimeout()
         if previous == body_timeout:
-            payload = _recv_exact(self.sock, length)
+            payload = recv_exact(self.sock, length)
         else:
             self.sock.settimeout(body_timeout)
             try:
-                payload = _recv_exact(self.sock, length)
+                payload = recv_exact(self.sock, length)
             finally:
                 self.sock.settimeout(previous)
         mac, body = payload[:MAC_BYTES], payload[MAC_BYTES:]
@@ -245,7 +245,7 @@ class RendezvousServer:
     def _serve(self, conn: socket.socket, peer: object) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         nonce = os.urandom(NONCE_BYTES)
-        chan = _Channel(conn, self._secret, nonce, b"S", self._max_frame)
+        chan = FramedChannel(conn, self._secret, nonce, b"S", self._max_frame)
         try:
             conn.sendall(MAGIC + bytes([VERSION]) + nonce)
             while not self._closed:
@@ -339,27 +339,27 @@ class RendezvousClient:
         self.timeout = timeout
         self._secret, self._max_frame = secret, max_frame
         self._connect_timeout = connect_timeout
-        self._idle: list[_Channel] = []
+        self._idle: list[FramedChannel] = []
         self._lock = threading.Lock()
         self._closed = False
         self._release(self._connect())  # fail fast, with the retry loop, at construction
 
     # -- connections --------------------------------------------------------------------------
-    def _connect(self) -> _Channel:
+    def _connect(self) -> FramedChannel:
         deadline = time.monotonic() + self._connect_timeout
         delay, last_error = 0.01, None
         while True:
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=max(0.1, min(10.0, deadline - time.monotonic())))
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                hello = _recv_exact(sock, HELLO_BYTES)
+                hello = recv_exact(sock, HELLO_BYTES)
                 if hello[:4] != MAGIC or hello[4] != VERSION:
                     sock.close()
                     raise RendezvousError(
                         f"{self.host}:{self.port} is not a gpucomm rendezvous store (version {VERSION}): it answered "
                         f"{hello[:5]!r}. Another service holds that port; choose another GPUCOMM_RENDEZVOUS_PORT.")
                 sock.settimeout(None)
-                return _Channel(sock, self._secret, hello[5:], b"C", self._max_frame)
+                return FramedChannel(sock, self._secret, hello[5:], b"C", self._max_frame)
             except (OSError, FrameError) as e:
                 last_error = e
             if time.monotonic() + delay > deadline:
@@ -372,7 +372,7 @@ class RendezvousClient:
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    def _acquire(self) -> _Channel:
+    def _acquire(self) -> FramedChannel:
         with self._lock:
             if self._closed:
                 raise RendezvousError("the rendezvous client is closed (gpucomm was shut down)")
@@ -380,7 +380,7 @@ class RendezvousClient:
                 return self._idle.pop()
         return self._connect()
 
-    def _release(self, chan: _Channel) -> None:
+    def _release(self, chan: FramedChannel) -> None:
         with self._lock:
             if not self._closed:
                 self._idle.append(chan)

@@ -12,7 +12,7 @@ import pickle
 import select
 import socket
 import time
-from ..bootstrap.rendezvous import (HELLO_BYTES, MAGIC, NONCE_BYTES, VERSION, FrameError, _Channel as Channel, _recv_exact)
+from ..bootstrap.rendezvous import (HELLO_BYTES, MAGIC, NONCE_BYTES, VERSION, FrameError, FramedChannel as Channel, recv_exact)
 
 MAX_CONTROL_FRAME = 256 << 20  # a burst of thousands of full requests stays far below this
 BODY_TIMEOUT = 30.0  # a peer that has started a frame must finish it this fast
@@ -108,7 +108,7 @@ def connect(host: str, port: int, secret: bytes, rank: int, timeout: float) -> C
         try:
             sock = socket.create_connection((host, port), timeout=max(0.1, min(10.0, deadline - time.monotonic())))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = _recv_exact(sock, HELLO_BYTES)
+            hello = recv_exact(sock, HELLO_BYTES)
             if hello[:4] != MAGIC or hello[4] != VERSION:
                 sock.close()
                 raise ControlError(f"{host}:{port} is not a gpucomm coordinator (it answered {hello[:5]!r}).")

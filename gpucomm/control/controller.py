@@ -10,60 +10,32 @@ rank 0, serves the coordinator and runs the stall inspector.
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 
 from . import channel as wire
-from ..backends.nccl import NCCL_HINT
-from .coordinator import DEFAULT_CACHE_CAPACITY, Coordinator, Outgoing
+from ..counters import COUNTERS
+from ..dataplane.executor import prepare
 from ..dataplane.handles import Handle, Issued
-from ..errors import CollectiveError, ShutdownError
-from .negotiation import Descriptor, descriptor_of
-from ..settings import env_flag, env_number
-from ..dataplane.inline import DEFAULT_INLINE_BYTES, inline_payload, write_inline
+from ..dataplane.inline import inline_payload, write_inline
 from ..dataplane.requests import Request
+from ..dataplane.watchdog import NcclWatchdog
+from ..errors import CollectiveError, ShutdownError
+from .config import ControlConfig, ControlLinks, Send
+from .coordinator import Coordinator, Outgoing, set_bits
+from .negotiation import Descriptor, descriptor_of
+from .stalls import StallInspector, stall_report
 
 log = logging.getLogger("gpucomm.control")
 
 Key = tuple[int, str]
 Execute = Callable[[Request, dict], Issued]
-
-
-@dataclass(frozen=True)
-class ControlConfig:
-    """Tunables of the control plane (``from_env`` reads GPUCOMM_* and Horovod's names)."""
-
-    timeout: float = 300.0
-    cycle_time: float = 0.001  # seconds a request submitted without a wait may sit before it is sent
-    cache_capacity: int = DEFAULT_CACHE_CAPACITY
-    stall_warning: float | None = 60.0  # None: the stall inspector is off
-    stall_shutdown: float | None = None  # None: stalls only warn
-    inline_bytes: int = DEFAULT_INLINE_BYTES  # CPU allreduces up to this size are reduced by the coordinator
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str], timeout: float) -> "ControlConfig":
-        cycle_ms = env_number(env, ("GPUCOMM_CYCLE_TIME", "HOROVOD_CYCLE_TIME"), 1.0, allow_zero=True)
-        capacity = env_number(env, ("GPUCOMM_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY"), DEFAULT_CACHE_CAPACITY,
-                              allow_zero=True)
-        disabled = env_flag(env, ("GPUCOMM_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_DISABLE"))
-        warning = env_number(env, ("GPUCOMM_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS"), 60.0)
-        shutdown = env_number(env, ("GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"), 0.0,
-                              allow_zero=True)
-        if shutdown and not disabled and shutdown <= warning:
-            raise ValueError(f"the stall shutdown time ({shutdown:g} s) must exceed the stall warning time "
-                             f"({warning:g} s): a stall is reported first, then turned into an error. Raise "
-                             f"GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS or lower GPUCOMM_STALL_CHECK_TIME_SECONDS.")
-        inline = env_number(env, ("GPUCOMM_INLINE_BYTES",), DEFAULT_INLINE_BYTES, allow_zero=True)
-        return cls(timeout=timeout, cycle_time=cycle_ms / 1000.0, cache_capacity=int(capacity),
-                   stall_warning=None if disabled else warning, stall_shutdown=(shutdown or None) if not disabled else None,
-                   inline_bytes=int(inline))
 
 
 @dataclass
@@ -78,8 +50,8 @@ class Controller:
     """Submits requests to the coordinator and executes its responses; one per initialized job."""
 
     def __init__(self, rank: int, size: int, execute: Execute, config: ControlConfig, *,
-                 coordinator: Coordinator | None = None, workers: Mapping[int, wire.Channel] | None = None,
-                 link: wire.Channel | None = None, on_done: Callable[[str, str, Any], None] | None = None,
+                 coordinator: Coordinator | None = None, links: ControlLinks = ControlLinks(),
+                 on_done: Callable[[str, str, Any], None] | None = None,
                  zeros_device: Callable[[], torch.device] | None = None,
                  tracer: Callable[[], Any] = lambda: None,
                  nccl_health: Callable[[int, bool], str | None] = lambda set_id, abort: None) -> None:
@@ -87,20 +59,25 @@ class Controller:
         self.timeout = config.timeout
         self._execute = execute
         self._coordinator = coordinator
-        self._workers = dict(workers or {})  # rank 0: rank -> channel
+        self._workers = dict(links.workers)  # rank 0: rank -> channel
         self._rank_of = {c.sock: r for r, c in self._workers.items()}
-        self._link = link  # other ranks: the channel to rank 0
+        self._link = links.to_root  # other ranks: the channel to rank 0
         self._on_done = on_done or (lambda kind, name, value: None)
         self._zeros_device = zeros_device or (lambda: torch.device("cpu"))
         self._tracer = tracer
-        self._nccl_health = nccl_health  # (set id, abort?) -> NCCL's asynchronous error, if any
-        self._cuda_inflight: collections.deque = collections.deque()  # (issued at, done event, request)
+        self._watchdog = NcclWatchdog(rank, config.timeout, nccl_health,
+                                      lambda why: self.report_failure(why, locked=True))
+        self._stalls = None
+        if coordinator is not None and config.stall_warning is not None:
+            self._stalls = StallInspector(coordinator, config.stall_warning, config.stall_shutdown,
+                                          report=self._send_stall_info, abort=self._abort_all)
         self._lock = threading.Lock()  # held by the thread driving progress
         self._cv = threading.Condition()  # guards the fields below; notified when a handle becomes ready
         self._inflight: dict[Key, _Local] = {}
         self._unsent: list[tuple] = []
         self._unsent_since = 0.0
-        self._cache: dict[Key, tuple[int, Descriptor]] = {}
+        self._cache: dict[Key, tuple[int, Descriptor]] = {}  # the response cache: key -> (id, descriptor)
+        self._cache_keys: dict[int, Key] = {}  # id -> key
         self._meta: dict[int, dict] = {}
         self._failure: CollectiveError | None = None
         self._closed = False
@@ -108,10 +85,8 @@ class Controller:
         self._waiting = 0  # threads inside wait_ready
         self._standins: list[Issued] = []
         self._stall_info: dict[Key, list[int]] = {}
-        self._warned: dict[Key, float] = {}
         self._failed_reports: dict[int, str] = {}  # rank 0: ranks that reported a failure before leaving
         self._left: set[int] = set()  # rank 0: ranks whose connections ended
-        self._next_stall_check = time.monotonic()
         self.frames_sent = 0  # request frames this rank sent (rank 0: coordinator steps that took requests)
         self.frames_received = 0
         self._wake_r, self._wake_w = os.pipe()
@@ -121,11 +96,9 @@ class Controller:
 
     # ------------------------------------------------------------------ submitting
 
-    def submit(self, request: Request, *, send: str = "cycle") -> Handle:
-        """Queue ``request`` for negotiation. ``send`` says when its request leaves: ``"cycle"``
-        after at most ``cycle_time`` (requests submitted meanwhile share the frame), ``"now"`` at
-        once (a gradient bucket that should start while backward goes on), ``"on_wait"`` when the
-        caller waits on it, which it is about to do."""
+    def submit(self, request: Request, *, send: Send = Send.CYCLE) -> Handle:
+        """Queue ``request`` for negotiation; ``send`` says when its request leaves (``Send``). A
+        request the response cache knows travels as one bit of its frame."""
         descriptor = descriptor_of(request)
         payload = inline_payload(request, self.config.inline_bytes)
         key = (request.set_id, request.name)
@@ -146,20 +119,26 @@ class Controller:
             cached = self._cache.get(key)
             if cached is not None and cached[1] == descriptor:
                 item: tuple = ("hit", cached[0], payload)
+                COUNTERS.cache_hits += 1
             else:
                 item = ("req", key[0], key[1], descriptor, payload)
+            COUNTERS.negotiated += 1
             was_empty = not self._unsent
             if was_empty:
                 self._unsent_since = time.monotonic()
             self._unsent.append(item)
-        if send == "now" and self._lock.acquire(blocking=False):
+        if send is Send.NOW and self._lock.acquire(blocking=False):
             try:
                 self._step(None, 0.0)
             finally:
                 self._release()
-        elif send == "now" or (send == "cycle" and was_empty):
+        elif send is Send.NOW or (send is Send.CYCLE and was_empty):
             self._wake()
         return handle
+
+    def watch(self, done_event: Any, request: Request) -> None:
+        """Hand a CUDA collective issued elsewhere (a fixed schedule) to the NCCL watchdog."""
+        self._watchdog.watch(done_event, request)
 
     def _wake(self) -> None:
         try:
@@ -253,6 +232,8 @@ class Controller:
         if not items:
             return
         self.frames_sent += 1
+        COUNTERS.control_rounds += 1
+        items = _with_bits(items)
         tracer = self._tracer()
         if tracer is not None:
             tracer.cycle()
@@ -363,14 +344,25 @@ class Controller:
         if tag == "stall":
             self._stall_info = response[1]
             return
+        if tag == "bits":  # cached operations whose answer is unchanged: run them in cache-id order
+            for cache_id in set_bits(response[1]):
+                key = self._cache_keys[cache_id]
+                with self._cv:
+                    local = self._inflight.pop(key, None)
+                self._run(key, local, cache_id, None, None)
+            return
         set_id, name = response[1], response[2]
         key = (set_id, name)
         with self._cv:
             local = self._inflight.pop(key, None)
         if tag == "run":
+            if response[5] is not None:
+                COUNTERS.inline_reductions += 1
             self._run(key, local, response[3], response[4], response[5])
         elif tag == "error":
-            self._cache.pop(key, None)
+            cached = self._cache.pop(key, None)
+            if cached is not None:
+                self._cache_keys.pop(cached[0], None)
             if local is not None:
                 self._settle(local.handle, error=CollectiveError(response[3]))
         elif tag == "done":
@@ -387,6 +379,7 @@ class Controller:
             meta = self._meta.get(cache_id, {})
         elif cache_id >= 0:
             self._meta[cache_id] = meta
+            self._cache_keys[cache_id] = key
         if local is None:
             if result is None:  # reduced by the coordinator: nothing for a joined rank to do
                 self._stand_in(key, meta)
@@ -406,7 +399,7 @@ class Controller:
             self._settle(local.handle, error=e)
             return
         if issued.done_event is not None:  # watched: a CUDA collective never blocks the host
-            self._cuda_inflight.append((time.monotonic(), issued.done_event, local.handle.request))
+            self._watchdog.watch(issued.done_event, local.handle.request)
         self._settle(local.handle, issued=issued)
 
     def _stand_in(self, key: Key, meta: dict) -> None:
@@ -423,8 +416,11 @@ class Controller:
                           postscale=template.postscale, root=template.root, splits=template.splits, device=device,
                           set_id=key[0])
         if device.type == "cuda":
+            request.stream = torch.cuda.current_stream(device)
             request.ready_event = torch.cuda.Event()
-            request.ready_event.record(torch.cuda.current_stream(device))
+            request.ready_event.record(request.stream)
+        if request.kind in ("allreduce", "broadcast"):
+            prepare(request)
         try:
             self._standins.append(self._execute(request, meta))
         except BaseException as e:  # noqa: BLE001
@@ -457,66 +453,21 @@ class Controller:
                     local.handle._error = self._failure
             self._cv.notify_all()
 
-    # ------------------------------------------------------------------ NCCL watchdog
-
-    def _watch_cuda(self) -> None:
-        """Retire finished CUDA collectives; turn NCCL's asynchronous errors, and a collective that
-        has not finished within the timeout, into an error on every rank (aborting the
-        communicator, so no stream waits forever on a peer that will never arrive)."""
-        inflight = self._cuda_inflight
-        while inflight and inflight[0][1].query():
-            inflight.popleft()
-        if not inflight:
-            return
-        started, _, request = inflight[0]
-        error = self._nccl_health(request.set_id, False)
-        overdue = time.monotonic() - started > self.timeout
-        if error is None and not overdue:
-            return
-        self._nccl_health(request.set_id, True)  # abort
-        if error is not None:
-            why = f"NCCL reported an error while {request.describe()} was in flight on rank {self.rank}: {error}"
-        else:
-            why = (f"{request.describe()} did not finish within {self.timeout:.0f} s (GPUCOMM_TIMEOUT) on rank "
-                   f"{self.rank}: at least one of the ranks it needs ({_ranks_text(request.set_id)}) never "
-                   f"reached it — that rank died, hangs before this collective, or cannot reach this one")
-        inflight.clear()
-        self.report_failure(why + ". The NCCL communicator was aborted. " + NCCL_HINT, locked=True)
-
-    # ------------------------------------------------------------------ stalls (rank 0)
+    # ------------------------------------------------------------------ housekeeping
 
     def _stall_tick(self) -> float:
-        return 0.25 if self._coordinator is not None and self.config.stall_warning is not None else 1.0
+        return 0.25 if self._stalls is not None else 1.0
 
     def _housekeeping(self) -> None:
         if self._standins:
             self._standins = [s for s in self._standins if not all(w.done() for w in s.works)]
-        if self._cuda_inflight:
-            self._watch_cuda()
-        if self._coordinator is None or self.config.stall_warning is None:
-            return
-        now = time.monotonic()
-        if now < self._next_stall_check:
-            return
-        self._next_stall_check = now + min(1.0, self.config.stall_warning / 4)
-        stalled = self._coordinator.stalled(self.config.stall_warning)
-        if not stalled:
-            return
-        report = {(s, n): missing for s, n, _, missing in stalled}
-        fresh = [(s, n, age, m) for s, n, age, m in stalled
-                 if now - self._warned.get((s, n), -1e18) >= self.config.stall_warning]
-        if fresh:
-            for s, n, _, _ in fresh:
-                self._warned[(s, n)] = now
-            log.warning("%s", stall_report(stalled, self.config.stall_warning, self.config.stall_shutdown))
-            self._dispatch([(tuple(r for r in range(self.size) if r != 0), ("stall", report))])
-        limit = self.config.stall_shutdown
-        if limit is not None:
-            over = [(s, n, age, m) for s, n, age, m in stalled if age >= limit]
-            if over:
-                self._abort_all("the stall inspector stopped the job after "
-                                f"{limit:g} s (GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS). "
-                                + stall_report(over, self.config.stall_warning, limit))
+        if self._watchdog:
+            self._watchdog.check()
+        if self._stalls is not None:
+            self._stalls.check()
+
+    def _send_stall_info(self, report: dict) -> None:
+        self._dispatch([(tuple(r for r in range(self.size) if r != 0), ("stall", report))])
 
     # ------------------------------------------------------------------ background thread
 
@@ -541,7 +492,7 @@ class Controller:
             with self._cv:
                 due = bool(self._unsent) and time.monotonic() >= self._unsent_since + self.config.cycle_time
             if not (due or len(ready) > (self._wake_r in ready) or self._coordinator is not None
-                    or self._cuda_inflight):
+                    or self._watchdog):
                 continue
             if not self._lock.acquire(timeout=self._stall_tick()):
                 continue
@@ -627,26 +578,17 @@ class Controller:
                 pass
 
 
-def _ranks_text(set_id: int) -> str:
-    return "every rank" if set_id == 0 else f"the members of process set {set_id}"
+def _with_bits(items: list[tuple]) -> list[tuple]:
+    """A frame's items with every payload-free cache hit folded into one ``("bits", ids)`` item."""
+    bits, out = 0, []
+    for item in items:
+        if item[0] == "hit" and item[2] is None:
+            bits |= 1 << item[1]
+        else:
+            out.append(item)
+    if bits:
+        out.append(("bits", bits))
+    return out
 
 
-def stall_report(stalled: list[tuple[int, str, float, list[int]]], warning: float, shutdown: float | None) -> str:
-    """Horovod-style stall warning: which ranks are missing which operations."""
-    by_rank: dict[int, list[str]] = {}
-    lines = []
-    for set_id, name, age, missing in sorted(stalled, key=lambda s: -s[2]):
-        where = "" if set_id == 0 else f" (process set {set_id})"
-        lines.append(f"  {name}{where}: waiting {age:.0f} s for ranks {missing}")
-        for r in missing:
-            by_rank.setdefault(r, []).append(name)
-    tail = (f" The job stops with an error after {shutdown:g} s (GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS)."
-            if shutdown else " Set GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS to turn a stall into an error.")
-    return ("One or more operations were submitted by a subset of ranks and have waited for the remaining ranks "
-            f"for more than {warning:g} s. The ranks are not running the same collectives: a rank skipped one or "
-            "names it differently, is stuck or much slower, or ran out of data (call hvd.join() there)."
-            + tail + "\n" + "\n".join(lines) + "\nMissing ranks:\n"
-            + "\n".join(f"  {r}: [{', '.join(names)}]" for r, names in sorted(by_rank.items())))
-
-
-__all__ = ["ControlConfig", "Controller", "stall_report"]
+__all__ = ["ControlConfig", "ControlLinks", "Controller", "Send", "stall_report"]

@@ -9,11 +9,14 @@ rank executes its collectives in the same order.
 
 Wire shapes (pickled, so kept to tuples of plain values):
 
-* rank → coordinator: ``("req", set_id, name, Descriptor, payload)`` or ``("hit", cache_id,
-  payload)``; ``payload`` is None, or a small CPU allreduce's input bytes (see ``reduce_inline``)
+* rank → coordinator: ``("req", set_id, name, Descriptor, payload)``, ``("hit", cache_id,
+  payload)``, or ``("bits", ids)``: one bit per cached request without payload (Horovod's response
+  cache: a frame's size does not grow with the number of cached operations); ``payload`` is
+  None, or a small CPU allreduce's input bytes (see ``reduce_inline``)
 * coordinator → rank: ``("run", set_id, name, cache_id, meta | None, result)`` (meta None: same as
   last time for this cache id; ``result``: the reduced bytes when every member sent its payload,
-  so the collective is already done), ``("error", set_id, name, message)``,
+  so the collective is already done), ``("bits", ids)``: cached operations whose answer is the
+  same as last time, run in increasing cache id, ``("error", set_id, name, message)``,
   ``("done", set_id, name, value)`` for barrier/join/process-set changes.
 """
 
@@ -79,7 +82,7 @@ class Coordinator:
     def submit(self, rank: int, items: Sequence[tuple]) -> list[Outgoing]:
         """Record ``rank``'s new submissions; return the responses that became possible, in order."""
         touched: list[Key] = []
-        for item in items:
+        for item in _expand_bits(items):
             key, descriptor, hit = self._resolve(rank, item)
             payload = item[-1] if item[0] in ("req", "hit") else None
             pending = self._pending.get(key)
@@ -100,7 +103,7 @@ class Coordinator:
                 touched.extend(self._pending)  # a join can complete anything pending
             else:
                 touched.append(key)
-        return self._complete(dict.fromkeys(touched))
+        return _coalesce(self._complete(dict.fromkeys(touched)))
 
     def _resolve(self, rank: int, item: tuple) -> tuple[Key, Descriptor, bool]:
         if item[0] == "hit":
@@ -156,7 +159,7 @@ class Coordinator:
         """``rank`` will submit nothing more (it shut down, or its connection broke): fail what
         needs it, now and later; ``reason`` says what happened, naming the rank."""
         self._gone.setdefault(rank, reason)
-        return self._complete(list(self._pending))
+        return _coalesce(self._complete(list(self._pending)))
 
     def _finish(self, key: Key) -> None:
         self._pending.pop(key, None)
@@ -283,6 +286,41 @@ class Coordinator:
         return list(self._joined)
 
 
+def set_bits(bits: int) -> list[int]:
+    """The positions of the bits set in ``bits``, lowest first."""
+    out = []
+    while bits:
+        low = bits & -bits
+        out.append(low.bit_length() - 1)
+        bits ^= low
+    return out
+
+
+def _expand_bits(items: Sequence[tuple]) -> list[tuple]:
+    out = []
+    for item in items:
+        if item[0] == "bits":
+            out.extend(("hit", cache_id, None) for cache_id in set_bits(item[1]))
+        else:
+            out.append(item)
+    return out
+
+
+def _coalesce(outgoing: list[Outgoing]) -> list[Outgoing]:
+    """Fold runs of cached answers that need nothing new (no metadata, no inline result) for the same
+    ranks into one ``("bits", ids)`` response each; every rank runs a run's operations in id order."""
+    out: list[Outgoing] = []
+    for ranks, response in outgoing:
+        plain = response[0] == "run" and response[3] >= 0 and response[4] is None and response[5] is None
+        if plain and out and out[-1][1][0] == "bits" and out[-1][0] == ranks:
+            out[-1] = (ranks, ("bits", out[-1][1][1] | (1 << response[3])))
+        elif plain:
+            out.append((ranks, ("bits", 1 << response[3])))
+        else:
+            out.append((ranks, response))
+    return out
+
+
 def _unnamed(name: str) -> bool:
     """Unnamed operations get a fresh name per call (``<kind>.noname.<n>``): caching them would only
     fill the cache with names that never come back."""
@@ -300,4 +338,4 @@ def _invalid_set(ranks: tuple[int, ...], size: int) -> str | None:
     return None
 
 
-__all__ = ["Coordinator", "DEFAULT_CACHE_CAPACITY", "ProtocolError"]
+__all__ = ["Coordinator", "DEFAULT_CACHE_CAPACITY", "ProtocolError", "set_bits"]

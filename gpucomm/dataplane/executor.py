@@ -1,5 +1,11 @@
 """Turns agreed requests into backend calls: Gloo on CPU (host-completed works), NCCL on a
 communication stream ordered by events on GPU (never blocking the host).
+
+The latency-critical kinds (one-tensor allreduce, broadcast) are *prepared* on the caller's thread
+at submission: their outputs are allocated there, on the caller's stream and before its ready
+event, so launching them later needs no stream context, no copy (NCCL reduces out of place) and
+no ``record_stream``; their post-scaling runs when the caller collects the result, on its stream.
+Every other kind plans its buffers on the communication stream when it runs.
 """
 
 from __future__ import annotations
@@ -10,7 +16,9 @@ from typing import Any, Callable
 import torch
 
 from ..backends.base import WireOp
+from ..counters import COUNTERS
 from ..reduce_op import ReduceOp
+from .events import EventPool
 from .handles import Issued
 from .requests import Request, reducescatter_rows, scale_
 
@@ -19,51 +27,81 @@ _WIRE = {ReduceOp.SUM: WireOp.SUM, ReduceOp.MIN: WireOp.MIN, ReduceOp.MAX: WireO
 Plan = tuple[list[Any], Callable[[], Any]]  # backend works, and the step that produces the result
 
 
+def prepare(req: Request) -> None:
+    """Caller's thread, at submission: allocate the outputs of a one-tensor allreduce or a broadcast
+    and pre-scale the allreduce's input into its output (so the op sends ``req.send``)."""
+    if req.kind == "allreduce" and len(req.tensors) == 1:
+        src = req.tensors[0]
+        out = req.outputs[0] if req.outputs is not None else torch.empty_like(src)
+        if req.prescale != 1.0:
+            if out is not src:
+                out.copy_(src)
+            scale_(out, req.prescale)
+            src = out
+        req.outputs, req.send = [out], src
+    elif req.kind == "broadcast":
+        src = req.tensors[0]
+        req.outputs = req.outputs if req.outputs is not None else [torch.empty_like(src)]
+        req.send = src
+
+
 class Executor:
     """Turns negotiated requests into backend calls for one initialized job.
 
     ``groups(set_id)`` gives the process set a request runs on (its members, this rank's index in
     it, its Gloo and NCCL backends); ``meta`` is what the coordinator added: the other ranks' first
-    dimensions for allgather and the matrix of splits for alltoall, so no extra exchange is needed."""
+    dimensions for allgather and the matrix of splits for alltoall, so no extra exchange is needed.
+    ``events`` takes back each request's ready event once the communication stream waits on it."""
 
-    def __init__(self, groups: Callable[[int], Any], tracer: Callable[[], Any] = lambda: None) -> None:
+    def __init__(self, groups: Callable[[int], Any], tracer: Callable[[], Any] = lambda: None, *,
+                 events: EventPool | None = None, pool_done_events: bool = False) -> None:
         self._groups = groups
         self._tracer = tracer  # the timeline's tracer while one is recording (rank 0), else None
+        self._events = events or EventPool()
+        self._pool_done = pool_done_events  # no watchdog holds done events: the waiter may recycle them
         self._streams: dict[int, Any] = {}
 
     def __call__(self, req: Request, meta: dict) -> Issued:
         group = self._groups(req.set_id)
         tracer = self._tracer()
+        COUNTERS.collectives += 1
+        COUNTERS.bytes += sum(t.numel() * t.element_size() for t in req.tensors)
         if req.device.type == "cpu":
             works, after = self._plan(req, meta, group, group.gloo(), None)
             if tracer is not None:
                 tracer.cpu_op(req.name, req.kind, req.tensors, works)
             return Issued(works, None, after)
+        return self._cuda(req, meta, group, tracer)
+
+    def _cuda(self, req: Request, meta: dict, group, tracer) -> Issued:
         backend = group.nccl()
-        comm = self._comm_stream(req.device)
+        index = req.stream.device_index
+        comm = self._streams.get(index)
+        if comm is None:
+            comm = self._streams[index] = torch.cuda.Stream(device=index)
         trace = tracer.gpu_op(req.name, req.kind, comm) if tracer is not None else None
         comm.wait_event(req.ready_event)
+        self._events.release(req.ready_event, index)
         if trace is not None:
             trace.step("QUEUE", comm)
-        with torch.cuda.stream(comm):
+        if req.send is not None:  # prepared on the caller's stream: launch only
             works, after = self._plan(req, meta, group, backend, comm.cuda_stream)
-            result = after()
-            if trace is not None:
-                trace.step(f"NCCL_{req.kind.upper()}", comm)
-                trace.submit(req.tensors[0].dtype if req.tensors else None,
-                             req.tensors[0].shape if len(req.tensors) == 1 else f"[{len(req.tensors)} tensors]")
-            done = torch.cuda.Event()
-            done.record(comm)
-        for t in req.tensors + (req.outputs or []):
-            t.record_stream(comm)  # the caching allocator must not reuse them while NCCL runs
-        return Issued(works, done, lambda: result)
-
-    def _comm_stream(self, device: torch.device):
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = self._streams.get(index)
-        if stream is None:
-            stream = self._streams[index] = torch.cuda.Stream(device=index)
-        return stream
+            on_comm = False
+        else:
+            with torch.cuda.stream(comm):
+                works, after = self._plan(req, meta, group, backend, comm.cuda_stream)
+                result = after()
+            after, on_comm = (lambda: result), True
+        if trace is not None:
+            trace.step(f"NCCL_{req.kind.upper()}", comm)
+            trace.submit(req.tensors[0].dtype if req.tensors else None,
+                         req.tensors[0].shape if len(req.tensors) == 1 else f"[{len(req.tensors)} tensors]")
+        done = self._events.record(comm) if self._pool_done else _recorded(comm)
+        if on_comm:
+            for t in req.tensors:
+                t.record_stream(comm)  # the caching allocator must not reuse them while NCCL reads them
+        return Issued(works, done, after, results_on_comm=on_comm,
+                      release_done=(lambda: self._events.release(done, index)) if self._pool_done else None)
 
     def _plan(self, req: Request, meta: dict, group, backend, stream: int | None) -> Plan:
         return getattr(self, "_" + req.kind)(req, meta, group, backend, stream)
@@ -79,20 +117,20 @@ class Executor:
         return WireOp.SUM, req.postscale / group.size
 
     def _allreduce(self, req: Request, meta: dict, group, backend, stream) -> Plan:
-        outs = req.outputs if req.outputs is not None else [torch.empty_like(t) for t in req.tensors]
-        if len(req.tensors) == 1:
-            src, out = req.tensors[0], outs[0]  # contiguous: backends need no flat view
-            if out is not src:
-                out.copy_(src)
-            scale_(out, req.prescale)
+        if req.send is not None:  # one tensor, prepared: out of place, pre-scaled already
+            outs = req.outputs
+            out = outs[0]
             wire, post = self._wire(req, group, backend, out.dtype)
-            work = backend.allreduce(out, out, op=wire, stream=stream)
+            work = backend.allreduce(req.send, out, op=wire, stream=stream)
+            if post == 1.0:
+                return ([work] if work is not None else []), lambda: outs
 
             def after_one():
                 scale_(out, post)
                 return outs
 
-            return [w for w in (work,) if w is not None], after_one
+            return ([work] if work is not None else []), after_one
+        outs = req.outputs if req.outputs is not None else [torch.empty_like(t) for t in req.tensors]
         # Grouped: one fused buffer per dtype, one backend call each.
         works, fused = [], []
         for dtype in dict.fromkeys(t.dtype for t in req.tensors):
@@ -118,11 +156,9 @@ class Executor:
         return works, after_group
 
     def _broadcast(self, req: Request, meta: dict, group, backend, stream) -> Plan:
-        src = req.tensors[0]
-        root = group.index_of(req.root)
-        out = req.outputs[0] if req.outputs is not None else (src.clone() if group.rank == root else torch.empty_like(src))
-        work = backend.broadcast(out.view(-1), out.view(-1), root=root, stream=stream)
-        return [w for w in (work,) if w is not None], lambda: [out]
+        outs = req.outputs  # prepared: root sends req.send, every rank receives into outs[0]
+        work = backend.broadcast(req.send.view(-1), outs[0].view(-1), root=group.index_of(req.root), stream=stream)
+        return ([work] if work is not None else []), lambda: outs
 
     def _allgather(self, req: Request, meta: dict, group, backend, stream) -> Plan:
         works, pieces = [], []
@@ -197,4 +233,10 @@ class Executor:
         return works, after
 
 
-__all__ = ["Executor"]
+def _recorded(stream: Any) -> Any:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+__all__ = ["Executor", "prepare"]

@@ -27,12 +27,13 @@ from typing import Any, Sequence
 
 import torch
 
+from ..counters import COUNTERS
 from ..errors import KernelUnavailableError
 from ..kernels import rules
 
 __all__ = [
     "DEFAULT_FIRST_BUCKET_BYTES", "DEFAULT_BUCKET_CAP_BYTES", "THRESHOLD_ENV", "FIRST_BUCKET_ENV", "FusionLimits",
-    "fusion_limits", "Bucket", "plan_buckets", "FusionBuffers", "pack_bucket", "unpack_bucket",
+    "fusion_limits", "Bucket", "plan_buckets", "plan_groups", "FusionBuffers", "pack_bucket", "unpack_bucket",
 ]
 
 log = logging.getLogger("gpucomm.fusion")
@@ -160,6 +161,42 @@ def plan_buckets(params: Sequence[torch.Tensor], *, first_bucket_bytes: int | No
     return plan
 
 
+def plan_groups(trainable: Sequence[torch.Tensor], groups: Any) -> list[Bucket]:
+    """Horovod's ``groups``: an int N (N groups of consecutive parameters) or lists of parameters,
+    each list one bucket; parameters in no list get buckets of their own. Buckets keep Horovod's
+    requirement of one dtype and device each."""
+    index = {p: i for i, p in enumerate(trainable)}
+    if isinstance(groups, int):
+        if groups <= 0:
+            raise ValueError(f"groups must be a positive number of groups or a list of parameter lists, got {groups}.")
+        n = len(trainable)
+        lists = [list(range(n))[k * n // groups:(k + 1) * n // groups] for k in range(groups)]
+    else:
+        lists, seen = [], set()
+        for g in groups:
+            ids = []
+            for p in g:
+                if p not in index:
+                    raise ValueError("groups contains a tensor that is not a trainable parameter of this optimizer.")
+                if index[p] in seen:
+                    raise ValueError("groups lists a parameter twice; each parameter belongs to at most one group.")
+                seen.add(index[p])
+                ids.append(index[p])
+            lists.append(ids)
+        lists += [[i] for i in range(len(trainable)) if i not in seen]
+    lists = [sorted(ids, reverse=True) for ids in lists if ids]
+    lists.sort(key=lambda ids: -ids[0])  # groups holding later parameters are ready first
+    plans = []
+    for number, ids in enumerate(lists):
+        first = trainable[ids[0]]
+        if any(trainable[i].dtype != first.dtype or trainable[i].device != first.device for i in ids):
+            raise ValueError("each group in groups must hold parameters of one dtype on one device.")
+        numels = tuple(trainable[i].numel() for i in ids)
+        offsets = tuple(sum(numels[:k]) for k in range(len(numels)))
+        plans.append(Bucket(number, tuple(ids), offsets, numels, sum(numels), first.dtype, first.device))
+    return plans
+
+
 # ---------------------------------------------------------------------------------------------
 # buffers
 
@@ -216,6 +253,7 @@ def _kernels_enabled(flat: torch.Tensor) -> bool:
 
 
 def _warn_fallback(error: KernelUnavailableError) -> None:
+    COUNTERS.kernel_fallbacks += 1
     if not _fallback_warned:
         _fallback_warned.append(True)
         log.warning("gpucomm: fusion kernels unavailable (%s); packing CUDA buckets with torch ops instead "

@@ -1,7 +1,9 @@
 """Handles: what a submitted collective gives its caller, from submission to result.
 
-A handle becomes *issued* when the control plane (``controller.py``) has negotiated its request
-and handed it to a backend; ``wait`` then waits for the backend's work and produces the result.
+A handle becomes *issued* when its request has been handed to a backend (at once in a one-rank job
+or on a fixed schedule, after negotiation otherwise); ``wait`` then waits for the backend's work and
+produces the result. Its *owner* (the control plane, or the one-rank plane) drives a handle that is
+not issued yet and knows why the job failed, if it did.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ class Issued:
     works: Sequence[Any] = ()  # host-completed backend works (Gloo)
     done_event: Any = None  # stream-ordered completion (a CUDA event), or None
     finalize: Callable[[], Any] = lambda: None  # runs once, after completion, on the waiting thread
+    results_on_comm: bool = False  # CUDA results allocated on the communication stream
+    release_done: Callable[[], None] | None = None  # recycles the done event once the caller waits on it
 
 
 class Handle:
@@ -26,11 +30,11 @@ class Handle:
 
     A handle is waited on by one thread (``synchronize`` hands it out once)."""
 
-    __slots__ = ("request", "_issued", "_error", "_result", "_finished", "_engine")
+    __slots__ = ("request", "_issued", "_error", "_result", "_finished", "_owner")
 
-    def __init__(self, request: Any, engine: Any) -> None:
-        self.request, self._engine = request, engine
-        self._issued: Issued | None = None
+    def __init__(self, request: Any, owner: Any, issued: Issued | None = None) -> None:
+        self.request, self._owner = request, owner
+        self._issued: Issued | None = issued
         self._error: BaseException | None = None
         self._result: Any = None
         self._finished = False
@@ -53,26 +57,26 @@ class Handle:
         """The request's result, once it has completed; raises ``CollectiveError`` on failure."""
         if self._finished:
             return self._result
-        timeout = self._engine.timeout
-        if not self._ready():
-            self._engine.wait_ready(self, timeout)
+        if self._issued is None and self._error is None:
+            self._owner.wait_ready(self, self._owner.timeout)
         if self._error is not None:
             raise self._error
         issued = self._issued
         try:
             for w in issued.works:
-                w.wait(timeout)
+                w.wait(self._owner.timeout)
             if issued.done_event is not None:
-                import torch  # noqa: PLC0415
-
-                stream = torch.cuda.current_stream(self.request.device)
+                stream = self.request.stream  # the caller's stream at submission: the one lookup of this op
                 stream.wait_event(issued.done_event)
+                if issued.release_done is not None:
+                    issued.release_done()
                 self._result = issued.finalize()
-                _used_on(self._result, stream)
+                if issued.results_on_comm:
+                    _used_on(self._result, stream)
             else:
                 self._result = issued.finalize()
         except Exception as e:
-            cause = self._engine.failure()
+            cause = self._owner.failure()
             if cause is not None:  # another rank's failure broke this collective: name that first cause
                 raise CollectiveError(f"{_describe(self.request)} failed because {cause}") from e
             if isinstance(e, CollectiveError):

@@ -35,6 +35,8 @@ class Request:
     splits: list[int] | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     ready_event: Any = None  # CUDA: recorded on the caller's stream when submitted
+    stream: Any = None  # CUDA: the caller's stream at submission (its results are ready on it)
+    send: torch.Tensor | None = None  # prepared kinds: what this rank sends (``executor.prepare``)
     set_id: int = 0  # the process set it runs on (0: every rank)
     ranks: tuple[int, ...] | None = None  # add_process_set: the new set's ranks
 

@@ -112,7 +112,7 @@ def _phase_lanes(trace: Trace) -> list[Lane]:
 
 def _bucket_lanes(trace: Trace, room: int) -> list[Lane]:
     """One lane per fusion bucket; buckets share lanes (consecutive indices) if they exceed ``room``."""
-    index = {pid: int(m.group(1)) for pid, name in trace.processes.items() if (m := _BUCKET.match(name))}
+    index = {pid: int(m.group(1)) for pid in trace.rows() if (m := _BUCKET.match(trace.name_of(pid)))}
     buckets = sorted(set(index.values()))
     if not buckets or room <= 0:
         return []
@@ -143,7 +143,8 @@ def build_lanes(trace: Trace, window: tuple[float, float], max_lanes: int = MAX_
 @dataclass(frozen=True)
 class OpTotal:
     """One op name's share of the window: busy time (union of its spans), how many times it
-    ran, and the summed time of each of its phases (op spans excluded: they enclose the rest)."""
+    ran, and the summed time of each of its phases (the op span only if there is nothing else:
+    it encloses the other phases)."""
 
     name: str
     busy_ms: float
@@ -187,4 +188,5 @@ def main_phases(total: OpTotal, n: int = 2) -> str:
     if whole <= 0:
         return "-"
     ranked = sorted(total.phase_ms.items(), key=lambda kv: -kv[1])[:n]
-    return ", ".join(f"{PHASE[key].title} {100.0 * ms / whole:.0f}%" for key, ms in ranked)
+    shares = ((PHASE[key].title, 100.0 * ms / whole) for key, ms in ranked)
+    return ", ".join(f"{title} {pct:.0f}%" if pct >= 0.5 else f"{title} <1%" for title, pct in shares)

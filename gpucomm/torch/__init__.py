@@ -1,22 +1,45 @@
-"""Horovod-compatible front: ``import gpucomm.torch as hvd``."""
+"""Horovod-compatible front: ``import gpucomm.torch as hvd``.
+
+Importing it loads torch and the collectives' front end only; ``hvd.init()`` loads the job's
+machinery, and ``DistributedOptimizer``, the broadcast helpers and checkpoints load on first use.
+"""
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from .. import runtime as _runtime
-from ..backends.nccl import nccl_version as _nccl_version
+from ..counters import stats
 from ..errors import CollectiveError as HorovodInternalError
 from .autograd import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
                        grouped_reducescatter, reducescatter)
 from .compression import Compression
-from .checkpoint import save_checkpoint
-from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
-from .optimizer import DistributedOptimizer
 from .mpi_ops import (Adasum, Average, Max, Min, Product, Sum, add_process_set, allgather_async, allreduce_,
                       allreduce_async, allreduce_async_, alltoall_async, barrier, broadcast_, broadcast_async,
                       broadcast_async_, grouped_allgather_async, grouped_allreduce_, grouped_allreduce_async,
                       grouped_allreduce_async_, grouped_reducescatter_async, join, poll, reducescatter_async,
                       remove_process_set, synchronize)
 from ..process_sets import ProcessSet, global_process_set
+
+_LAZY = {"DistributedOptimizer": "optimizer", "save_checkpoint": "checkpoint", "allgather_object": "functions",
+         "broadcast_object": "functions", "broadcast_optimizer_state": "functions",
+         "broadcast_parameters": "functions"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def _nccl_version() -> int:
+    from ..backends.nccl import nccl_version  # noqa: PLC0415 - loads CuPy when asked
+
+    return nccl_version()
 
 
 def init(comm=None, process_sets=None) -> None:
@@ -34,10 +57,10 @@ def init(comm=None, process_sets=None) -> None:
     if _runtime.is_initialized():
         _runtime.init()
         return
-    rt = _runtime.init(process_sets)
-    global_process_set._bind(0, range(rt.world.size), rt.world.rank)
+    job = _runtime.init(process_sets)
+    global_process_set._bind(0, range(job.world.size), job.world.rank)
     for set_id, ps in enumerate(sets, start=1):
-        ps._bind(set_id, ps.ranks, rt.world.rank)
+        ps._bind(set_id, ps.ranks, job.world.rank)
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

@@ -1,34 +1,64 @@
-"""Differentiable collectives with Horovod's gradient conventions."""
+"""Differentiable collectives with Horovod's gradient conventions.
+
+Without a gradient to track (no input requires grad, or grad mode is off) the collectives skip
+``torch.autograd.Function`` and run directly: same result, less work per call.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from .. import runtime
-from ..reduce_op import ReduceOp
 from ..process_sets import ProcessSet, global_process_set
-from .compression import Compression
-from .mpi_ops import (Average, Sum, _check_root, _run, _set_id, _submit, allgather_async, allreduce_async,
-                      alltoall_async, grouped_allreduce_async, grouped_reducescatter_async,
-                      handle_average_backwards_compatibility, reducescatter_async)
+from ..reduce_op import ReduceOp
+from .compression import Compression, NoneCompressor
+from .mpi_ops import (Average, Sum, _check_root, _execute, _reduction, _set_id, alltoall_now,
+                      handle_average_backwards_compatibility)
 
 
 def _group(process_set: ProcessSet):
     return runtime.current().group(_set_id(process_set))
 
 
+def _tracked(tensors) -> bool:
+    """True when autograd must record the collective."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _allreduce_now(tensor, op, pre, post, name, process_set):
+    return _execute("allreduce", [tensor], name, **_reduction(op, None, pre, post, process_set))[0]
+
+
+def _grouped_allreduce_now(tensors, op, pre, post, name, process_set):
+    return _execute("allreduce", list(tensors), name, **_reduction(op, None, pre, post, process_set))
+
+
+def _allgather_now(tensors, name, process_set):
+    """(outputs, rows per rank for each tensor)"""
+    return _execute("allgather", list(tensors), name, process_set=process_set)
+
+
+def _broadcast_now(tensor, root_rank, name, process_set):
+    return _execute("broadcast", [tensor], name, root=_check_root(root_rank, process_set), process_set=process_set)[0]
+
+
+def _reducescatter_now(tensors, op, pre, post, name, process_set):
+    for t in tensors:
+        if t.dim() == 0:
+            raise ValueError("reducescatter needs tensors of at least one dimension (it splits dim 0).")
+    return _execute("reducescatter", list(tensors), name, **_reduction(op, None, pre, post, process_set))
+
+
 class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, op, pre, post, name, process_set):
         ctx.args = (op, pre, post, process_set)
-        return _run(allreduce_async, tensor, name=name, op=op, prescale_factor=pre, postscale_factor=post,
-                    process_set=process_set)
+        return _allreduce_now(tensor, op, pre, post, name, process_set)
 
     @staticmethod
     def backward(ctx, grad):
         op, pre, post, ps = ctx.args
-        out = _run(allreduce_async, grad.contiguous(), op=op, prescale_factor=pre, postscale_factor=post,
-                   process_set=ps)
+        out = _allreduce_now(grad.contiguous(), op, pre, post, None, ps)
         return out, None, None, None, None, None
 
 
@@ -36,28 +66,26 @@ class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, pre, post, name, process_set, *tensors):
         ctx.args = (op, pre, post, process_set)
-        return tuple(_run(grouped_allreduce_async, tensors, name=name, op=op, prescale_factor=pre,
-                          postscale_factor=post, process_set=process_set))
+        return tuple(_grouped_allreduce_now(tensors, op, pre, post, name, process_set))
 
     @staticmethod
     def backward(ctx, *grads):
         op, pre, post, ps = ctx.args
-        outs = _run(grouped_allreduce_async, [g.contiguous() for g in grads], op=op, prescale_factor=pre,
-                    postscale_factor=post, process_set=ps)
+        outs = _grouped_allreduce_now([g.contiguous() for g in grads], op, pre, post, None, ps)
         return (None, None, None, None, None, *outs)
 
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, process_set):
-        outs, rows = _run(_submit, "allgather", [tensor], name, lambda r: r, process_set=process_set)
+        outs, rows = _allgather_now([tensor], name, process_set)
         ctx.rows, ctx.process_set = rows[0], process_set
         return outs[0]
 
     @staticmethod
     def backward(ctx, grad):
         ps = ctx.process_set
-        reduced = _run(allreduce_async, grad.contiguous(), op=Average, process_set=ps)
+        reduced = _allreduce_now(grad.contiguous(), Average, 1.0, 1.0, None, ps)
         me = _group(ps).rank
         start = sum(ctx.rows[:me])
         return (reduced.narrow(0, start, ctx.rows[me]) if reduced.dim() else reduced), None, None
@@ -67,12 +95,11 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root_rank, name, process_set):
         ctx.root, ctx.process_set = root_rank, process_set
-        return _run(_submit, "broadcast", [tensor], name, lambda r: r[0], root=_check_root(root_rank, process_set),
-                    process_set=process_set)
+        return _broadcast_now(tensor, root_rank, name, process_set)
 
     @staticmethod
     def backward(ctx, grad):
-        reduced = _run(allreduce_async, grad.contiguous(), op=Average, process_set=ctx.process_set)
+        reduced = _allreduce_now(grad.contiguous(), Average, 1.0, 1.0, None, ctx.process_set)
         if runtime.current().world.rank != ctx.root:
             reduced = reduced * 0
         return reduced, None, None, None
@@ -81,14 +108,14 @@ class _Broadcast(torch.autograd.Function):
 class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, splits, name, process_set):
-        out, received = _run(alltoall_async, tensor, splits, name, process_set)
+        out, received = alltoall_now(tensor, splits, name, process_set)
         ctx.received, ctx.process_set = received, process_set
         ctx.mark_non_differentiable(received)
         return out, received
 
     @staticmethod
     def backward(ctx, grad, _unused):
-        out, _ = _run(alltoall_async, grad.contiguous(), ctx.received, None, ctx.process_set)
+        out, _ = alltoall_now(grad.contiguous(), ctx.received, None, ctx.process_set)
         return out, None, None, None
 
 
@@ -97,12 +124,11 @@ class _Reducescatter(torch.autograd.Function):
     def forward(ctx, tensor, op, pre, post, name, process_set):
         ctx.factor = pre * post * (_group(process_set).size if op == Sum else 1)
         ctx.process_set = process_set
-        return _run(reducescatter_async, tensor, name=name, op=op, prescale_factor=pre, postscale_factor=post,
-                    process_set=process_set)
+        return _reducescatter_now([tensor], op, pre, post, name, process_set)[0]
 
     @staticmethod
     def backward(ctx, grad):
-        gathered = _run(allgather_async, grad.contiguous(), process_set=ctx.process_set)
+        gathered = _allgather_now([grad.contiguous()], None, ctx.process_set)[0][0]
         return gathered * ctx.factor, None, None, None, None, None
 
 
@@ -111,13 +137,11 @@ class _GroupedReducescatter(torch.autograd.Function):
     def forward(ctx, op, pre, post, name, process_set, *tensors):
         ctx.factor = pre * post * (_group(process_set).size if op == Sum else 1)
         ctx.process_set = process_set
-        return tuple(_run(grouped_reducescatter_async, tensors, name=name, op=op, prescale_factor=pre,
-                          postscale_factor=post, process_set=process_set))
+        return tuple(_reducescatter_now(tensors, op, pre, post, name, process_set))
 
     @staticmethod
     def backward(ctx, *grads):
-        outs = _run(_submit, "allgather", [g.contiguous() for g in grads], None, lambda r: r[0],
-                    process_set=ctx.process_set)
+        outs = _allgather_now([g.contiguous() for g in grads], None, ctx.process_set)[0]
         return (None, None, None, None, None, *[o * ctx.factor for o in outs])
 
 
@@ -127,6 +151,10 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
               postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` over the ranks of ``process_set`` into a new tensor (default op: Average). Differentiable."""
     rop = handle_average_backwards_compatibility(op, average)
+    if compression is Compression.none or compression is NoneCompressor:
+        if not _tracked((tensor,)):
+            return _allreduce_now(tensor, rop, prescale_factor, postscale_factor, name, process_set)
+        return _Allreduce.apply(tensor, rop, float(prescale_factor), float(postscale_factor), name, process_set)
     compressed, cctx = compression.compress(tensor)
     reduced = _Allreduce.apply(compressed, rop, float(prescale_factor), float(postscale_factor), name, process_set)
     return compression.decompress(reduced, cctx)
@@ -146,18 +174,22 @@ def grouped_allreduce(tensors, average: bool | None = None, name: str | None = N
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dim 0 (which may differ per rank). Differentiable."""
+    if not _tracked((tensor,)):
+        return _allgather_now([tensor], name, process_set)[0][0]
     return _Allgather.apply(tensor, name, process_set)
 
 
 def grouped_allgather(tensors, name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allgather several tensors in one request (no autograd for the grouped form)."""
-    return _run(_submit, "allgather", list(tensors), name, lambda r: r[0], process_set=process_set)
+    return _allgather_now(tensors, name, process_set)[0]
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Root's ``tensor`` as a new tensor on every rank. Differentiable."""
+    if not _tracked((tensor,)):
+        return _broadcast_now(tensor, root_rank, name, process_set)
     return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from .. import runtime
 from ..process_sets import ProcessSet, global_process_set
-from .mpi_ops import _run, _set_id, _submit, broadcast_, broadcast_async_, synchronize
+from .mpi_ops import _execute, _set_id, broadcast_, broadcast_async_, synchronize
 
 try:  # cloudpickle handles lambdas and local classes, as Horovod's helpers do
     import cloudpickle as _pickler
@@ -65,7 +65,8 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
     name = name or type(obj).__name__
     _set_id(process_set)
     data = _to_bytes_tensor(obj)
-    outs, rows = _run(_submit, "allgather", [data], name, lambda r: (r[0][0], r[1][0]), process_set=process_set)
+    gathered, rows_per_tensor = _execute("allgather", [data], name, process_set=process_set)
+    outs, rows = gathered[0], rows_per_tensor[0]
     result, pos = [], 0
     for n in rows:
         result.append(pickle.loads(outs[pos : pos + n].numpy().tobytes()))

@@ -2,6 +2,8 @@
 
 Names follow Horovod so that ``import gpucomm.torch as hvd`` is the only change a script needs.
 Autograd lives in ``autograd.py``; these functions are the non-differentiable building blocks.
+The synchronous forms (``_execute``) submit and wait without registering an integer handle: the
+request leaves at once and the caller's thread collects the result.
 """
 
 from __future__ import annotations
@@ -13,30 +15,30 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import runtime
+from ..control.config import Send
 from ..dataplane.requests import Request, check_op, check_tensors, equal_splits
-from ..reduce_op import ReduceOp
 from ..process_sets import ProcessSet, check_members, global_process_set
+from ..reduce_op import ReduceOp
 
 Average, Sum, Adasum, Min, Max, Product = (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM, ReduceOp.MIN,
                                            ReduceOp.MAX, ReduceOp.PRODUCT)
+_OPS = {int(op): op for op in ReduceOp}
 
 _handles: dict[int, tuple[Any, Callable[[Any], Any]]] = {}
 _handles_lock = threading.Lock()
-_counter = itertools.count()
-_caller = threading.local()  # .waits: the caller synchronizes right after submitting
+_handle_ids = itertools.count()
 
 
 def handle_average_backwards_compatibility(op: int | None, average: bool | None) -> ReduceOp:
     """Horovod's rule for the deprecated ``average=`` flag."""
-    if op is not None and average is not None:
-        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
     if average is not None:
+        if op is not None:
+            raise ValueError("The op parameter supersedes average. Please provide only one of them.")
         return Average if average else Sum
-    return ReduceOp(op) if op is not None else Average
-
-
-def _name(kind: str, name: str | None, handle: int) -> str:
-    return f"{kind}.{name}" if name else f"{kind}.noname.{handle}"
+    if op is None:
+        return Average
+    rop = _OPS.get(op)
+    return rop if rop is not None else ReduceOp(op)  # ReduceOp(...) raises the usual ValueError
 
 
 def _set_id(process_set: ProcessSet | None) -> int:
@@ -58,33 +60,34 @@ def _set_size(set_id: int) -> int:
     return runtime.current().group(set_id).size
 
 
-def _submit(kind: str, tensors: Sequence[torch.Tensor], name: str | None, convert: Callable[[Any], Any], *,
-            in_place: bool = False, reducing: bool = False, process_set: ProcessSet | None = None,
-            **fields: Any) -> int:
-    """Validate, submit and register a request; returns Horovod's integer handle."""
-    rt = runtime.current()
+def _request(job: Any, kind: str, tensors: Sequence[torch.Tensor], name: str | None, *, in_place: bool = False,
+             reducing: bool = False, process_set: ProcessSet | None = None, **fields: Any) -> Request:
+    """Validate the arguments (on the caller's thread, so bad input raises here) and build the request.
+    Unnamed requests are numbered per job, so every rank names them alike."""
     device = check_tensors(kind, tensors, reducing=reducing)
     if "op" in fields:
         check_op(kind, fields["op"])
     set_id = _set_id(process_set)
     detached = [t.detach() if t.requires_grad else t for t in tensors]  # in-place targets may be leaves
-    handle_id = next(_counter)
-    req = Request(kind, _name(kind, name, handle_id), detached, outputs=detached if in_place else None,
-                  device=device, set_id=set_id, **fields)
-    handle = rt.submit(req, send="on_wait" if getattr(_caller, "waits", False) else "cycle")
+    return Request(kind, f"{kind}.{name}" if name else f"{kind}.noname.{next(job.unnamed)}", detached,
+                   outputs=detached if in_place else None, device=device, set_id=set_id, **fields)
+
+
+def _submit(kind: str, tensors: Sequence[torch.Tensor], name: str | None, convert: Callable[[Any], Any],
+            **options: Any) -> int:
+    """Validate, submit and register a request; returns Horovod's integer handle."""
+    job = runtime.current()
+    handle = job.submit(_request(job, kind, tensors, name, **options), send=Send.CYCLE)
+    handle_id = next(_handle_ids)
     with _handles_lock:
         _handles[handle_id] = (handle, convert)
     return handle_id
 
 
-def _run(submit: Callable[..., int], *args: Any, **kwargs: Any) -> Any:
-    """Submit through ``submit`` and wait: the request is sent at once instead of after a cycle."""
-    _caller.waits = True
-    try:
-        handle = submit(*args, **kwargs)
-    finally:
-        _caller.waits = False
-    return synchronize(handle)
+def _execute(kind: str, tensors: Sequence[torch.Tensor], name: str | None, **options: Any) -> Any:
+    """Submit and wait: the synchronous forms."""
+    job = runtime.current()
+    return job.submit(_request(job, kind, tensors, name, **options), send=Send.ON_WAIT).wait()
 
 
 def poll(handle: int) -> bool:
@@ -110,8 +113,10 @@ def _first(outs: list) -> torch.Tensor:
     return outs[0]
 
 
-def _check_scale(prescale_factor: float, postscale_factor: float) -> dict:
-    return {"prescale": float(prescale_factor), "postscale": float(postscale_factor)}
+def _reduction(op: int | None, average: bool | None, prescale_factor: float, postscale_factor: float,
+               process_set: ProcessSet | None) -> dict:
+    return {"reducing": True, "op": handle_average_backwards_compatibility(op, average),
+            "prescale": float(prescale_factor), "postscale": float(postscale_factor), "process_set": process_set}
 
 
 # -- allreduce -------------------------------------------------------------------------------
@@ -119,48 +124,46 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start an allreduce into a new tensor; returns a handle for ``synchronize``."""
-    rop = handle_average_backwards_compatibility(op, average)
-    return _submit("allreduce", [tensor], name, _first, reducing=True, op=rop, process_set=process_set,
-                   **_check_scale(prescale_factor, postscale_factor))
+    return _submit("allreduce", [tensor], name, _first,
+                   **_reduction(op, average, prescale_factor, postscale_factor, process_set))
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> int:
     """Start an in-place allreduce of ``tensor``."""
-    rop = handle_average_backwards_compatibility(op, average)
-    return _submit("allreduce", [tensor], name, _first, in_place=True, reducing=True, op=rop, process_set=process_set,
-                   **_check_scale(prescale_factor, postscale_factor))
+    return _submit("allreduce", [tensor], name, _first, in_place=True,
+                   **_reduction(op, average, prescale_factor, postscale_factor, process_set))
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place allreduce; returns ``tensor``."""
-    return _run(allreduce_async_, tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    return _execute("allreduce", [tensor], name, in_place=True,
+                    **_reduction(op, average, prescale_factor, postscale_factor, process_set))[0]
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                             op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> int:
     """Start one fused allreduce of several tensors into new tensors."""
-    rop = handle_average_backwards_compatibility(op, average)
-    return _submit("allreduce", list(tensors), name, list, reducing=True, op=rop, process_set=process_set,
-                   **_check_scale(prescale_factor, postscale_factor))
+    return _submit("allreduce", list(tensors), name, list,
+                   **_reduction(op, average, prescale_factor, postscale_factor, process_set))
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                              op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: ProcessSet = global_process_set) -> int:
-    rop = handle_average_backwards_compatibility(op, average)
-    return _submit("allreduce", list(tensors), name, list, in_place=True, reducing=True, op=rop,
-                   process_set=process_set, **_check_scale(prescale_factor, postscale_factor))
+    return _submit("allreduce", list(tensors), name, list, in_place=True,
+                   **_reduction(op, average, prescale_factor, postscale_factor, process_set))
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                        op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    return _run(grouped_allreduce_async_, tensors, average, name, op, prescale_factor, postscale_factor, process_set)
+    return list(_execute("allreduce", list(tensors), name, in_place=True,
+                         **_reduction(op, average, prescale_factor, postscale_factor, process_set)))
 
 
 # -- allgather -------------------------------------------------------------------------------
@@ -205,7 +208,8 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    return _run(broadcast_async_, tensor, root_rank, name, process_set)
+    return _execute("broadcast", [tensor], name, in_place=True, root=_check_root(root_rank, process_set),
+                    process_set=process_set)[0]
 
 
 # -- alltoall --------------------------------------------------------------------------------
@@ -222,17 +226,32 @@ def _normalize_splits(tensor: torch.Tensor, splits, set_id: int) -> list[int] | 
     return [int(s) for s in values]
 
 
-def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
-                   process_set: ProcessSet = global_process_set) -> int:
-    """Start an alltoall; ``synchronize`` returns ``(output, received_splits)``."""
+def _alltoall_splits(tensor: torch.Tensor, splits, process_set: ProcessSet | None) -> list[int] | None:
     if tensor.dim() == 0:
         raise ValueError("alltoall needs a tensor of at least one dimension.")
     set_id = _set_id(process_set)
     norm = _normalize_splits(tensor, splits, set_id)
     if norm is None:
         equal_splits(tensor.shape[0], _set_size(set_id), "alltoall")
-    return _submit("alltoall", [tensor], name, lambda r: (r[0], torch.tensor(r[1], dtype=torch.int32)), splits=norm,
+    return norm
+
+
+def _with_int_splits(result) -> tuple:
+    return result[0], torch.tensor(result[1], dtype=torch.int32)
+
+
+def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> int:
+    """Start an alltoall; ``synchronize`` returns ``(output, received_splits)``."""
+    return _submit("alltoall", [tensor], name, _with_int_splits, splits=_alltoall_splits(tensor, splits, process_set),
                    process_set=process_set)
+
+
+def alltoall_now(tensor: torch.Tensor, splits=None, name: str | None = None,
+                 process_set: ProcessSet = global_process_set) -> tuple:
+    """Synchronous alltoall: ``(output, received_splits)``."""
+    return _with_int_splits(_execute("alltoall", [tensor], name, splits=_alltoall_splits(tensor, splits, process_set),
+                                     process_set=process_set))
 
 
 # -- reducescatter ---------------------------------------------------------------------------
@@ -247,23 +266,22 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int =
                         postscale_factor: float = 1.0) -> int:
     """Start a reduce-scatter: reduce across ranks, each keeps its share of dim 0 (Horovod's split)."""
     _check_reducescatter([tensor])
-    return _submit("reducescatter", [tensor], name, _first, reducing=True, op=ReduceOp(op), process_set=process_set,
-                   **_check_scale(prescale_factor, postscale_factor))
+    return _submit("reducescatter", [tensor], name, _first,
+                   **_reduction(op, None, prescale_factor, postscale_factor, process_set))
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None, op: int = Average,
                                 process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> int:
     _check_reducescatter(tensors)
-    return _submit("reducescatter", list(tensors), name, list, reducing=True, op=ReduceOp(op), process_set=process_set,
-                   **_check_scale(prescale_factor, postscale_factor))
+    return _submit("reducescatter", list(tensors), name, list,
+                   **_reduction(op, None, prescale_factor, postscale_factor, process_set))
 
 
 # -- control operations: barrier, join, process sets -------------------------------------------
 def _control(kind: str, name: str, set_id: int = 0, **fields: Any) -> Any:
     """Run a control operation (no tensors) and return its value."""
-    rt = runtime.current()
-    return rt.submit(Request(kind, name, [], set_id=set_id, **fields), send="on_wait").wait()
+    return runtime.current().submit(Request(kind, name, [], set_id=set_id, **fields), send=Send.ON_WAIT).wait()
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
@@ -273,45 +291,74 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 
 def join(device: int = -1) -> int:
     """This rank has no more data: until every rank has joined, take part in the others'
-    allreduces with zeros. Returns the rank that joined last (the same on every rank).
+    allreduces with zeros (and in their DistributedOptimizer steps). Returns the rank that joined
+    last (the same on every rank).
 
     ``device``: the GPU index for the zero tensors of CUDA collectives (-1: this rank's GPU)."""
-    rt = runtime.current()
+    job = runtime.current()
     if device >= 0:
-        rt.join_device = device
+        job.join_device = device
+    stand_ins = [_StandIn(party) for party in job.join_parties()]
     try:
-        return _control("join", "join")
+        last = _control("join", "join")  # a failure here also ends the stand-ins' collectives
     finally:
-        rt.join_device = -1
+        job.join_device = -1
+    errors = [e for e in (s.finish(job.timeout) for s in stand_ins) if e is not None]
+    if errors:
+        raise errors[0]
+    return last
+
+
+class _StandIn:
+    """Runs ``party.stand_in_until_all_joined()`` (an optimizer's fixed schedule, with zeros) on a
+    thread of its own while ``join`` waits for the other ranks."""
+
+    def __init__(self, party: Any) -> None:
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(party,), name="gpucomm-join-stand-in", daemon=True)
+        self._thread.start()
+
+    def _run(self, party: Any) -> None:
+        try:
+            party.stand_in_until_all_joined()
+        except BaseException as e:  # noqa: BLE001 - raised from join()
+            self.error = e
+
+    def finish(self, timeout: float) -> BaseException | None:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return RuntimeError(f"join(): a DistributedOptimizer kept standing in for more than {timeout:.0f} s "
+                                f"after every rank joined; this is a gpucomm bug, please report it.")
+        return self.error
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """Register a new process set; every rank must call this, in the same order, with the same ranks.
     Needs ``hvd.init(process_sets="dynamic")`` (or GPUCOMM_DYNAMIC_PROCESS_SETS=1)."""
-    rt = runtime.current()
+    job = runtime.current()
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    if not rt.dynamic_sets:
+    if not job.dynamic_sets:
         raise ValueError("add_process_set needs dynamic process sets: call hvd.init(process_sets='dynamic') or set "
                          "GPUCOMM_DYNAMIC_PROCESS_SETS=1 (HOROVOD_DYNAMIC_PROCESS_SETS=1) on every rank; or pass the "
                          "sets to hvd.init(process_sets=[...]).")
     if ps.process_set_id is not None:
         raise ValueError(f"{ps} is already registered.")
-    check_members(ps.ranks, rt.world.size, "add_process_set")
-    set_id, ranks = _control("add_process_set", rt.next_set_name("add"), ranks=tuple(ps.ranks))
-    ps._bind(set_id, ranks, rt.world.rank)
+    check_members(ps.ranks, job.world.size, "add_process_set")
+    set_id, ranks = _control("add_process_set", job.next_set_name("add"), ranks=tuple(ps.ranks))
+    ps._bind(set_id, ranks, job.world.rank)
     return ps
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister ``process_set`` (every rank, same order). False if it was not registered."""
-    rt = runtime.current()
-    if not rt.dynamic_sets:
+    job = runtime.current()
+    if not job.dynamic_sets:
         raise ValueError("remove_process_set needs dynamic process sets: call hvd.init(process_sets='dynamic') or "
                          "set GPUCOMM_DYNAMIC_PROCESS_SETS=1 on every rank.")
     if process_set is global_process_set or process_set.process_set_id == 0:
         raise ValueError("the global process set cannot be removed.")
     if process_set.process_set_id is None:
         return False
-    _control("remove_process_set", rt.next_set_name("remove"), root=process_set.process_set_id)
+    _control("remove_process_set", job.next_set_name("remove"), root=process_set.process_set_id)
     process_set._unbind()
     return True

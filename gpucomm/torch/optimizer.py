@@ -1,20 +1,24 @@
 """``DistributedOptimizer``: gradients averaged across ranks while backward is still running.
 
 Each trainable parameter gets a post-accumulate-grad hook. Parameters are grouped into buckets
-(``gpucomm.dataplane.fusion``: reverse order, one dtype and device each, 1 MiB first, then 25 MiB). When the
-last gradient of a bucket arrives, and every earlier bucket has been launched, the bucket's
-gradients are packed into its fusion buffer (scaled, and cast for compression, in the same pass)
-and its allreduce is submitted — on a communication stream after an event (GPU) or as an async
-Gloo call (CPU) — so communication overlaps the rest of backward. ``synchronize()`` (called by
-``step()``) launches what is left, waits for the buckets in order and unpacks each buffer into the
-gradients, applying the average in the same pass. Every rank launches the same buckets in the same
-order, which the parameter check at construction guarantees.
+(``gpucomm.dataplane.fusion``: reverse order, one dtype and device each, 1 MiB first, then 25 MiB);
+when the last gradient of a bucket arrives, and every earlier bucket has been launched, the bucket
+is packed and its allreduce launched on the optimizer's fixed schedule (``buckets.py``), so
+communication overlaps the rest of backward. ``synchronize()`` (called by ``step()``) launches what
+is left, waits for the buckets in order and unpacks them into the gradients.
+
+Agree once, then run a fixed schedule: the parameters (names, shapes, dtypes) and the bucket
+layout are verified across ranks when the optimizer is built, and again only when the set of
+parameters that need gradients changes; every step in between sends no control-plane message.
+A parameter whose hook did not fire by ``synchronize()`` is reduced as zeros (Horovod's rule), so
+the ranks' collectives always match.
 
 Semantics follow Horovod: a subclass of the wrapped optimizer's class, ``synchronize``,
 ``skip_synchronize``, ``set_backward_passes_per_step``, the ``zero_grad`` guard and the warning when
 ``step()`` follows ``synchronize()``. A parameter that produced no gradient on this rank
 contributes zeros (and, if it still requires grad, receives the averaged gradient); a parameter
-frozen with ``requires_grad_(False)`` contributes zeros and keeps its gradient untouched.
+frozen with ``requires_grad_(False)`` contributes zeros and keeps its gradient untouched until the
+next layout leaves it out.
 """
 
 from __future__ import annotations
@@ -22,20 +26,17 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 import torch
 
 from .. import runtime
+from ..counters import COUNTERS
 from ..dataplane import fusion
-from ..dataplane.handles import Handle
-from ..kernels.rules import CASTS
-from ..dataplane.requests import Request
-from ..reduce_op import ReduceOp
-from .compression import BF16Compressor, Compression, FP16Compressor, NoneCompressor
-from .functions import allgather_object
 from ..process_sets import ProcessSet, global_process_set
+from .buckets import GradientBuckets
+from .compression import Compression
+from .functions import allgather_object
 from .mpi_ops import Adasum, Average, Sum, _set_id
 
 TWICE_ERROR = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
@@ -48,38 +49,6 @@ STEP_AFTER_SYNC_WARNING = ("optimizer.step() called without optimizer.skip_synch
                            "your code.")
 
 
-@dataclass(eq=False)
-class _BucketState:
-    """A planned bucket and what happened to it this step."""
-
-    plan: fusion.Bucket
-    params: list[torch.Tensor]
-    wire_dtype: torch.dtype | None  # the fused buffer's dtype; None: a compressor the kernels cannot fuse
-    pending: int = 0  # gradients still to arrive before the bucket is complete
-    handle: Handle | None = None
-    reduced: list[torch.Tensor] = field(default_factory=list)  # the fusion buffer, or the compressed gradients
-    contexts: list[Any] = field(default_factory=list)  # the compressor's contexts (unfused buckets)
-    in_flight: list[torch.Tensor] = field(default_factory=list)  # gradients read by the launch, kept alive
-
-
-def _bucket_name(bucket: _BucketState) -> str:
-    return f"DistributedOptimizer.bucket.{bucket.plan.index}"
-
-
-def _wire_dtype(compression: Any, dtype: torch.dtype) -> torch.dtype | None:
-    """The dtype a bucket of ``dtype`` gradients travels in, or None when the compressor is not one
-    the pack kernels can fuse (then gradients are compressed one by one)."""
-    if compression in (None, NoneCompressor, Compression.none):
-        return dtype
-    for builtin in (FP16Compressor, BF16Compressor):
-        if compression is builtin or isinstance(compression, builtin):
-            wire = builtin.wire_dtype
-            if not dtype.is_floating_point or dtype == wire:
-                return dtype
-            return wire if (dtype, wire) in CASTS else None
-    return None
-
-
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into a dynamic subclass of the user's optimizer class; see ``DistributedOptimizer``."""
 
@@ -89,128 +58,112 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._compression = compression
         self._sparse_as_dense = sparse_as_dense
         self._passes = backward_passes_per_step
-        params_in_order = [p for group in self.param_groups for p in group["params"]]
-        self._parameter_names = _names(named_parameters, params_in_order)
-        self._trainable = [p for p in params_in_order if p.requires_grad]
-        rt = runtime.current()
+        self._groups = groups
+        self._params = [p for group in self.param_groups for p in group["params"]]
+        self._parameter_names = _names(named_parameters, self._params)
+        job = runtime.current()
         self._process_set = process_set
         self._set_id = _set_id(process_set)
-        self._size = rt.group(self._set_id).size
+        self._size = job.group(self._set_id).size
         # Average: 1/f before the sum (packed in), f/size after (unpacked out), Horovod's predivide rule
         self._prescale = 1.0 / float(gradient_predivide_factor) if op == Average else 1.0
         self._postscale = float(gradient_predivide_factor) / self._size if op == Average else 1.0
-        self._check_same_parameters_everywhere(rt)
-        self._buffers = fusion.FusionBuffers()
-        self._buckets = self._plan(groups)
-        self._bucket_of = {p: b for b in self._buckets for p in b.params}
-        self._delay = {p: self._passes for p in self._trainable}
-        self._next_launch = 0
         self._fired: set[torch.Tensor] = set()
         self._synchronized = False
         self._should_synchronize = True
         self._local_only = False
-        self._hooks = []
+        self._hooks: dict[torch.Tensor, Any] = {}
         self._lock = threading.Lock()  # hooks of CPU and CUDA parameters run on different autograd threads
         self._backward_span: tuple[float, float] | None = None  # first and last gradient of this step (timeline)
+        self._schedule = job.new_schedule(self._set_id) if self._size > 1 else None
+        self._layouts = 0
+        self._buckets = self._agree_on_layout(job)
+        if self._schedule is not None:
+            for device in {b.plan.device for b in self._buckets.buckets}:
+                self._schedule.open(device)
+            job.add_join_party(self)
+
+    # ------------------------------------------------------------------ the layout, agreed once
+
+    def _agree_on_layout(self, job) -> GradientBuckets:
+        """Plan buckets for the parameters that need gradients now, verify parameters and buckets
+        across ranks (a collective: every rank calls this at the same point), and hook them."""
+        self._requires = [p.requires_grad for p in self._params]
+        self._trainable = [p for p in self._params if p.requires_grad]
+        plans = (fusion.plan_buckets(self._trainable) if self._groups is None
+                 else fusion.plan_groups(self._trainable, _trainable_groups(self._groups, self._trainable)))
+        buckets = GradientBuckets(self._schedule, self._trainable, plans, self._compression, self._prescale,
+                                  self._postscale, self._set_id, lambda: job.tracer)
+        self._layouts += 1
         if self._size > 1:
+            self._verify_everywhere(buckets)
+            for p in list(self._hooks):
+                if p not in buckets.bucket_of:
+                    self._hooks.pop(p).remove()
             for p in self._trainable:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook()))
+                if p not in self._hooks:
+                    self._hooks[p] = p.register_post_accumulate_grad_hook(self._hook)
+        self._delay = {p: self._passes for p in self._trainable}
+        return buckets
 
-    # ------------------------------------------------------------------ construction helpers
-
-    def _check_same_parameters_everywhere(self, rt) -> None:
-        mine = [(self._parameter_names[p], list(p.shape), str(p.dtype).replace("torch.", ""), p.requires_grad)
-                for p in (q for g in self.param_groups for q in g["params"])]
-        if self._size == 1:
-            return
-        every = allgather_object(mine, name="DistributedOptimizer.parameters", process_set=self._process_set)
-        reference = every[0]
+    def _verify_everywhere(self, buckets: GradientBuckets) -> None:
+        index = {p: i for i, p in enumerate(self._params)}
+        params = [(self._parameter_names[p], list(p.shape), str(p.dtype).replace("torch.", ""), p.requires_grad)
+                  for p in self._params]
+        layout = [([index[p] for p in b.params], str(b.wire_dtype)) for b in buckets.buckets]
+        mine = {"params": params, "buckets": layout, "schedule": self._schedule.number}
+        COUNTERS.layout_checks += 1
+        every = allgather_object(mine, name=f"DistributedOptimizer.layout.{self._schedule.number}.{self._layouts}",
+                                 process_set=self._process_set)
         for rank, theirs in enumerate(every):
-            if theirs == reference:
-                continue
-            for i in range(max(len(theirs), len(reference))):
-                a = reference[i] if i < len(reference) else None
-                b = theirs[i] if i < len(theirs) else None
-                if a != b:
-                    raise ValueError(
-                        f"DistributedOptimizer: ranks disagree on the parameters to average. Parameter #{i} is "
-                        f"{_describe_param(a)} on rank 0 but {_describe_param(b)} on rank {rank} (name, shape, "
-                        f"dtype, requires_grad). Every rank must build the same model and pass its parameters in "
-                        f"the same order; otherwise ranks would average unrelated tensors or wait for each other "
-                        f"forever. Likely causes: rank-dependent model construction, a different model config or "
-                        f"checkpoint on some ranks, or parameters frozen on only some ranks.")
-            raise AssertionError("unreachable: lists differ but no element differs")
+            _check_same(every[0]["params"], theirs["params"], rank)
+        for rank, theirs in enumerate(every):
+            if theirs != every[0]:
+                raise ValueError(
+                    f"DistributedOptimizer: ranks disagree on the gradient buckets (rank 0: {_layout_text(every[0])}; "
+                    f"rank {rank}: {_layout_text(theirs)}), although their parameters match. Every rank must plan the "
+                    f"same buckets, or their allreduces would pair unrelated data. Likely causes: "
+                    f"GPUCOMM_FUSION_THRESHOLD / HOROVOD_FUSION_THRESHOLD / GPUCOMM_FUSION_FIRST_BUCKET or groups= set "
+                    f"differently on some ranks, or DistributedOptimizers built in a different order. Set them alike "
+                    f"on every rank.")
 
-    def _plan(self, groups) -> list[_BucketState]:
-        trainable = self._trainable
-        if groups is None:
-            plans = fusion.plan_buckets(trainable)
-        else:
-            plans = _explicit_buckets(trainable, groups)
-        return [_BucketState(plan, [trainable[i] for i in plan.param_indices],
-                             _wire_dtype(self._compression, plan.dtype), len(plan.param_indices))
-                for plan in plans]
+    def _layout_changed(self) -> bool:
+        return [p.requires_grad for p in self._params] != self._requires
+
+    def _adopt_new_layout(self) -> None:
+        """The parameters that need gradients changed (a layer was frozen or unfrozen): agree on the
+        new layout, and average now the gradients of parameters that just joined it."""
+        before = set(self._trainable)
+        self._buckets = self._agree_on_layout(runtime.current())
+        added = [p for p in self._trainable if p not in before]
+        if added and self._size > 1:
+            self._buckets.reduce_once(added, f"DistributedOptimizer.added.{self._layouts}")
 
     # ------------------------------------------------------------------ hooks and launching
 
-    def _make_hook(self):
-        def hook(p: torch.Tensor) -> None:
-            if self._local_only:
+    def _hook(self, p: torch.Tensor) -> None:
+        if self._local_only:
+            return
+        if p.grad is not None and p.grad.is_sparse and not self._sparse_as_dense:
+            raise ValueError(f"parameter {self._parameter_names[p]!r} has a sparse gradient; gpucomm averages "
+                             f"dense gradients only. Pass sparse_as_dense=True to DistributedOptimizer.")
+        with self._lock:
+            delay = self._delay.get(p)
+            if delay is None:  # not in the agreed layout (it was frozen when the layout was agreed)
                 return
-            if p.grad is not None and p.grad.is_sparse and not self._sparse_as_dense:
-                raise ValueError(f"parameter {self._parameter_names[p]!r} has a sparse gradient; gpucomm averages "
-                                 f"dense gradients only. Pass sparse_as_dense=True to DistributedOptimizer.")
-            with self._lock:
-                self._delay[p] -= 1
-                if self._delay[p] > 0:
-                    return
-                tracer = runtime.current().tracer
-                if tracer is not None:  # the backward pass, as seen from its gradients (timeline)
-                    now = tracer.now_us()
-                    self._backward_span = (self._backward_span[0] if self._backward_span else now, now)
-                if self._delay[p] < 0 or p in self._fired:
-                    raise AssertionError(TWICE_ERROR)
-                self._fired.add(p)
-                bucket = self._bucket_of[p]
-                bucket.pending -= 1
-                self._synchronized = False
-                self._launch_complete_buckets()
-
-        return hook
-
-    def _launch_complete_buckets(self) -> None:
-        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
-            self._launch(self._buckets[self._next_launch])
-            self._next_launch += 1
-
-    def _launch(self, bucket: _BucketState) -> None:
-        grads = [self._gradient_to_send(p) for p in bucket.params]
-        if bucket.wire_dtype is not None:
-            buffer = self._buffers.get(bucket.plan.device, bucket.wire_dtype, bucket.plan.numel, slot=bucket.plan.index)
+            self._delay[p] = delay = delay - 1
+            if delay > 0:
+                return
             tracer = runtime.current().tracer
-            start = tracer.now_us() if tracer is not None else 0.0
-            with torch.no_grad():
-                fusion.pack_bucket(grads, buffer, scale=self._prescale)
-            if tracer is not None and buffer.device.type == "cpu":  # GPU copies are timed by CUDA events
-                tracer.span(_bucket_name(bucket), "MEMCPY_IN_FUSION_BUFFER", start, tracer.now_us())
-            bucket.reduced = [buffer]
-        else:  # a user compressor: compress each gradient, reduce them as one grouped call
-            for g in grads:
-                c, ctx = self._compression.compress(g.mul(self._prescale) if self._prescale != 1.0 else g)
-                bucket.reduced.append(c.contiguous())
-                bucket.contexts.append(ctx)
-        bucket.in_flight = grads
-        request = Request("allreduce", _bucket_name(bucket), bucket.reduced,
-                          outputs=bucket.reduced, op=ReduceOp.SUM, device=bucket.plan.device, set_id=self._set_id)
-        bucket.handle = runtime.current().submit(request, send="now")  # start it while backward goes on
-
-    def _gradient_to_send(self, p: torch.Tensor) -> torch.Tensor:
-        g = p.grad
-        if g is None or not p.requires_grad:
-            return torch.zeros_like(p, memory_format=torch.contiguous_format)
-        if g.is_sparse:
-            g = g.to_dense()
-        return g if g.is_contiguous() else g.contiguous()
+            if tracer is not None:  # the backward pass, as seen from its gradients (timeline)
+                now = tracer.now_us()
+                self._backward_span = (self._backward_span[0] if self._backward_span else now, now)
+            if delay < 0 or p in self._fired:
+                raise AssertionError(TWICE_ERROR)
+            self._fired.add(p)
+            self._buckets.bucket_of[p].pending -= 1
+            self._synchronized = False
+            self._buckets.launch_ready()
 
     # ------------------------------------------------------------------ Horovod API
 
@@ -221,61 +174,31 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._synchronized = True
             return
         with self._lock:
-            for bucket in self._buckets[self._next_launch:]:
-                self._launch(bucket)
-            self._next_launch = len(self._buckets)
+            self._buckets.launch_rest()
         try:
-            for bucket in self._buckets:
-                self._finish(bucket)
+            self._buckets.finish()
         finally:
             self._reset_step()
+        COUNTERS.schedule_steps += 1
         self._synchronized = True
         span, self._backward_span = self._backward_span, None
         tracer = runtime.current().tracer
         if tracer is not None and span is not None:
             tracer.span("DistributedOptimizer.backward", "BACKWARD", span[0], span[1])
+        if self._layout_changed():
+            self._adopt_new_layout()
 
-    def _finish(self, bucket: _BucketState) -> None:
-        assert bucket.handle is not None
-        bucket.handle.wait()
-        targets = []
-        for p in bucket.params:
-            if not p.requires_grad:
-                targets.append(None)  # frozen since construction: leave its gradient alone
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            elif p.grad.is_sparse:
-                p.grad = p.grad.to_dense()
-            targets.append(p.grad)
-        tracer = runtime.current().tracer
-        start = tracer.now_us() if tracer is not None else 0.0
-        with torch.no_grad():
-            if bucket.wire_dtype is not None:
-                dests = [t if t is not None and t.is_contiguous() else torch.empty(p.shape, dtype=p.dtype,
-                                                                                    device=p.device)
-                         for t, p in zip(targets, bucket.params)]
-                fusion.unpack_bucket(bucket.reduced[0], dests, scale=self._postscale)
-                for t, d in zip(targets, dests):
-                    if t is not None and t is not d:
-                        t.copy_(d)
-            else:
-                for t, r, ctx in zip(targets, bucket.reduced, bucket.contexts):
-                    if t is not None:
-                        averaged = self._compression.decompress(r, ctx)
-                        t.copy_(averaged.mul(self._postscale) if self._postscale != 1.0 else averaged)
-        if tracer is not None and bucket.plan.device.type == "cpu":
-            tracer.span(_bucket_name(bucket), "MEMCPY_OUT_FUSION_BUFFER", start, tracer.now_us())
+    def stand_in_until_all_joined(self) -> None:
+        """This rank joined (``hvd.join``): take part in the other ranks' steps with zeros until
+        every rank has joined."""
+        while self._buckets.stand_in_step():
+            pass
 
     def _reset_step(self) -> None:
-        for bucket in self._buckets:
-            bucket.pending = len(bucket.params)
-            bucket.handle = None
-            bucket.reduced, bucket.contexts, bucket.in_flight = [], [], []
+        self._buckets.reset()
         for p in self._delay:
             self._delay[p] = self._passes
         self._fired.clear()
-        self._next_launch = 0
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -312,12 +235,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if any(b.handle is not None for b in self._buckets):
+        if self._buckets.in_flight:
             raise AssertionError(ZERO_GRAD_ERROR)
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if any(b.handle is not None for b in self._buckets):
+        if self._buckets.in_flight:
             self.synchronize()  # finish what is in flight; the gradients are discarded by the caller's next step
         self._reset_step()
         return super(self.__class__, self).load_state_dict(state_dict)
@@ -360,40 +283,36 @@ def _names(named_parameters, params_in_order: list[torch.Tensor]) -> dict[torch.
     return {p: by_id[id(p)] for p in params_in_order}
 
 
-def _explicit_buckets(trainable: list[torch.Tensor], groups) -> list[fusion.Bucket]:
-    """Horovod's ``groups``: an int N (N groups of consecutive parameters) or lists of parameters,
-    each list one bucket; parameters in no list get buckets of their own. Buckets keep Horovod's
-    requirement of one dtype and device each."""
-    index = {p: i for i, p in enumerate(trainable)}
+def _trainable_groups(groups: Any, trainable: list[torch.Tensor]) -> Any:
+    """``groups`` restricted to the parameters that need gradients now (lists of parameters)."""
     if isinstance(groups, int):
-        if groups <= 0:
-            raise ValueError(f"groups must be a positive number of groups or a list of parameter lists, got {groups}.")
-        n = len(trainable)
-        lists = [list(range(n))[k * n // groups:(k + 1) * n // groups] for k in range(groups)]
-    else:
-        lists, seen = [], set()
-        for g in groups:
-            ids = []
-            for p in g:
-                if p not in index:
-                    raise ValueError("groups contains a tensor that is not a trainable parameter of this optimizer.")
-                if index[p] in seen:
-                    raise ValueError("groups lists a parameter twice; each parameter belongs to at most one group.")
-                seen.add(index[p])
-                ids.append(index[p])
-            lists.append(ids)
-        lists += [[i] for i in range(len(trainable)) if i not in seen]
-    lists = [sorted(ids, reverse=True) for ids in lists if ids]
-    lists.sort(key=lambda ids: -ids[0])  # groups holding later parameters are ready first
-    plans = []
-    for number, ids in enumerate(lists):
-        first = trainable[ids[0]]
-        if any(trainable[i].dtype != first.dtype or trainable[i].device != first.device for i in ids):
-            raise ValueError("each group in groups must hold parameters of one dtype on one device.")
-        numels = tuple(trainable[i].numel() for i in ids)
-        offsets = tuple(sum(numels[:k]) for k in range(len(numels)))
-        plans.append(fusion.Bucket(number, tuple(ids), offsets, numels, sum(numels), first.dtype, first.device))
-    return plans
+        return groups
+    keep = set(trainable)
+    return [[p for p in g if p in keep] for g in groups]
+
+
+def _check_same(reference: list, theirs: list, rank: int) -> None:
+    """Raise on every rank when ``rank``'s parameter list differs from rank 0's, naming the first difference."""
+    if theirs == reference:
+        return
+    for i in range(max(len(theirs), len(reference))):
+        a = reference[i] if i < len(reference) else None
+        b = theirs[i] if i < len(theirs) else None
+        if a != b:
+            raise ValueError(
+                f"DistributedOptimizer: ranks disagree on the parameters to average. Parameter #{i} is "
+                f"{_describe_param(a)} on rank 0 but {_describe_param(b)} on rank {rank} (name, shape, "
+                f"dtype, requires_grad). Every rank must build the same model and pass its parameters in "
+                f"the same order; otherwise ranks would average unrelated tensors or wait for each other "
+                f"forever. Likely causes: rank-dependent model construction, a different model config or "
+                f"checkpoint on some ranks, or parameters frozen on only some ranks.")
+
+
+def _layout_text(mine: dict) -> str:
+    buckets = mine["buckets"]
+    sizes = ", ".join(f"{len(ids)} params ({dtype.replace('torch.', '')})" for ids, dtype in buckets[:4])
+    more = f", +{len(buckets) - 4} more" if len(buckets) > 4 else ""
+    return f"schedule {mine['schedule']}, {len(buckets)} buckets [{sizes}{more}]"
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None = None,

@@ -1,0 +1,92 @@
+"""How the ranks of a job meet: the rendezvous store (served by rank 0, the launcher, or published
+through torchrun's store), every rank's arrival record, and Horovod's cross rank and size.
+
+Pure bootstrap: nothing here knows about collectives; ``gpucomm.job`` builds the job on top.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+
+from ..errors import GpucommError
+from .rendezvous import RendezvousClient, RendezvousServer, address_towards, wait_for_ranks
+from .world import World
+
+
+def torch_store_rendezvous(world: World, gen: int, start_timeout: float):
+    """Under torchrun: rank 0 serves our store on a free port and publishes it, with a fresh secret,
+    through torchrun's own TCPStore at MASTER_ADDR:MASTER_PORT."""
+    import datetime
+
+    import torch.distributed as dist
+
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(world.rendezvous_addr, world.rendezvous_port, world.size,
+                          is_master=(world.rank == 0 and not agent_store),
+                          timeout=datetime.timedelta(seconds=start_timeout), wait_for_workers=False)
+    key = f"gpucomm/{world.run_id}/g{gen}/rendezvous"
+    server = None
+    if world.rank == 0:
+        secret = world.secret or secrets.token_bytes(32)
+        server = RendezvousServer(secret, "0.0.0.0", 0)
+        host = address_towards(world.rendezvous_addr, world.rendezvous_port)
+        store.set(key, json.dumps({"host": host, "port": server.port, "secret": secret.hex()}))
+    info = json.loads(store.get(key))
+    return server, info["host"], info["port"], bytes.fromhex(info["secret"])
+
+
+def open_store(world: World, gen: int, start_timeout: float, timeout: float):
+    """Start (rank 0) and connect to the rendezvous store; returns (server, client)."""
+    if world.launcher == "none":
+        secret = secrets.token_bytes(32)
+        server = RendezvousServer(secret, "127.0.0.1", 0)
+        return server, RendezvousClient("127.0.0.1", server.port, secret, connect_timeout=start_timeout, timeout=timeout)
+    if world.port_via_torch_store:
+        server, host, port, secret = torch_store_rendezvous(world, gen, start_timeout)
+    else:
+        host, port = world.rendezvous_addr, world.rendezvous_port
+        secret = world.secret or secrets.token_bytes(32)
+        if world.secret is None and world.size > 1:
+            raise GpucommError(f"the {world.launcher} launcher gave no job secret; set GPUCOMM_SECRET to the same "
+                               f"random hex string (32+ characters) on every rank.")
+        server = None
+        if world.rank == 0 and not world.rendezvous_hosted:
+            try:
+                server = RendezvousServer(secret, "0.0.0.0", port)
+            except OSError as e:
+                raise GpucommError(
+                    f"rank 0 could not serve the rendezvous store on port {port}: {e}. Another process holds the "
+                    f"port (perhaps an earlier job still running); set GPUCOMM_RENDEZVOUS_PORT to a free port on "
+                    f"every rank.") from e
+    try:
+        client = RendezvousClient(host, port, secret, connect_timeout=start_timeout, timeout=timeout)
+    except Exception:
+        if server is not None:
+            server.close()
+        raise
+    return server, client
+
+
+def arrive(client: RendezvousClient, prefix: str, world: World, record: dict, start_timeout: float) -> list[dict]:
+    """Publish this rank's record and read everyone's; a rank that failed before arriving (its
+    record carries ``error``) makes every rank fail with that rank's message."""
+    client.set(f"{prefix}arrive/{world.rank}", json.dumps(record).encode())
+    wait_for_ranks(client, f"{prefix}arrive", range(world.size), start_timeout, "gpucomm.init()")
+    records = [json.loads(client.get(f"{prefix}arrive/{r}")) for r in range(world.size)]
+    for r, rec in enumerate(records):
+        if rec.get("error"):
+            raise GpucommError(f"rank {r} failed in gpucomm.init(): {rec['error']}")
+    return records
+
+
+def cross_placement(world: World, records: list[dict]) -> tuple[int, int]:
+    """Horovod's cross rank/size: this rank's index among the ranks with its local rank."""
+    if world.cross_rank is not None and world.cross_size is not None:
+        return world.cross_rank, world.cross_size
+    peers = [r for r, rec in enumerate(records) if rec["local_rank"] == world.local_rank]
+    return peers.index(world.rank), len(peers)
+
+
+__all__ = ["arrive", "cross_placement", "open_store", "torch_store_rendezvous"]

@@ -1,0 +1,59 @@
+"""The control plane's settings and the small types it shares with the job that builds it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Mapping, NamedTuple
+
+from ..dataplane.inline import DEFAULT_INLINE_BYTES
+from ..settings import env_flag, env_number
+from .coordinator import DEFAULT_CACHE_CAPACITY
+
+
+class Send(str, enum.Enum):
+    """When a submitted request leaves for the coordinator."""
+
+    CYCLE = "cycle"  # after at most ``cycle_time``; requests submitted meanwhile share the frame
+    NOW = "now"  # at once (work that should start while the caller keeps computing)
+    ON_WAIT = "on_wait"  # when the caller waits on it, which it is about to do
+
+
+class ControlLinks(NamedTuple):
+    """The control connections: a worker's channel to rank 0, or rank 0's channels to the others."""
+
+    to_root: Any = None
+    workers: Mapping[int, Any] = {}
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """Tunables of the control plane (``from_env`` reads GPUCOMM_* and Horovod's names)."""
+
+    timeout: float = 300.0
+    cycle_time: float = 0.001  # seconds a request submitted without a wait may sit before it is sent
+    cache_capacity: int = DEFAULT_CACHE_CAPACITY
+    stall_warning: float | None = 60.0  # None: the stall inspector is off
+    stall_shutdown: float | None = None  # None: stalls only warn
+    inline_bytes: int = DEFAULT_INLINE_BYTES  # CPU allreduces up to this size are reduced by the coordinator
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], timeout: float) -> "ControlConfig":
+        cycle_ms = env_number(env, ("GPUCOMM_CYCLE_TIME", "HOROVOD_CYCLE_TIME"), 1.0, allow_zero=True)
+        capacity = env_number(env, ("GPUCOMM_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY"), DEFAULT_CACHE_CAPACITY,
+                              allow_zero=True)
+        disabled = env_flag(env, ("GPUCOMM_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_DISABLE"))
+        warning = env_number(env, ("GPUCOMM_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS"), 60.0)
+        shutdown = env_number(env, ("GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"), 0.0,
+                              allow_zero=True)
+        if shutdown and not disabled and shutdown <= warning:
+            raise ValueError(f"the stall shutdown time ({shutdown:g} s) must exceed the stall warning time "
+                             f"({warning:g} s): a stall is reported first, then turned into an error. Raise "
+                             f"GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS or lower GPUCOMM_STALL_CHECK_TIME_SECONDS.")
+        inline = env_number(env, ("GPUCOMM_INLINE_BYTES",), DEFAULT_INLINE_BYTES, allow_zero=True)
+        return cls(timeout=timeout, cycle_time=cycle_ms / 1000.0, cache_capacity=int(capacity),
+                   stall_warning=None if disabled else warning, stall_shutdown=(shutdown or None) if not disabled else None,
+                   inline_bytes=int(inline))
+
+
+__all__ = ["ControlConfig", "ControlLinks", "DEFAULT_CACHE_CAPACITY", "Send"]

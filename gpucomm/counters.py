@@ -1,0 +1,42 @@
+"""What this process's gpucomm has done, counted: the figures tests and benchmarks read to prove a
+fast path is taken (``hvd.stats()``).
+
+One process-wide ``Counters`` object; the hot paths add to its fields directly (an attribute
+increment, no lock: a rare lost update under thread races only undercounts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass
+class Counters:
+    """Monotonic counts since the process started (or since ``stats(reset=True)``)."""
+
+    control_rounds: int = 0  # request frames this rank sent to the coordinator (rank 0: rounds it ran itself)
+    negotiated: int = 0  # operations this rank submitted to the control plane
+    cache_hits: int = 0  # ... of which travelled as a response-cache bit instead of a full request
+    inline_reductions: int = 0  # small CPU allreduces the coordinator reduced inside the control round
+    collectives: int = 0  # data-plane collectives issued (backend calls: Gloo works / NCCL launches)
+    bytes: int = 0  # bytes those collectives sent from this rank (input sizes)
+    schedule_steps: int = 0  # DistributedOptimizer steps run on a fixed schedule (no control messages)
+    layout_checks: int = 0  # cross-rank verifications of an optimizer's parameters and buckets
+    kernel_fallbacks: int = 0  # CUDA bucket packs/unpacks done with torch ops because the kernels were unavailable
+
+
+COUNTERS = Counters()
+
+
+def stats(reset: bool = False) -> dict[str, int]:
+    """This process's counters as a dict (see ``Counters`` for each field's meaning).
+
+    ``reset=True`` returns the counts and sets them back to zero."""
+    snapshot = asdict(COUNTERS)
+    if reset:
+        for f in fields(Counters):
+            setattr(COUNTERS, f.name, 0)
+    return snapshot
+
+
+__all__ = ["COUNTERS", "Counters", "stats"]

@@ -1,0 +1,42 @@
+"""Pooled CUDA events (timing off): recording an event costs a lookup in a list instead of a new
+CUDA event per collective.
+
+An event may go back to the pool as soon as every wait on it has been *enqueued*: CUDA captures
+the event's state when ``cudaStreamWaitEvent`` is called, so recording it again later does not
+disturb a wait already queued.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+
+class EventPool:
+    """Free events per device; ``record`` takes one (or makes one) and records it on ``stream``."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[Any]] = {}
+        self._lock = threading.Lock()  # hooks on different autograd threads may record at once
+
+    def record(self, stream: Any) -> Any:
+        import torch  # noqa: PLC0415 - only CUDA paths get here
+
+        free = self._free.get(stream.device_index)
+        with self._lock:
+            event = free.pop() if free else None
+        if event is None:
+            event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def release(self, event: Any, device_index: int) -> None:
+        """Return ``event``; the caller has enqueued every wait on it."""
+        with self._lock:
+            self._free.setdefault(device_index, []).append(event)
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._free.values())
+
+
+__all__ = ["EventPool"]

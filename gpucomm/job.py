@@ -1,0 +1,266 @@
+"""One initialized job in this process: what ``hvd.init()`` built, and the entry point every
+collective takes (``submit``).
+
+A one-rank job has nothing to agree on: its collectives run inline on the caller's thread (no
+control plane, no background thread, no negotiation). A larger job negotiates ad-hoc collectives
+through ``gpucomm.control``, while DistributedOptimizer buckets bypass it on fixed schedules
+(``new_schedule``), each on a group of its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .backends.gloo import GlooBackend, gloo_group, gloo_iface
+from .backends.nccl import create_nccl
+from .bootstrap import devices
+from .bootstrap.rendezvous import RendezvousClient, RendezvousError, RendezvousServer
+from .bootstrap.world import World
+from .control.controller import ControlConfig, Controller, ControlLinks, Send
+from .control.coordinator import Coordinator
+from .control.local import LocalPlane
+from .dataplane.events import EventPool
+from .dataplane.executor import Executor, prepare
+from .dataplane.groups import Group
+from .dataplane.handles import Handle
+from .dataplane.inline import reduce_inline
+from .dataplane.requests import Request
+from .dataplane.schedule import Schedule
+from .errors import CollectiveError
+from .timeline.tracing import Tracer
+
+log = logging.getLogger("gpucomm")
+
+SHUTDOWN_GRACE = 10.0  # rank 0 keeps serving the store this long for ranks still shutting down
+
+
+@dataclass
+class Job:
+    """Everything one initialized job owns in this process."""
+
+    world: World
+    client: RendezvousClient
+    server: RendezvousServer | None
+    prefix: str
+    timeout: float
+    gloo: GlooBackend
+    device: devices.PinnedDevice | None
+    hosts: list[str]
+    cross_rank: int
+    cross_size: int
+    control: ControlConfig
+    links: ControlLinks = field(default_factory=ControlLinks)
+    static_sets: list[tuple[int, ...]] = field(default_factory=list)
+    dynamic_sets: bool = False
+    plane: Controller | LocalPlane = field(init=False)
+    groups: dict[int, Group] = field(init=False)
+    events: EventPool = field(default_factory=EventPool)
+    join_device: int = -1  # hvd.join(device=...): the GPU for zero stand-ins; -1: this rank's GPU
+    unnamed: Any = field(default_factory=itertools.count)  # numbers unnamed ops alike on every rank
+    tracer: Tracer | None = None  # rank 0's timeline while one is recording
+    _nccl: Any = None
+    _nccl_lock: threading.Lock = field(default_factory=threading.Lock)
+    _set_counter: int = 0
+    _schedule_counter: int = 0
+    _schedules: list[Schedule] = field(default_factory=list)
+    _join_parties: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
+
+    def __post_init__(self) -> None:
+        rank, size = self.world.rank, self.world.size
+        self.one_host = len(set(self.hosts)) == 1
+        self.groups = {0: Group(0, range(size), rank, lambda g: self.gloo, lambda g: self.nccl())}
+        for set_id, ranks in enumerate(self.static_sets, start=1):
+            self.groups[set_id] = self._group(set_id, ranks)
+        self._coordinator = None
+        if size == 1:
+            execute = Executor(self.group, self._current_tracer, events=self.events, pool_done_events=True)
+            self.plane = LocalPlane(execute, self.timeout, on_done=self._on_done, process_sets=self.static_sets)
+            return
+        if rank == 0:
+            self._coordinator = Coordinator(size, cache_capacity=self.control.cache_capacity,
+                                            process_sets=self.static_sets, reduce_inline=reduce_inline)
+        execute = Executor(self.group, self._current_tracer, events=self.events)
+        self.plane = Controller(rank, size, execute, self.control, coordinator=self._coordinator, links=self.links,
+                                on_done=self._on_done, zeros_device=self._zeros_device, tracer=self._current_tracer,
+                                nccl_health=self._nccl_health)
+
+    @property
+    def controller(self) -> Controller | None:
+        """The control plane (None in a one-rank job, which needs none)."""
+        return self.plane if isinstance(self.plane, Controller) else None
+
+    # -- submitting ------------------------------------------------------------------------------
+    def submit(self, request: Request, *, send: Send = Send.CYCLE) -> Handle:
+        """Run ``request``: inline in a one-rank job, else after negotiation (``Send`` says when
+        its request leaves). CUDA requests record a ready event on the caller's stream, looked up
+        once here."""
+        if request.device.type == "cuda":
+            request.stream = torch.cuda.current_stream(request.device)
+            prepare(request)
+            request.ready_event = self.events.record(request.stream)
+        elif request.kind in ("allreduce", "broadcast"):
+            prepare(request)
+        return self.plane.submit(request, send=send)
+
+    def failure(self) -> CollectiveError | None:
+        """Why the job's collectives stopped (a rank failed, a stall shutdown), if they did."""
+        return self.plane.failure()
+
+    # -- fixed schedules (DistributedOptimizer) --------------------------------------------------
+    def new_schedule(self, set_id: int) -> Schedule:
+        """A fixed schedule on the members of process set ``set_id``, on a group of its own. Every
+        member calls this at the same point (an optimizer's construction), so the numbering agrees;
+        the optimizer's cross-rank check verifies it."""
+        self._schedule_counter += 1
+        number, base = self._schedule_counter, self.group(set_id)
+        where = f"{self.prefix}schedule/{number}/"
+        group = Group(set_id, base.ranks, self.world.rank,
+                      lambda g: gloo_group(self.client, where + "gloo/", g.rank, g.size, timeout=self.timeout,
+                                           one_host=self.one_host, iface=gloo_iface(os.environ)),
+                      lambda g: create_nccl(self.client, where + "nccl", g.rank, g.size,
+                                            self._cuda_device().index, self.timeout))
+        controller = self.controller
+        schedule = Schedule(group, timeout=self.timeout, events=self.events, tracer=self._current_tracer,
+                            watch=controller.watch if controller is not None else None, failure=self.failure)
+        schedule.number = number
+        self._schedules.append(schedule)
+        return schedule
+
+    def add_join_party(self, party: Any) -> None:
+        """``party.stand_in_until_all_joined()`` runs while this rank waits in ``hvd.join()``."""
+        self._join_parties.add(party)
+
+    def join_parties(self) -> list[Any]:
+        return list(self._join_parties)
+
+    # -- timeline (rank 0 writes it) -------------------------------------------------------------
+    def _current_tracer(self) -> Tracer | None:
+        return self.tracer
+
+    def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
+        """Record a Horovod-format timeline to ``path`` (rank 0; other ranks ignore the call)."""
+        if self.world.rank != 0:
+            return
+        self.stop_timeline()
+        tracer = Tracer(path, mark_cycles=mark_cycles)
+        self.tracer = tracer
+        if self._coordinator is not None:
+            self._coordinator.observer = tracer
+        log.info("timeline: recording to %s", path)
+
+    def stop_timeline(self) -> None:
+        tracer, self.tracer = self.tracer, None
+        if self._coordinator is not None:
+            self._coordinator.observer = None
+        if tracer is not None:
+            tracer.close()
+
+    # -- process sets ----------------------------------------------------------------------------
+    def group(self, set_id: int) -> Group:
+        group = self.groups.get(set_id)
+        if group is None:
+            raise ValueError(f"process set {set_id} is not registered on this rank (it was removed, or never added).")
+        return group
+
+    def _group(self, set_id: int, ranks) -> Group:
+        return Group(set_id, ranks, self.world.rank,
+                     lambda g: gloo_group(self.client, f"{self.prefix}gloo/ps{set_id}/", g.rank, g.size,
+                                          timeout=self.timeout, one_host=self.one_host, iface=gloo_iface(os.environ)),
+                     lambda g: create_nccl(self.client, f"{self.prefix}nccl/ps{set_id}/uid", g.rank, g.size,
+                                           self._cuda_device().index, self.timeout))
+
+    def _on_done(self, kind: str, name: str, value: Any) -> None:
+        """Responses that change process sets (applied in response order)."""
+        if name.startswith("process_set.add.") and isinstance(value, tuple):
+            set_id, ranks = value
+            self.groups[set_id] = self._group(set_id, ranks)
+        elif name.startswith("process_set.remove.") and isinstance(value, int):
+            group = self.groups.pop(value, None)
+            if group is not None:
+                group.close()
+
+    def next_set_name(self, what: str) -> str:
+        self._set_counter += 1
+        return f"process_set.{what}.{self._set_counter}"
+
+    # -- backends --------------------------------------------------------------------------------
+    def _cuda_device(self) -> torch.device:
+        return torch.device("cuda", self.device.cuda_ordinal if self.device is not None else torch.cuda.current_device())
+
+    def _zeros_device(self) -> torch.device:
+        return torch.device("cuda", self.join_device) if self.join_device >= 0 else self._cuda_device()
+
+    def nccl(self):
+        """The NCCL backend of the whole job, created by the first CUDA collective (the same call on
+        every rank, since every rank runs collectives in the same order)."""
+        with self._nccl_lock:
+            if self._nccl is None:
+                self._nccl = create_nccl(self.client, f"{self.prefix}nccl/uid", self.world.rank, self.world.size,
+                                         self._cuda_device().index, self.timeout)
+            return self._nccl
+
+    def _nccl_health(self, set_id: int, abort: bool) -> str | None:
+        """For the watchdog: NCCL's asynchronous error on ``set_id``'s communicators, or abort them."""
+        backends = [g.nccl_if_created() for g in self.groups.values() if g.id == set_id]
+        backends += [s.group.nccl_if_created() for s in self._schedules if s.group.id == set_id]
+        for backend in backends:
+            if backend is None:
+                continue
+            if abort:
+                backend.abort()
+                continue
+            try:
+                backend.check_async_error()
+            except Exception as e:  # noqa: BLE001 - reported as the job's failure
+                return str(e)
+        return None
+
+    # -- shutdown --------------------------------------------------------------------------------
+    def close(self) -> None:
+        controller = self.controller
+        if controller is not None:
+            controller.stop()
+            if self.world.rank == 0:
+                controller.wait_workers_gone(SHUTDOWN_GRACE)
+        else:
+            self.plane.close()
+        for schedule in self._schedules:
+            schedule.close()
+        for group in list(self.groups.values())[1:]:
+            group.close()
+        if self._nccl is not None:
+            self._nccl.close()
+        self.gloo.close()
+        try:
+            self.client.add(f"{self.prefix}shutdown", 1)
+            if self.server is not None:
+                self._wait_for_others_to_leave()
+        except RendezvousError as e:
+            log.debug("shutdown: store already gone: %s", e)
+        if controller is not None:
+            controller.close()
+        self.stop_timeline()
+        self.client.close()
+        if self.server is not None:
+            self.server.close()
+
+    def _wait_for_others_to_leave(self) -> None:
+        deadline = time.monotonic() + SHUTDOWN_GRACE
+        while time.monotonic() < deadline:
+            if self.client.add(f"{self.prefix}shutdown", 0) >= self.world.size:
+                return
+            time.sleep(0.01)
+        log.warning("gpucomm shutdown: not every rank shut down within %.0f s; closing the rendezvous store anyway",
+                    SHUTDOWN_GRACE)
+
+
+__all__ = ["Job", "SHUTDOWN_GRACE"]

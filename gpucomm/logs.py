@@ -1,0 +1,54 @@
+"""gpucomm's log output: a stderr handler whose lines carry the rank, the level chosen by
+``GPUCOMM_LOG_LEVEL`` / ``HOROVOD_LOG_LEVEL`` (``gpucomm-run --log-level``; ``--verbose`` means
+INFO), and the timings of ``init``'s set-up steps."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Mapping
+
+log = logging.getLogger("gpucomm")
+
+LEVELS = {"TRACE": logging.DEBUG, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING,
+          "ERROR": logging.ERROR, "FATAL": logging.CRITICAL}
+
+
+def _rank_handler(rank: int) -> logging.Handler:
+    handler = next((h for h in log.handlers if getattr(h, "_gpucomm", False)), None)
+    if handler is None:
+        handler = logging.StreamHandler()
+        handler._gpucomm = True  # type: ignore[attr-defined]
+        log.addHandler(handler)
+    handler.setFormatter(logging.Formatter(f"gpucomm rank {rank} %(levelname)s %(name)s: %(message)s"))
+    return handler
+
+
+def configure_logging(env: Mapping[str, str], rank: int) -> None:
+    """Apply the log level from ``env``; without one, warnings (stall reports) still reach stderr."""
+    for name in ("GPUCOMM_LOG_LEVEL", "HOROVOD_LOG_LEVEL"):
+        value = env.get(name, "").strip().upper()
+        if not value:
+            continue
+        if value not in LEVELS:
+            raise ValueError(f"{name}={value!r} is not a log level; use one of {', '.join(LEVELS)}")
+        log.setLevel(LEVELS[value])
+        _rank_handler(rank)
+        return
+    if not log.handlers and not logging.getLogger().handlers:
+        _rank_handler(rank).setLevel(logging.WARNING)
+
+
+class SetupSteps:
+    """Times the set-up steps of ``init`` for the log (gpucomm-run --verbose shows them)."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.monotonic()
+
+    def done(self, what: str) -> None:
+        now = time.monotonic()
+        log.info("init: %s in %.3f s (%.3f s since init began)", what, now - self.last, now - self.start)
+        self.last = now
+
+
+__all__ = ["LEVELS", "SetupSteps", "configure_logging", "log"]

@@ -1,0 +1,124 @@
+"""``init``'s steps: meet at the rendezvous store, pin this rank's GPU, wait for every rank to
+arrive, build the job's Gloo group and connect the control plane; the result is a ``Job``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Mapping
+
+from .backends.gloo import gloo_group, gloo_iface
+from .bootstrap import devices
+from .bootstrap.meeting import arrive, cross_placement, open_store
+from .bootstrap.rendezvous import RendezvousClient, RendezvousError, address_towards, interface_ipv4, wait_for_ranks
+from .bootstrap.world import World, detect_world
+from .control.channel import ControlListener, connect as connect_control
+from .control.controller import ControlConfig, ControlLinks
+from .errors import GpucommError
+from .job import SHUTDOWN_GRACE, Job
+from .logs import SetupSteps, configure_logging
+from .process_sets import init_sets
+from .settings import env_seconds
+
+log = logging.getLogger("gpucomm")
+
+DEFAULT_TIMEOUT = 300.0  # seconds a collective may take before it is declared failed
+DEFAULT_START_TIMEOUT = 120.0  # seconds all ranks have to reach init()
+
+
+def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None) -> Job:
+    """Join the job ``env`` describes; ``generation`` keeps a re-init's store keys apart from the last one's."""
+    world = detect_world(env)
+    configure_logging(env, world.rank)
+    steps = SetupSteps()
+    static_sets, dynamic_sets = init_sets(process_sets, world.size, env)
+    control = ControlConfig.from_env(env, env_seconds(env, ("GPUCOMM_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS"),
+                                                      DEFAULT_TIMEOUT))
+    timeout = control.timeout
+    start_timeout = env_seconds(env, ("GPUCOMM_START_TIMEOUT", "HOROVOD_START_TIMEOUT"), DEFAULT_START_TIMEOUT)
+    t0 = time.monotonic()
+    server, client = open_store(world, generation, start_timeout, timeout)
+    steps.done(f"rendezvous store at {client.host}:{client.port} reached (launcher: {world.launcher})")
+    prefix = f"{world.run_id}/g{generation}/"
+    try:
+        record: dict[str, Any] = {"host": world.hostname, "local_rank": world.local_rank, "pid": os.getpid()}
+        single_gpu = devices.single_gpu_test_enabled(env)
+        pinned = _pin_gpu(client, server, prefix, world, record, single_gpu, start_timeout)
+        steps.done(f"device chosen: {pinned or 'CPU'}")
+        records = arrive(client, prefix, world, record, start_timeout)
+        steps.done(f"all {world.size} ranks arrived")
+        gpus = [(r, rec["host"], rec["bus_id"]) for r, rec in enumerate(records) if rec.get("bus_id")]
+        devices.check_unique_assignment(gpus, single_gpu_test=single_gpu)
+        cross_rank, cross_size = cross_placement(world, records)
+        hosts = [rec["host"] for rec in records]
+        one_host = len(set(hosts)) == 1
+        iface = gloo_iface(env)
+        gloo = gloo_group(client, f"{prefix}gloo/", world.rank, world.size, timeout=timeout, one_host=one_host,
+                          iface=iface)
+        steps.done("Gloo group ready")
+        try:
+            links = _connect_control(client, prefix, world, client.secret, one_host, iface, start_timeout)
+            steps.done("control plane connected" if world.size > 1 else "no control plane needed (one rank)")
+        except BaseException:
+            gloo.close()
+            raise
+    except BaseException:
+        client.close()
+        if server is not None:
+            server.close()
+        raise
+    log.info("init: rank %d of %d ready in %.2f s (device %s)", world.rank, world.size, time.monotonic() - t0,
+             pinned or "CPU")
+    return Job(world, client, server, prefix, timeout, gloo, pinned, hosts, cross_rank, cross_size, control,
+               links, static_sets, dynamic_sets)
+
+
+def _pin_gpu(client: RendezvousClient, server, prefix: str, world: World, record: dict, single_gpu: bool,
+             start_timeout: float):
+    """This rank's GPU (or None); a failure is published as this rank's arrival record first, so
+    every rank fails with its message instead of waiting for it."""
+    try:
+        if single_gpu:
+            devices.apply_single_gpu_test_env(world.rank, os.environ)
+        pinned = devices.pin_local_gpu(world.local_rank, world.local_size, single_gpu_test=single_gpu,
+                                       hostname=world.hostname)
+        record["bus_id"] = pinned.gpu.pci_bus_id if pinned else None
+        return pinned
+    except Exception as e:
+        record["error"] = f"{type(e).__name__}: {e}"
+        client.set(f"{prefix}arrive/{world.rank}", json.dumps(record).encode())
+        if server is not None:  # keep serving until the others have read why
+            try:
+                wait_for_ranks(client, f"{prefix}arrive", range(world.size), min(start_timeout, SHUTDOWN_GRACE), "init")
+                time.sleep(0.5)
+            except RendezvousError:
+                pass
+        raise
+
+
+def _connect_control(client: RendezvousClient, prefix: str, world: World, secret: bytes, one_host: bool,
+                     iface: str | None, start_timeout: float) -> ControlLinks:
+    """Connect every rank to rank 0's coordinator (a one-rank job has no control plane)."""
+    if world.size == 1:
+        return ControlLinks()
+    key = f"{prefix}control"
+    if world.rank == 0:
+        listener = ControlListener(secret, "127.0.0.1" if one_host else "0.0.0.0")
+        host = "127.0.0.1" if one_host else (_interface_address(iface) if iface else
+                                             address_towards(world.rendezvous_addr or "8.8.8.8"))
+        client.set(key, json.dumps({"host": host, "port": listener.port}).encode())
+        return ControlLinks(workers=listener.accept(list(range(1, world.size)), start_timeout))
+    where = json.loads(client.get(key, start_timeout))
+    return ControlLinks(to_root=connect_control(where["host"], where["port"], secret, world.rank, start_timeout))
+
+
+def _interface_address(iface: str) -> str:
+    address = interface_ipv4(iface)
+    if address is None:
+        raise GpucommError(f"GPUCOMM_GLOO_IFACE={iface!r} names no interface with an IPv4 address on this host.")
+    return address
+
+
+__all__ = ["DEFAULT_START_TIMEOUT", "DEFAULT_TIMEOUT", "build_job"]

@@ -1,0 +1,225 @@
+"""A DistributedOptimizer's gradient buckets on their fixed schedule.
+
+Each bucket's gradients are packed into its fusion buffer (scaled, and cast for compression, in the
+same pass), and its allreduce is launched on the optimizer's own ``Schedule`` strictly in bucket
+order; ``finish`` waits for them in order and unpacks each buffer into the gradients, applying the
+average in the same pass. No control-plane message is sent: every rank verified the same layout
+when the optimizer was built.
+
+Joined ranks (``hvd.join``): bucket 0 carries one extra element, a *training flag*: 1 from a rank
+that trains this step, 0 from a rank that stands in with zeros. A joined rank runs the schedule
+with zeros and reads the reduced flag of bucket 0: when it is 0, no rank trained, so every rank has
+joined and the stand-in stops (DDP's join reduces the same count, in a collective of its own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..dataplane import fusion
+from ..dataplane.handles import Handle
+from ..dataplane.requests import Request
+from ..dataplane.schedule import Schedule
+from ..kernels.rules import CASTS
+from ..reduce_op import ReduceOp
+from .compression import BF16Compressor, Compression, FP16Compressor, NoneCompressor
+
+
+@dataclass(eq=False)
+class BucketState:
+    """A planned bucket and what happened to it this step."""
+
+    plan: fusion.Bucket
+    params: list[torch.Tensor]
+    wire_dtype: torch.dtype | None  # the fused buffer's dtype; None: a compressor the kernels cannot fuse
+    name: str
+    pending: int = 0  # gradients still to arrive before the bucket is complete
+    handle: Handle | None = None
+    reduced: list[torch.Tensor] = field(default_factory=list)  # the fusion buffer, or the compressed gradients
+    contexts: list[Any] = field(default_factory=list)  # the compressor's contexts (unfused buckets)
+    in_flight: list[torch.Tensor] = field(default_factory=list)  # gradients read by the launch, kept alive
+
+
+def wire_dtype(compression: Any, dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a bucket of ``dtype`` gradients travels in, or None when the compressor is not one
+    the pack kernels can fuse (then gradients are compressed one by one)."""
+    if compression in (None, NoneCompressor, Compression.none):
+        return dtype
+    for builtin in (FP16Compressor, BF16Compressor):
+        if compression is builtin or isinstance(compression, builtin):
+            wire = builtin.wire_dtype
+            if not dtype.is_floating_point or dtype == wire:
+                return dtype
+            return wire if (dtype, wire) in CASTS else None
+    return None
+
+
+class GradientBuckets:
+    """The buckets of one layout, launched in order on ``schedule``.
+
+    ``prescale``/``postscale``: the factors packed in and unpacked out (Horovod's average with a
+    predivide factor); ``tracer()``: the timeline's tracer while one records."""
+
+    def __init__(self, schedule: Schedule, trainable: Sequence[torch.Tensor], plans: Sequence[fusion.Bucket],
+                 compression: Any, prescale: float, postscale: float, set_id: int,
+                 tracer: Callable[[], Any] = lambda: None) -> None:
+        self._schedule = schedule
+        self._compression = compression
+        self._prescale, self._postscale = prescale, postscale
+        self._set_id = set_id
+        self._tracer = tracer
+        self._buffers = fusion.FusionBuffers()
+        self.buckets = [BucketState(plan, [trainable[i] for i in plan.param_indices],
+                                    wire_dtype(compression, plan.dtype), f"DistributedOptimizer.bucket.{plan.index}",
+                                    len(plan.param_indices))
+                        for plan in plans]
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._next = 0
+
+    @property
+    def in_flight(self) -> bool:
+        return any(b.handle is not None for b in self.buckets)
+
+    # -- a training step -----------------------------------------------------------------------
+    def launch_ready(self) -> None:
+        """Launch every complete bucket whose predecessors are launched (hooks call this)."""
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def launch_rest(self) -> None:
+        """Launch the buckets still waiting for gradients (missing ones count as zeros)."""
+        for bucket in self.buckets[self._next:]:
+            self._launch(bucket)
+        self._next = len(self.buckets)
+
+    def _launch(self, bucket: BucketState) -> None:
+        grads = [_gradient_to_send(p) for p in bucket.params]
+        first = bucket.plan.index == 0
+        if bucket.wire_dtype is not None:
+            numel = bucket.plan.numel
+            full = self._buffers.get(bucket.plan.device, bucket.wire_dtype, numel + first, slot=bucket.plan.index)
+            tracer = self._tracer()
+            start = tracer.now_us() if tracer is not None else 0.0
+            with torch.no_grad():
+                fusion.pack_bucket(grads, full[:numel], scale=self._prescale)
+                if first:
+                    full[numel:].fill_(1)  # the training flag
+            if tracer is not None and full.device.type == "cpu":  # GPU copies are timed by CUDA events
+                tracer.span(bucket.name, "MEMCPY_IN_FUSION_BUFFER", start, tracer.now_us())
+            bucket.reduced = [full]
+        else:  # a user compressor: compress each gradient, reduce them as one grouped call
+            for g in grads:
+                c, ctx = self._compression.compress(g.mul(self._prescale) if self._prescale != 1.0 else g)
+                bucket.reduced.append(c.contiguous())
+                bucket.contexts.append(ctx)
+            if first:
+                bucket.reduced.append(torch.ones(1, dtype=bucket.reduced[0].dtype, device=bucket.plan.device))
+        bucket.in_flight = grads
+        bucket.handle = self._schedule.launch(self._request(bucket, bucket.reduced))
+
+    def _request(self, bucket: BucketState, tensors: list[torch.Tensor]) -> Request:
+        return Request("allreduce", bucket.name, tensors, outputs=tensors, op=ReduceOp.SUM, device=bucket.plan.device,
+                       set_id=self._set_id)
+
+    def finish(self) -> None:
+        """Wait for every bucket in order and write the averaged gradients into ``p.grad``."""
+        for bucket in self.buckets:
+            self._finish(bucket)
+
+    def _finish(self, bucket: BucketState) -> None:
+        assert bucket.handle is not None
+        bucket.handle.wait()
+        targets = []
+        for p in bucket.params:
+            if not p.requires_grad:
+                targets.append(None)  # frozen since the layout was agreed: leave its gradient alone
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            elif p.grad.is_sparse:
+                p.grad = p.grad.to_dense()
+            targets.append(p.grad)
+        tracer = self._tracer()
+        start = tracer.now_us() if tracer is not None else 0.0
+        with torch.no_grad():
+            if bucket.wire_dtype is not None:
+                dests = [t if t is not None and t.is_contiguous() else torch.empty(p.shape, dtype=p.dtype,
+                                                                                    device=p.device)
+                         for t, p in zip(targets, bucket.params)]
+                fusion.unpack_bucket(bucket.reduced[0][:bucket.plan.numel], dests, scale=self._postscale)
+                for t, d in zip(targets, dests):
+                    if t is not None and t is not d:
+                        t.copy_(d)
+            else:
+                for t, r, ctx in zip(targets, bucket.reduced, bucket.contexts):
+                    if t is not None:
+                        averaged = self._compression.decompress(r, ctx)
+                        t.copy_(averaged.mul(self._postscale) if self._postscale != 1.0 else averaged)
+        if tracer is not None and bucket.plan.device.type == "cpu":
+            tracer.span(bucket.name, "MEMCPY_OUT_FUSION_BUFFER", start, tracer.now_us())
+
+    def reset(self) -> None:
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)
+            bucket.handle = None
+            bucket.reduced, bucket.contexts, bucket.in_flight = [], [], []
+        self._next = 0
+
+    # -- beyond the steady state ----------------------------------------------------------------
+    def reduce_once(self, params: Sequence[torch.Tensor], name: str) -> None:
+        """Average ``params``' gradients now, on the schedule (every rank calls this at the same point)."""
+        grads = [_gradient_to_send(p) for p in params]
+        device = grads[0].device
+        request = Request("allreduce", name, grads, outputs=grads, op=ReduceOp.SUM, prescale=self._prescale,
+                          postscale=self._postscale, device=device, set_id=self._set_id)
+        self._schedule.launch(request).wait()
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                if p.grad is None:
+                    p.grad = g
+                elif p.grad is not g:
+                    p.grad.copy_(g)
+
+    def stand_in_step(self) -> bool:
+        """One step of zeros on the schedule, for a rank that joined; False when no rank trained in
+        it (every rank has joined), True when the others still train."""
+        handles = []
+        for bucket in self.buckets:
+            tensors = self._zeros(bucket)
+            handle = self._schedule.launch(self._request(bucket, tensors))
+            if bucket.plan.index != 0:
+                handles.append(handle)
+                continue
+            handle.wait()
+            if float(tensors[-1].reshape(-1)[-1]) == 0.0:
+                return False
+        for handle in handles:
+            handle.wait()
+        return True
+
+    def _zeros(self, bucket: BucketState) -> list[torch.Tensor]:
+        device, first = bucket.plan.device, bucket.plan.index == 0
+        if bucket.wire_dtype is not None:
+            return [torch.zeros(bucket.plan.numel + first, dtype=bucket.wire_dtype, device=device)]
+        tensors = [self._compression.compress(torch.zeros(p.shape, dtype=p.dtype, device=device))[0].contiguous()
+                   for p in bucket.params]
+        if first:
+            tensors.append(torch.zeros(1, dtype=tensors[0].dtype, device=device))
+        return tensors
+
+
+def _gradient_to_send(p: torch.Tensor) -> torch.Tensor:
+    """``p``'s gradient as the bucket sends it: zeros when it has none or is frozen (Horovod's rule)."""
+    g = p.grad
+    if g is None or not p.requires_grad:
+        return torch.zeros_like(p, memory_format=torch.contiguous_format)
+    if g.is_sparse:
+        g = g.to_dense()
+    return g if g.is_contiguous() else g.contiguous()
+
+
+__all__ = ["BucketState", "GradientBuckets", "wire_dtype"]
