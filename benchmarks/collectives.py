@@ -49,17 +49,22 @@ then takes tens of seconds), -f 2, -w 5, -n 20, -d float, -o sum, -r 0, -c 1, -z
 ``--quick`` is a tiny sweep for tests (8 B .. 64 KiB by 8x, -w 1 -n 2). Writes ``--json`` (every row,
 every implementation, the environment) and ``--plot`` (busbw against size, one line per implementation,
 one panel per collective), by default under bench-out/. Exits 1 when any result is wrong, as nccl-tests does, and 2 when the
-requested device or implementation is unavailable.
+requested device or implementation is unavailable or a flag is out of range (one line on stderr).
+
+The closing summary averages busbw per table; at 1 rank, where nccl-tests' factor makes busbw 0 for
+every collective but broadcast, it (and the plot) use algbw instead. A table with no rows (every case
+skipped, or no size with an element per rank) reads n/a with the reason, and implementations left out
+of a default run (raw NCCL on CPU, torch.distributed without Gloo/NCCL) are listed as not measured.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
 import re
+import signal
 import socket
 import sys
 import time
@@ -74,6 +79,7 @@ import gpucomm.torch as hvd
 from gpucomm.backends.nccl import nccl_module, version_text
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, also when imported by path
 from torch_group import init_torch_group  # noqa: E402
+from bench_stats import NA as NOT_AVAILABLE, fmt, write_json as write_strict_json  # noqa: E402
 
 COLLECTIVES = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
 REDUCING = frozenset({"allreduce", "reducescatter"})
@@ -569,9 +575,25 @@ class Table:
         return sum(r.errors for r in self.rows)
 
     @property
-    def avg_busbw(self) -> float:
-        bws = [res.busbw for r in self.rows for res in (r.out_of_place, r.in_place) if res is not None]
-        return sum(bws) / len(bws) if bws else 0.0
+    def avg_busbw(self) -> float | None:
+        """nccl-tests' "Avg bus bandwidth" over every timed cell; None when the table has no rows."""
+        return self.average("busbw")
+
+    @property
+    def avg_algbw(self) -> float | None:
+        return self.average("algbw")
+
+    def average(self, metric: str) -> float | None:
+        values = [getattr(res, metric) for r in self.rows for res in (r.out_of_place, r.in_place) if res is not None]
+        values = [v for v in values if math.isfinite(v)]
+        return sum(values) / len(values) if values else None
+
+    @property
+    def empty_reason(self) -> str:
+        """Why the table has no rows (only meaningful when it has none)."""
+        if self.skipped:
+            return "every case skipped: " + "; ".join(self.skipped)
+        return "no size in the sweep leaves an element per rank (raise -b or -e)"
 
 
 def agree(seconds: Sequence[float], wrong: Sequence[float], mode: int) -> tuple[list[float], list[float], int]:
@@ -635,8 +657,39 @@ def table_header() -> list[str]:
 
 
 def table_footer(table: Table) -> list[str]:
+    avg = fmt(table.avg_busbw, "g") if table.rows else f"{NOT_AVAILABLE} (no rows: {table.empty_reason})"
     return [f"# Out of bounds values : {table.errors} {'FAILED' if table.errors else 'OK'}",
-            f"# Avg bus bandwidth    : {table.avg_busbw:g}", "#"]
+            f"# Avg bus bandwidth    : {avg}", "#"]
+
+
+def summary_metric(nranks: int) -> str:
+    """What the summary averages: busbw, except at 1 rank, where nccl-tests' factor makes it 0 for
+    every collective but broadcast, so algbw is the number that says anything."""
+    return "busbw" if nranks > 1 else "algbw"
+
+
+def summary_cell(table: Table, metric: str) -> str:
+    value = table.average(metric) if table.rows else None
+    return f"{table.coll}/{table.impl} {fmt(value, '.3g')}"
+
+
+def summary_lines(tables: Sequence[Table], nranks: int, not_measured: dict[str, str]) -> list[str]:
+    """The closing summary: average bandwidth per table (n/a for an empty one, with the reason on a
+    line of its own), the implementations that were not measured and why, and the out-of-bounds total."""
+    metric = summary_metric(nranks)
+    what = ("avg bus bandwidth (GB/s)" if metric == "busbw" else
+            "avg algorithm bandwidth (GB/s; at 1 rank nccl-tests' busbw is 0 for all but broadcast)")
+    cells = ", ".join(summary_cell(t, metric) for t in tables) or f"{NOT_AVAILABLE} (no tables were run)"
+    lines = [f"# Summary: {what}: {cells}"]
+    empty: dict[str, list[str]] = {}
+    for t in tables:
+        if not t.rows:
+            empty.setdefault(t.empty_reason, []).append(f"{t.coll}/{t.impl}")
+    lines += [f"# No rows for {', '.join(names)}: {reason}" for reason, names in empty.items()]
+    lines += [f"# Not measured: {name}: {reason}" for name, reason in not_measured.items()]
+    failed = sum(t.errors for t in tables)
+    lines.append(f"# Out of bounds values (all tables) : {failed} {'FAILED' if failed else 'OK'}")
+    return lines
 
 
 def say(*lines: str) -> None:
@@ -658,8 +711,9 @@ def cases_for(coll: str, impl: Impl, args: argparse.Namespace, device: torch.dev
                 yield Case(coll, impl, dtype_name, op, root, device)
 
 
-def run_table(coll: str, impl: Impl, sizes: Sequence[int], args: argparse.Namespace, device: torch.device) -> Table:
-    table = Table(coll, impl.name, impl.label)
+def run_table(table: Table, impl: Impl, sizes: Sequence[int], args: argparse.Namespace, device: torch.device) -> None:
+    """Fill ``table`` row by row (so an interrupted sweep keeps the rows it measured)."""
+    coll = table.coll
     say(f"# Collective {coll}, implementation {impl.name}: {impl.label}, {impl.api(coll)}; "
         f"device {device_text(device)}, {hvd.size()} ranks", *table_header())
     for case in cases_for(coll, impl, args, device):
@@ -675,7 +729,27 @@ def run_table(coll: str, impl: Impl, sizes: Sequence[int], args: argparse.Namesp
                 table.rows.append(row)
                 say(format_row(row))
     say(*table_footer(table))
-    return table
+
+
+def _stop(signum: int, _frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def run_sweep(tables: list[Table], impls: Sequence[Impl], sizes: Sequence[int], args: argparse.Namespace,
+              device: torch.device) -> bool:
+    """Every table, appended to ``tables`` before its rows fill in; False when SIGINT or SIGTERM (the
+    launcher stopping the job: Ctrl-C, or another rank failing) cut the sweep short."""
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        for coll in args.collectives:
+            for impl in impls:
+                tables.append(Table(coll, impl.name, impl.label))
+                run_table(tables[-1], impl, sizes, args, device)
+    except KeyboardInterrupt:
+        return False
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return True
 
 
 def device_text(device: torch.device) -> str:
@@ -748,15 +822,16 @@ def preamble(args: argparse.Namespace, devices: list[dict[str, Any]]) -> list[st
 
 def write_json(path: str, tables: Sequence[Table], env: dict[str, Any], args: argparse.Namespace) -> None:
     """Every row of every table as one flat ``results`` list (times in us, bandwidths in GB/s of 1e9 B),
-    plus one summary per table and the environment."""
+    plus one summary per table and the environment. Strict JSON: a bandwidth that is not finite is null;
+    an empty table has null averages and says why in ``empty_reason``."""
     doc = {"benchmark": "collectives", "units": {"time_us": "us", "algbw": "GB/s", "busbw": "GB/s"},
            "env": env, "args": vars(args),
            "results": [r.as_json(t.coll, t.impl) for t in tables for r in t.rows],
            "tables": [{"collective": t.coll, "impl": t.impl, "label": t.label, "rows": len(t.rows),
-                       "skipped": t.skipped, "out_of_bounds": t.errors, "avg_busbw": t.avg_busbw} for t in tables]}
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=2)
+                       "skipped": t.skipped, "out_of_bounds": t.errors, "avg_busbw": t.avg_busbw,
+                       "avg_algbw": t.avg_algbw, "empty_reason": None if t.rows else t.empty_reason}
+                      for t in tables]}
+    write_strict_json(path, doc)
 
 
 def _size_label(nbytes: float, _pos=None) -> str:
@@ -766,9 +841,13 @@ def _size_label(nbytes: float, _pos=None) -> str:
     return f"{nbytes:g}"
 
 
-def write_plot(path: str, tables: Sequence[Table], title: str) -> bool:
-    """busbw against size, one panel per collective, one line per implementation (in-place dashed).
-    Returns False, after saying why, when matplotlib is missing."""
+def write_plot(path: str, tables: Sequence[Table], title: str, metric: str = "busbw") -> bool:
+    """``metric`` (busbw, or algbw at 1 rank) against size, one panel per collective, one line per
+    implementation (in-place dashed). Returns False, after saying why, when matplotlib is missing or
+    no table has a row to draw."""
+    if not any(t.rows for t in tables):
+        print(f"# plot skipped: no table has a row to draw, so {path} was not written", flush=True)
+        return False
     try:
         import matplotlib  # noqa: PLC0415 - optional: only the plot needs it
 
@@ -786,14 +865,17 @@ def write_plot(path: str, tables: Sequence[Table], title: str) -> bool:
     colors = {name: f"C{i}" for i, name in enumerate(IMPLS)}
     for ax, coll in zip(axes.flat, colls):
         for t in (t for t in tables if t.coll == coll):
-            _plot_table(ax, t, colors.get(t.impl, "k"))
+            _plot_table(ax, t, colors.get(t.impl, "k"), metric)
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(FuncFormatter(_size_label))
         ax.set_title(coll)
         ax.set_xlabel("size (B)")
-        ax.set_ylabel("busbw (GB/s)")
+        ax.set_ylabel(f"{metric} (GB/s)")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="small")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
+        else:
+            ax.text(0.5, 0.5, "no rows", ha="center", va="center", transform=ax.transAxes)
     for ax in list(axes.flat)[len(colls):]:
         ax.set_visible(False)
     fig.suptitle(title)
@@ -804,13 +886,14 @@ def write_plot(path: str, tables: Sequence[Table], title: str) -> bool:
     return True
 
 
-def _plot_table(ax, table: Table, color: str) -> None:
+def _plot_table(ax, table: Table, color: str, metric: str) -> None:
     series = list(dict.fromkeys((r.type, r.redop, r.root) for r in table.rows))
     for key in series:
         rows = [r for r in table.rows if (r.type, r.redop, r.root) == key]
         tag = "" if len(series) == 1 else " " + " ".join(str(k) for k in key if k not in ("none", -1))
         for place, style in (("out_of_place", "-o"), ("in_place", "--")):
-            pts = [(r.size, getattr(r, place).busbw) for r in rows if getattr(r, place) is not None]
+            pts = [(r.size, getattr(getattr(r, place), metric)) for r in rows
+                   if getattr(r, place) is not None and math.isfinite(getattr(getattr(r, place), metric))]
             if pts:
                 suffix = "" if place == "out_of_place" else " in-place"
                 ax.plot(*zip(*pts), style, color=color, markersize=3, label=f"{table.impl}{tag}{suffix}")
@@ -847,6 +930,10 @@ def _ops(text: str) -> list[str]:
     if text not in OPS:
         raise argparse.ArgumentTypeError(f"unknown op {text!r}; choose from {', '.join(OPS)}, all")
     return [text]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -930,6 +1017,14 @@ def unavailable(name: str, device: str) -> str | None:
     return None
 
 
+def not_measured(names: Sequence[str] | None, device: str) -> dict[str, str]:
+    """The implementations left out of a default run (no --impls), each with the reason."""
+    if names is not None:
+        return {}
+    reasons = {n: unavailable(n, device) for n in IMPLS}
+    return {n: r for n, r in reasons.items() if r}
+
+
 def make_impls(names: Sequence[str] | None, device: torch.device) -> list[Impl]:
     """Build the implementations in a fixed order (each builds collectively: every rank, same order)."""
     chosen = [n for n in IMPLS if (names is None and unavailable(n, device.type) is None) or (names and n in names)]
@@ -945,7 +1040,7 @@ def make_impls(names: Sequence[str] | None, device: torch.device) -> list[Impl]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         validate(args)
     except UsageError as e:
@@ -967,23 +1062,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     impls = make_impls(args.impls, device)
     sizes = sweep(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)
     say("# gpucomm collectives benchmark (nccl-tests tables)", *preamble(args, devices))
-    tables = [run_table(coll, impl, sizes, args, device) for coll in args.collectives for impl in impls]
+    tables: list[Table] = []
+    finished = run_sweep(tables, impls, sizes, args, device)
     env = environment(device, impls, devices)
+    env["not_measured"] = not_measured(args.impls, device.type)
+    env["interrupted"] = not finished
+    if not finished:
+        return report_interrupted(tables, env, args)
     for impl in reversed(impls):
         impl.close()
-    failed = sum(t.errors for t in tables)
     if hvd.rank() == 0:
-        summary = ", ".join(f"{t.coll}/{t.impl} {t.avg_busbw:.3g}" for t in tables)
-        print(f"# Summary: avg bus bandwidth (GB/s): {summary}", flush=True)
-        print(f"# Out of bounds values (all tables) : {failed} {'FAILED' if failed else 'OK'}", flush=True)
-        if args.json:
-            write_json(args.json, tables, env, args)
-            print(f"# wrote {args.json}", flush=True)
-        if args.plot and write_plot(args.plot, tables, f"bus bandwidth, {hvd.size()} ranks, {env['device_name']}"):
-            print(f"# wrote {args.plot}", flush=True)
+        report(tables, env, args)
     hvd.barrier()  # a failing exit status on another rank would make the launcher stop rank 0 mid-write
     hvd.shutdown()
-    return 1 if failed else 0
+    return 1 if sum(t.errors for t in tables) else 0
+
+
+def report(tables: Sequence[Table], env: dict[str, Any], args: argparse.Namespace) -> None:
+    """Rank 0's summary, JSON and plot."""
+    say(*summary_lines(tables, hvd.size(), env["not_measured"]))
+    if env["interrupted"]:
+        say("# Interrupted: the sweep was stopped; the tables above hold the rows measured before that")
+    if args.json:
+        write_json(args.json, tables, env, args)
+        print(f"# wrote {args.json}", flush=True)
+    metric = summary_metric(hvd.size())
+    title = f"{'bus' if metric == 'busbw' else 'algorithm'} bandwidth, {hvd.size()} ranks, {env['device_name']}"
+    if args.plot and write_plot(args.plot, tables, title, metric):
+        print(f"# wrote {args.plot}", flush=True)
+
+
+def report_interrupted(tables: Sequence[Table], env: dict[str, Any], args: argparse.Namespace) -> int:
+    """After SIGINT/SIGTERM: rank 0 reports what it has, then every rank leaves at once (status 130).
+    No collective can run any more (the other ranks are stopping too), so gpucomm's shutdown, which
+    talks to them, is skipped."""
+    if hvd.rank() == 0:
+        report(tables, env, args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ generation. Requests submitted without a wait leave at most ``GPUCOMM_CYCLE_TIME
 first of them, so the rounds follow the time it takes to submit the burst ("submit ms").
 
 **Mismatch**: rank r allreduces shape [r + 1]; time from the call to the ``RuntimeError`` on each
-rank (caught, the job goes on). ``--mismatch-exit`` instead launches ``benchmarks/mismatch_exit.py``
+rank (caught, the job goes on); not measured at 1 rank (one rank cannot disagree with itself).
+``--mismatch-exit`` instead launches ``benchmarks/mismatch_exit.py`` (at least 2 ranks, ``--np``)
 (which does not catch it) under gpucomm-run and measures, by wall clock (``time.time()``), launch to
 every rank's process ending, and the mismatched call to each rank's process ending (rank processes
 are watched with psutil), and checks that every rank reported the error and ended within
@@ -41,29 +42,31 @@ are watched with psutil), and checks that every rank reported the error and ende
 call to the last rank's final atexit hook (error raised, traceback printed, gpucomm shut down); the
 rest of "call->rank exit" is the interpreter's own teardown (torch's modules, about 0.4 s here).
 
-Rank 0 prints tables and writes JSON (``--json``).
+Rank 0 prints tables and writes JSON (``--json``). ``--quick`` is a smoke run (1 round of 20 ops per
+variant, bursts of 10, one mismatch; ``--mismatch-exit``: one launch). Figures that could not be
+measured read n/a in the table and null in the JSON. Counts out of range exit 2 with one line. In
+``--mismatch-exit`` mode Ctrl-C stops the launch under way, prints what finished and exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, also when loaded by path
 from cpu_allreduce import raw_gloo_group  # noqa: E402
+from bench_stats import fmt, median, percentile, ratio, scaled, write_json  # noqa: E402
 
 import gpucomm  # noqa: E402
 import gpucomm.runtime  # noqa: E402
@@ -84,43 +87,49 @@ VARIANTS = {
     "raw_gloo_4097": ("default", None),
 }
 BURSTS = ("inline_1", "dataplane_5000", "inline_off_1")
+# counts: the full run, and --quick (a smoke run of a few seconds)
+FULL = {"rounds": 5, "iters": 400, "warmup": 50, "burst_ops": 100, "burst_repeats": 5, "mismatch_repeats": 3,
+        "exit_repeats": 3}
+QUICK = {"rounds": 1, "iters": 20, "warmup": 2, "burst_ops": 10, "burst_repeats": 1, "mismatch_repeats": 1,
+         "exit_repeats": 1}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.splitlines()[2:]))
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default %(default)s)")
-    ap.add_argument("--iters", type=int, default=400, help="ops per variant and round (default %(default)s)")
-    ap.add_argument("--warmup", type=int, default=50,
-                    help="untimed ops per variant and generation (default %(default)s)")
-    ap.add_argument("--burst-ops", type=int, default=100, help="async ops per burst (default %(default)s)")
-    ap.add_argument("--burst-repeats", type=int, default=5,
-                    help="cached bursts per kind and round, after the uncached one (default %(default)s)")
-    ap.add_argument("--mismatch-repeats", type=int, default=3, help="mismatches per round (default %(default)s)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
+    ap.add_argument("--rounds", type=int, help=f"interleaved rounds (default {FULL['rounds']})")
+    ap.add_argument("--iters", type=int, help=f"ops per variant and round (default {FULL['iters']})")
+    ap.add_argument("--warmup", type=int, help=f"untimed ops per variant and generation (default {FULL['warmup']})")
+    ap.add_argument("--burst-ops", type=int, help=f"async ops per burst (default {FULL['burst_ops']})")
+    ap.add_argument("--burst-repeats", type=int,
+                    help=f"cached bursts per kind and round, after the uncached one (default {FULL['burst_repeats']})")
+    ap.add_argument("--mismatch-repeats", type=int, help=f"mismatches per round (default {FULL['mismatch_repeats']})")
     ap.add_argument("--json", default="control_plane.json", metavar="PATH", help="results (default %(default)s)")
     ap.add_argument("--mismatch-exit", action="store_true",
                     help="instead: launch benchmarks/mismatch_exit.py under gpucomm-run and time the exit "
                          "(run this mode with plain python, not under a launcher)")
     ap.add_argument("--np", type=int, default=2, help="--mismatch-exit: ranks (default %(default)s)")
-    ap.add_argument("--exit-repeats", type=int, default=3, help="--mismatch-exit: launches (default %(default)s)")
+    ap.add_argument("--exit-repeats", type=int, help=f"--mismatch-exit: launches (default {FULL['exit_repeats']})")
     ap.add_argument("--exit-limit", type=float, default=2.0, metavar="S",
                     help="--mismatch-exit: every rank must be gone this soon after the mismatched call, else the "
                          "run fails (default %(default)s)")
     ap.add_argument("--launch-timeout", type=float, default=60.0, metavar="S",
                     help="--mismatch-exit: a launch that runs longer is killed and reported as a hang")
     args = ap.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if min(args.rounds, args.iters, args.burst_ops, args.np, args.exit_repeats) < 1 or \
             min(args.warmup, args.burst_repeats, args.mismatch_repeats) < 0:
         ap.error("counts must be positive (--warmup, --burst-repeats, --mismatch-repeats: not negative)")
+    if args.mismatch_exit and args.np < 2:
+        ap.error(f"--mismatch-exit --np {args.np}: a shape mismatch needs at least 2 ranks; give --np 2 or more")
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         ap.error(f"--json {args.json}: its folder does not exist")
     return args
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile of an already sorted list (q in 0..1), as cpu_allreduce.py picks p10/p90."""
-    return sorted_values[min(len(sorted_values) - 1, int(len(sorted_values) * q))]
 
 
 # ---------------------------------------------------------------------------------------------- in-job
@@ -138,22 +147,39 @@ class Local:
     mismatch_errors: list[str] = dataclasses.field(default_factory=list)
 
 
-def controller():
-    return gpucomm.runtime.current().controller
+def frames_sent() -> int | None:
+    """Request frames this rank has sent to the coordinator; None in a 1-rank job, which gpucomm runs
+    with no control plane."""
+    controller = gpucomm.runtime.current().controller
+    return None if controller is None else controller.frames_sent
 
 
-def run_block(fn: Callable[[], Any], n: int) -> tuple[float, list[float], int]:
+def frames_since(before: int | None) -> int | None:
+    after = frames_sent()
+    return None if before is None or after is None else after - before
+
+
+def control_config() -> dict[str, Any]:
+    """The settings this generation runs with (None where this gpucomm does not say)."""
+    job = gpucomm.runtime.current()
+    config = job.controller.config if job.controller is not None else getattr(job, "control", None)
+    if config is None:
+        return {"inline_bytes": None, "cycle_time_ms": None}
+    return {"inline_bytes": config.inline_bytes, "cycle_time_ms": config.cycle_time * 1e3}
+
+
+def run_block(fn: Callable[[], Any], n: int) -> tuple[float, list[float], int | None]:
     """``n`` calls of ``fn``: (block seconds, seconds of each call, request frames sent meanwhile)."""
     per = [0.0] * n
     clock = time.perf_counter
-    frames = controller().frames_sent
+    frames = frames_sent()
     start = clock()
     for i in range(n):
         t0 = clock()
         fn()
         per[i] = clock() - t0
     total = clock() - start
-    return total, per, controller().frames_sent - frames
+    return total, per, frames_since(frames)
 
 
 def latency_variants(generation: str, pg, opts) -> dict[str, Callable[[], Any]]:
@@ -174,17 +200,17 @@ def latency_variants(generation: str, pg, opts) -> dict[str, Callable[[], Any]]:
     }
 
 
-def burst(prefix: str, numel: int, n: int) -> tuple[int, float, float]:
+def burst(prefix: str, numel: int, n: int) -> tuple[int | None, float, float]:
     """One burst of ``n`` async allreduces (Horovod's default op, Average): (frames sent, seconds to
     submit them all, seconds until all are synchronized)."""
     hvd.barrier()  # start together; the barrier's own frame is counted before the burst
-    frames = controller().frames_sent
+    frames = frames_sent()
     t0 = time.perf_counter()
     handles = [hvd.allreduce_async(torch.ones(numel) * i, name=f"{prefix}.{i}") for i in range(n)]
     submitted = time.perf_counter() - t0
     outs = [hvd.synchronize(h) for h in handles]
     seconds = time.perf_counter() - t0
-    sent = controller().frames_sent - frames
+    sent = frames_since(frames)
     wrong = [i for i, o in enumerate(outs) if not torch.all(o == i)]
     if wrong:
         raise AssertionError(f"burst {prefix}: wrong averages for ops {wrong[:5]}")
@@ -207,7 +233,7 @@ def generation(name: str, rnd: int, args: argparse.Namespace, pg, opts, local: L
     """One gpucomm generation of one round: init with its inline setting, measure, shut down."""
     os.environ[INLINE_ENV] = "0" if name == "inline_off" else str(args.default_inline)
     hvd.init()
-    config = controller().config
+    config = control_config()
     variants = latency_variants(name, pg, opts)
     for fn in variants.values():  # warm-up: caches filled, Gloo pairs connected
         for _ in range(args.warmup):
@@ -219,7 +245,8 @@ def generation(name: str, rnd: int, args: argparse.Namespace, pg, opts, local: L
         total, per, frames = run_block(variants[v], args.iters)
         local.blocks.setdefault(v, []).append(total)
         local.ops.setdefault(v, []).extend(per)
-        local.frames.setdefault(v, []).append(frames)
+        if frames is not None:
+            local.frames.setdefault(v, []).append(frames)
     kinds = [("inline_off_1", "burst", 1)] if name == "inline_off" else \
         [("inline_1", "burst", 1), ("dataplane_5000", f"burst{BURST_DATAPLANE_NUMEL}", BURST_DATAPLANE_NUMEL)]
     for kind, prefix, numel in kinds:
@@ -227,89 +254,127 @@ def generation(name: str, rnd: int, args: argparse.Namespace, pg, opts, local: L
             frames, submitted, seconds = burst(prefix, numel, args.burst_ops)
             local.bursts.setdefault(kind, []).append({"cached": rep > 0, "frames": frames, "submit_s": submitted,
                                                       "seconds": seconds})
-    if name == "default":
+    if name == "default" and hvd.size() > 1:
         for _ in range(args.mismatch_repeats):
             seconds, text = mismatch_once()
             local.mismatch.append(seconds)
             local.mismatch_errors.append(text)
         hvd.barrier()
     hvd.shutdown()
-    return {"inline_bytes": config.inline_bytes, "cycle_time_ms": config.cycle_time * 1e3}
+    return config
 
 
 def summarize(every: list[Local], args: argparse.Namespace) -> dict[str, Any]:
-    """Job-level numbers from every rank's measurements (the slowest rank, op by op and block by block)."""
-    latency: dict[str, dict[str, Any]] = {}
-    for v in VARIANTS:
-        blocks = [max(r.blocks[v][b] for r in every) / args.iters for b in range(len(every[0].blocks[v]))]
-        ops = sorted(max(r.ops[v][i] for r in every) for i in range(len(every[0].ops[v])))
-        frames = [max(r.frames[v][b] for r in every) / args.iters for b in range(len(every[0].frames[v]))]
-        latency[v] = {
-            "generation": VARIANTS[v][0], "blocks": len(blocks), "ops": len(ops),
-            "loop_avg_us": statistics.median(blocks) * 1e6, "loop_avg_blocks_us": [b * 1e6 for b in blocks],
-            "median_us": statistics.median(ops) * 1e6, "p10_us": percentile(ops, 0.1) * 1e6,
-            "p90_us": percentile(ops, 0.9) * 1e6, "control_rounds_per_op": statistics.median(frames),
-        }
+    """Job-level numbers from every rank's measurements (the slowest rank, op by op and block by block);
+    a figure with no measurements behind it is None."""
+    latency = {v: latency_summary(every, v, args.iters) for v in VARIANTS}
     ratios = {}
     for v, (_, ref) in VARIANTS.items():
         if ref is not None:
-            ratios[v] = {"vs": ref, "loop_avg": latency[v]["loop_avg_us"] / latency[ref]["loop_avg_us"],
-                         "median": latency[v]["median_us"] / latency[ref]["median_us"]}
-    bursts = {}
-    for kind in BURSTS:
-        runs = [[r.bursts[kind][i] for r in every] for i in range(len(every[0].bursts[kind]))]
-        rows = [{"cached": rs[0]["cached"], "frames": max(x["frames"] for x in rs),
-                 "submit_s": max(x["submit_s"] for x in rs), "seconds": max(x["seconds"] for x in rs)}
-                for rs in runs]
-        out = {}
-        for label, cached in (("uncached", False), ("cached", True)):
-            sel = [x for x in rows if x["cached"] == cached]
-            if sel:
-                out[label] = {"bursts": len(sel), "rounds_median": statistics.median(x["frames"] for x in sel),
-                              "rounds_max": max(x["frames"] for x in sel), "rounds_all": [x["frames"] for x in sel],
-                              "ms_median": statistics.median(x["seconds"] for x in sel) * 1e3,
-                              "submit_ms_median": statistics.median(x["submit_s"] for x in sel) * 1e3,
-                              "submit_ms_all": [x["submit_s"] * 1e3 for x in sel]}
-        bursts[kind] = out
-    per_rank = [{"rank": i, "median_ms": statistics.median(r.mismatch) * 1e3, "max_ms": max(r.mismatch) * 1e3}
+            ratios[v] = {"vs": ref, "loop_avg": ratio(latency[v]["loop_avg_us"], latency[ref]["loop_avg_us"]),
+                         "median": ratio(latency[v]["median_us"], latency[ref]["median_us"])}
+    bursts = {kind: burst_summary(every, kind) for kind in BURSTS}
+    notes = []
+    if all(not r.frames for r in every):
+        notes.append("control rounds n/a: a 1-rank job has no control plane (gpucomm runs its collectives inline)")
+    return {"latency": latency, "ratios": ratios, "bursts": bursts, "mismatch": mismatch_summary(every, args),
+            "notes": notes}
+
+
+def slowest(every: list[Local], series: Callable[[Local], list[float]]) -> list[float]:
+    """Element-wise maximum over ranks of one series (each rank measured the same count)."""
+    n = min(len(series(r)) for r in every)
+    return [max(series(r)[i] for r in every) for i in range(n)]
+
+
+def latency_summary(every: list[Local], v: str, iters: int) -> dict[str, Any]:
+    blocks = [b / iters for b in slowest(every, lambda r: r.blocks.get(v, []))]
+    ops = sorted(slowest(every, lambda r: r.ops.get(v, [])))
+    frames = [f / iters for f in slowest(every, lambda r: r.frames.get(v, []))]
+    return {"generation": VARIANTS[v][0], "blocks": len(blocks), "ops": len(ops),
+            "loop_avg_us": scaled(median(blocks), 1e6), "loop_avg_blocks_us": [b * 1e6 for b in blocks],
+            "median_us": scaled(median(ops), 1e6), "p10_us": scaled(percentile(ops, 0.1), 1e6),
+            "p90_us": scaled(percentile(ops, 0.9), 1e6), "control_rounds_per_op": median(frames)}
+
+
+def burst_summary(every: list[Local], kind: str) -> dict[str, Any]:
+    """Uncached and cached bursts of one kind, each run's figures the slowest rank's."""
+    n = min(len(r.bursts.get(kind, [])) for r in every)
+    runs = [[r.bursts[kind][i] for r in every] for i in range(n)]
+    rows = [{"cached": rs[0]["cached"], "frames": max_or_none(x["frames"] for x in rs),
+             "submit_s": max(x["submit_s"] for x in rs), "seconds": max(x["seconds"] for x in rs)} for rs in runs]
+    out = {}
+    for label, cached in (("uncached", False), ("cached", True)):
+        sel = [x for x in rows if x["cached"] == cached]
+        counted = [x["frames"] for x in sel if x["frames"] is not None]
+        if sel:
+            out[label] = {"bursts": len(sel), "rounds_median": median(counted),
+                          "rounds_max": max(counted, default=None), "rounds_all": [x["frames"] for x in sel],
+                          "ms_median": scaled(median(x["seconds"] for x in sel), 1e3),
+                          "submit_ms_median": scaled(median(x["submit_s"] for x in sel), 1e3),
+                          "submit_ms_all": [x["submit_s"] * 1e3 for x in sel]}
+    return out
+
+
+def max_or_none(values: Iterable[int | None]) -> int | None:
+    """The largest value, or None when any is None (not counted on some rank)."""
+    values = list(values)
+    return None if None in values else max(values)
+
+
+def mismatch_summary(every: list[Local], args: argparse.Namespace) -> dict[str, Any]:
+    per_rank = [{"rank": i, "median_ms": scaled(median(r.mismatch), 1e3), "max_ms": max(r.mismatch) * 1e3}
                 for i, r in enumerate(every) if r.mismatch]
-    mismatch = {"repeats": len(every[0].mismatch), "per_rank": per_rank,
-                "error": every[0].mismatch_errors[0] if every[0].mismatch_errors else None,
-                "all_errors_name_shapes": all("shape" in e.lower() for r in every for e in r.mismatch_errors)}
-    return {"latency": latency, "ratios": ratios, "bursts": bursts, "mismatch": mismatch}
+    not_measured = None
+    if len(every) < 2:
+        not_measured = "a shape mismatch needs at least 2 ranks"
+    elif args.mismatch_repeats == 0:
+        not_measured = "--mismatch-repeats 0"
+    return {"repeats": len(every[0].mismatch), "per_rank": per_rank, "not_measured": not_measured,
+            "error": every[0].mismatch_errors[0] if every[0].mismatch_errors else None,
+            "all_errors_name_shapes": all("shape" in e.lower() for r in every for e in r.mismatch_errors)}
 
 
 def table(result: dict[str, Any]) -> list[str]:
     a = result["args"]
+    gen = result["generations"]
     lines = [f"# control plane on {result['ranks']} CPU ranks: {a['rounds']} interleaved rounds x {a['iters']} ops per "
-             f"variant; inline limit {result['generations']['default']['inline_bytes']} B (the named_dataplane "
-             f"generation: {result['generations']['inline_off']['inline_bytes']} B); cycle time "
-             f"{result['generations']['default']['cycle_time_ms']:g} ms; load average (1 min) "
+             f"variant; inline limit {fmt(gen['default']['inline_bytes'])} B (the named_dataplane "
+             f"generation: {fmt(gen['inline_off']['inline_bytes'])} B); cycle time "
+             f"{fmt(gen['default']['cycle_time_ms'], 'g')} ms; load average (1 min) "
              f"{result['loadavg_1min']['before']:.2f} before, {result['loadavg_1min']['after']:.2f} after",
              "# latency of one allreduce of 1 x float32 (4097 for *_4097), slowest rank; loop avg = block time / ops",
              f"{'variant':>16} {'loop avg us':>11} {'median us':>10} {'p10':>8} {'p90':>8} {'rounds/op':>9} "
              f"{'vs':>14} {'ratio avg':>9} {'ratio med':>9}"]
     for v, s in result["latency"].items():
         r = result["ratios"].get(v)
-        tail = f"{r['vs']:>14} {r['loop_avg']:9.2f} {r['median']:9.2f}" if r else f"{'':>14} {'':>9} {'':>9}"
-        lines.append(f"{v:>16} {s['loop_avg_us']:11.1f} {s['median_us']:10.1f} {s['p10_us']:8.1f} {s['p90_us']:8.1f} "
-                     f"{s['control_rounds_per_op']:9.3f} {tail}")
+        tail = (f"{r['vs']:>14} {fmt(r['loop_avg'], '.2f'):>9} {fmt(r['median'], '.2f'):>9}" if r
+                else f"{'':>14} {'':>9} {'':>9}")
+        lines.append(f"{v:>16} {fmt(s['loop_avg_us'], '.1f'):>11} {fmt(s['median_us'], '.1f'):>10} "
+                     f"{fmt(s['p10_us'], '.1f'):>8} {fmt(s['p90_us'], '.1f'):>8} "
+                     f"{fmt(s['control_rounds_per_op'], '.3f'):>9} {tail}")
     lines.append(f"# burst of {a['burst_ops']} async allreduces then synchronize: control rounds (request frames, "
                  "max over ranks)")
     lines.append(f"{'burst':>16} {'uncached':>9} {'cached med':>10} {'cached max':>10} {'uncached ms':>11} "
                  f"{'cached ms':>9} {'submit ms':>9}")
     for kind, b in result["bursts"].items():
-        u, c = b.get("uncached", {}), b.get("cached")
-        lines.append(f"{kind:>16} {u.get('rounds_median', float('nan')):9g} "
-                     f"{c['rounds_median'] if c else float('nan'):10g} {c['rounds_max'] if c else float('nan'):10g} "
-                     f"{u.get('ms_median', float('nan')):11.2f} {c['ms_median'] if c else float('nan'):9.2f} "
-                     f"{c['submit_ms_median'] if c else float('nan'):9.2f}")
-    m = result["mismatch"]
-    if m["per_rank"]:
-        per = ", ".join(f"rank {p['rank']} {p['median_ms']:.2f} ms (max {p['max_ms']:.2f})" for p in m["per_rank"])
-        lines.append(f"# mismatched shapes ([r + 1] on rank r), call to RuntimeError, median of {m['repeats']}: {per}")
-        lines.append(f"#   error: {m['error']}")
+        u, c = b.get("uncached", {}), b.get("cached", {})
+        lines.append(f"{kind:>16} {fmt(u.get('rounds_median'), 'g'):>9} {fmt(c.get('rounds_median'), 'g'):>10} "
+                     f"{fmt(c.get('rounds_max'), 'g'):>10} {fmt(u.get('ms_median'), '.2f'):>11} "
+                     f"{fmt(c.get('ms_median'), '.2f'):>9} {fmt(c.get('submit_ms_median'), '.2f'):>9}")
+    lines += mismatch_lines(result["mismatch"])
+    lines += [f"# note: {n}" for n in result.get("notes", [])]
     return lines
+
+
+def mismatch_lines(m: dict[str, Any]) -> list[str]:
+    if m.get("not_measured"):
+        return [f"# mismatched shapes: not measured ({m['not_measured']})"]
+    if not m["per_rank"]:
+        return ["# mismatched shapes: n/a (no rank recorded a mismatch)"]
+    per = ", ".join(f"rank {p['rank']} {fmt(p['median_ms'], '.2f')} ms (max {p['max_ms']:.2f})" for p in m["per_rank"])
+    return [f"# mismatched shapes ([r + 1] on rank r), call to RuntimeError, median of {m['repeats']}: {per}",
+            f"#   error: {m['error']}"]
 
 
 def in_job(args: argparse.Namespace) -> None:
@@ -335,8 +400,7 @@ def in_job(args: argparse.Namespace) -> None:
                   "generations": generations, "args": {k: v for k, v in vars(args).items() if k != "default_inline"},
                   **summarize(every, args)}
         print("\n".join(table(result)))
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
         print(f"wrote {args.json}")
     hvd.barrier()
     del pg, store
@@ -385,6 +449,22 @@ def _watch_ranks(launcher: subprocess.Popen, script: str, deadline: float) -> di
     return gone
 
 
+def stop_group(proc: subprocess.Popen, grace: float = 15.0) -> None:
+    """SIGTERM ``proc``'s process group (a launcher then stops its ranks, which run in sessions of their
+    own, so a SIGKILL of the group alone would orphan them), and SIGKILL it after ``grace`` s."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    proc.wait()
+
+
 def launch_mismatch(np_: int, timeout: float) -> dict[str, Any]:
     """One gpucomm-run of mismatch_exit.py; wall-clock times of the call and of every exit."""
     script = os.path.join(ROOT, "benchmarks", "mismatch_exit.py")
@@ -396,10 +476,14 @@ def launch_mismatch(np_: int, timeout: float) -> dict[str, Any]:
                             start_new_session=True)
     reader = threading.Thread(target=lambda: out.update(zip(("stdout", "stderr"), proc.communicate())), daemon=True)
     reader.start()
-    gone = _watch_ranks(proc, "mismatch_exit.py", time.monotonic() + timeout)
+    try:
+        gone = _watch_ranks(proc, "mismatch_exit.py", time.monotonic() + timeout)
+    except KeyboardInterrupt:  # the job runs in its own session: Ctrl-C did not reach it
+        stop_group(proc)
+        raise
     hung = proc.poll() is None
     if hung:
-        os.killpg(proc.pid, signal.SIGKILL)
+        stop_group(proc)
     proc.wait()
     t_end = time.time()
     reader.join(10)
@@ -428,41 +512,66 @@ def mismatch_exit(args: argparse.Namespace) -> None:
     if os.environ.get("GPUCOMM_RANK") or os.environ.get("RANK"):
         raise SystemExit("--mismatch-exit launches its own gpucomm-run job: run it with plain python, not under "
                          "a launcher")
-    runs = [launch_mismatch(args.np, args.launch_timeout) for _ in range(args.exit_repeats)]
+    runs: list[dict[str, Any]] = []
+    interrupted = False
+    try:
+        for _ in range(args.exit_repeats):
+            runs.append(launch_mismatch(args.np, args.launch_timeout))
+    except KeyboardInterrupt:
+        interrupted = True
+    result = exit_summary(runs, args)
+    result["interrupted"] = interrupted
+    print("\n".join(exit_table(result)))
+    write_json(args.json, result)
+    print(f"wrote {args.json}")
+    if interrupted:
+        raise SystemExit(130)
+    if not result["ok"]:
+        raise SystemExit(1)
 
+
+def exit_summary(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """The verdict and medians over the launches that finished (None where there are none)."""
     def med(key: str) -> float | None:
-        values = [r[key] for r in runs if r[key] is not None]
-        return statistics.median(values) if values else None
+        return median(r[key] for r in runs if r[key] is not None)
 
-    worst = [max(r["call_to_rank_process_end_s"].values(), default=float("inf")) for r in runs]
-    ok = all(not r["hung"] and r["returncode"] != 0 and r["ranks_with_error"] == list(range(args.np))
-             and len(r["call_to_rank_process_end_s"]) == args.np and not r["not_reached"] for r in runs) \
-        and max(worst) < args.exit_limit
-    result = {"benchmark": "mismatch_exit", "ranks": args.np, "launches": len(runs), "limit_s": args.exit_limit,
-              "ok": ok, "launch_to_all_ranks_exited_s_median": med("launch_to_all_ranks_exited_s"),
-              "launch_to_launcher_exit_s_median": med("launch_to_launcher_exit_s"),
-              "call_to_last_rank_exit_s_median": statistics.median(worst), "call_to_last_rank_exit_s_max": max(worst),
-              "call_to_launcher_exit_s_median": med("call_to_launcher_exit_s"), "runs": runs}
-    print(f"# mismatched allreduce left uncaught, {args.np} ranks under gpucomm-run, {len(runs)} launches "
-          "(wall clock, time.time())")
-    print(f"{'launch':>6} {'rc':>3} {'ranks w/ error':>14} {'launch->call s':>14} {'launch->ranks gone s':>20} "
-          f"{'call->last atexit s':>19} {'call->rank exit s (each rank)':>30} {'call->launcher exit s':>21}")
+    # a launch where some rank was never seen ending counts as never ending (None: no bound)
+    worst = [max(r["call_to_rank_process_end_s"].values()) if len(r["call_to_rank_process_end_s"]) == args.np
+             else None for r in runs]
+    ended = [w for w in worst if w is not None]
+    ok = bool(runs) and all(not r["hung"] and r["returncode"] != 0 and r["ranks_with_error"] == list(range(args.np))
+                            and len(r["call_to_rank_process_end_s"]) == args.np and not r["not_reached"]
+                            for r in runs) \
+        and len(ended) == len(runs) and max(ended) < args.exit_limit
+    return {"benchmark": "mismatch_exit", "ranks": args.np, "launches": len(runs), "limit_s": args.exit_limit,
+            "ok": ok, "launch_to_all_ranks_exited_s_median": med("launch_to_all_ranks_exited_s"),
+            "launch_to_launcher_exit_s_median": med("launch_to_launcher_exit_s"),
+            "call_to_last_rank_exit_s_median": median(ended) if len(ended) == len(runs) else None,
+            "call_to_last_rank_exit_s_max": max(ended) if ended and len(ended) == len(runs) else None,
+            "call_to_launcher_exit_s_median": med("call_to_launcher_exit_s"), "runs": runs}
+
+
+def exit_table(result: dict[str, Any]) -> list[str]:
+    runs, limit = result["runs"], result["limit_s"]
+    lines = [f"# mismatched allreduce left uncaught, {result['ranks']} ranks under gpucomm-run, {len(runs)} launches "
+             "(wall clock, time.time())",
+             f"{'launch':>6} {'rc':>3} {'ranks w/ error':>14} {'launch->call s':>14} {'launch->ranks gone s':>20} "
+             f"{'call->last atexit s':>19} {'call->rank exit s (each rank)':>30} {'call->launcher exit s':>21}"]
     for i, r in enumerate(runs):
         each = " ".join(f"{t:.3f}" for t in r["call_to_rank_process_end_s"].values()) or "-"
-        hook = max(r["call_to_rank_exit_hook_s"].values(), default=float("nan"))
-        gone = r["launch_to_all_ranks_exited_s"]
-        print(f"{i:>6} {r['returncode']:>3} {str(r['ranks_with_error']):>14} "
-              f"{r['launch_to_call_s'] if r['launch_to_call_s'] is not None else float('nan'):14.3f} "
-              f"{gone if gone is not None else float('nan'):20.3f} {hook:19.3f} {each:>30} "
-              f"{r['call_to_launcher_exit_s'] if r['call_to_launcher_exit_s'] is not None else float('nan'):21.3f}")
-    print(f"every rank raised the error and exited within {args.exit_limit:g} s of the call: {'yes' if ok else 'NO'} "
-          f"(slowest rank: median {result['call_to_last_rank_exit_s_median']:.3f} s, "
-          f"max {result['call_to_last_rank_exit_s_max']:.3f} s)")
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.json}")
-    if not ok:
-        raise SystemExit(1)
+        hook = max(r["call_to_rank_exit_hook_s"].values(), default=None)
+        lines.append(f"{i:>6} {r['returncode']:>3} {str(r['ranks_with_error']):>14} "
+                     f"{fmt(r['launch_to_call_s'], '.3f'):>14} {fmt(r['launch_to_all_ranks_exited_s'], '.3f'):>20} "
+                     f"{fmt(hook, '.3f'):>19} {each:>30} {fmt(r['call_to_launcher_exit_s'], '.3f'):>21}")
+    if not runs:
+        lines.append("no launch finished: n/a")
+    lines.append(f"every rank raised the error and exited within {limit:g} s of the call: "
+                 f"{'yes' if result['ok'] else 'NO'} (slowest rank: median "
+                 f"{fmt(result['call_to_last_rank_exit_s_median'], '.3f')} s, "
+                 f"max {fmt(result['call_to_last_rank_exit_s_max'], '.3f')} s)")
+    if result.get("interrupted"):
+        lines.append(f"interrupted: {len(runs)} launch(es) finished before Ctrl-C")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,6 +9,8 @@ hits both. DDP runs on Gloo for CPU tensors and NCCL for CUDA tensors, on its ow
 
 Prints the median step time of each, the ratio gpucomm / DDP with the spread of the per-round
 ratios, and (GPU) the share of gradient-allreduce time hidden behind backward; writes JSON.
+``--quick`` is a smoke run (batch 8, 1 warm-up step, 2 rounds of 2 steps). Counts out of range, or
+``--cuda`` without a GPU, end the run with one line on stderr and status 2.
 """
 
 from __future__ import annotations
@@ -31,18 +33,43 @@ import models  # noqa: E402
 import gpucomm.torch as hvd  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, also when imported by path
 from torch_group import init_torch_group  # noqa: E402
+from bench_stats import fmt, fmt_pair, quartiles, value_range  # noqa: E402
+
+# (batch per rank, rounds, steps per round, warm-up steps)
+FULL = (32, 12, 8, 5)
+QUICK = (8, 2, 2, 1)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="mlp10m", choices=["mlp10m", "cnn", "resnet50"])
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=12)
-    ap.add_argument("--steps-per-round", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--batch-size", type=int, help=f"default {FULL[0]}")
+    ap.add_argument("--rounds", type=int, help=f"default {FULL[1]}")
+    ap.add_argument("--steps-per-round", type=int, help=f"default {FULL[2]}")
+    ap.add_argument("--warmup", type=int, help=f"default {FULL[3]}")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"smoke run: batch {QUICK[0]}, {QUICK[1]} rounds of {QUICK[2]} steps, {QUICK[3]} warm-up")
     ap.add_argument("--cuda", action="store_true", help="train on this rank's GPU (DDP then uses NCCL)")
     ap.add_argument("--json", default="optimizer_vs_ddp.json")
     args = ap.parse_args()
+    for key, value in zip(("batch_size", "rounds", "steps_per_round", "warmup"), QUICK if args.quick else FULL):
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if min(args.batch_size, args.rounds, args.steps_per_round) < 1 or args.warmup < 0:
+        usage_error("--batch-size, --rounds and --steps-per-round must be at least 1, --warmup at least 0")
+    if args.cuda and not torch.cuda.is_available():
+        usage_error(f"--cuda needs a CUDA GPU, and torch.cuda.is_available() is False (torch {torch.__version__}); "
+                    "leave --cuda out to run on CPU")
+    return args
+
+
+def usage_error(message: str) -> None:
+    print(f"optimizer_vs_ddp.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def main() -> None:
+    args = parse_args()
 
     hvd.init()
     device = torch.device("cuda", torch.cuda.current_device()) if args.cuda else torch.device("cpu")
@@ -97,7 +124,7 @@ def main() -> None:
     every = hvd.allgather_object(med)
     job = {k: max(m[k] for m in every) for k in med}
     ratio = job["gpucomm"] / job["ddp"]
-    q = statistics.quantiles(round_ratios, n=4)
+    q, span = quartiles(round_ratios), value_range(round_ratios)
     if hvd.rank() == 0:
         params = sum(p.numel() for p in base.parameters())
         print(f"model {args.model} ({params / 1e6:.1f} M parameters), batch {args.batch_size} per rank, {hvd.size()} "
@@ -105,8 +132,9 @@ def main() -> None:
         print(f"{'':10s} {'median step (ms)':>18s}")
         for k in ("gpucomm", "ddp"):
             print(f"{k:10s} {job[k] * 1e3:18.2f}")
-        print(f"ratio gpucomm / DDP: {ratio:.3f}  (per-round ratios: median {statistics.median(round_ratios):.3f}, "
-              f"quartiles {q[0]:.3f}-{q[2]:.3f}, range {min(round_ratios):.3f}-{max(round_ratios):.3f})")
+        print(f"ratio gpucomm / DDP: {ratio:.3f}  (per-round ratios: median "
+              f"{fmt(statistics.median(round_ratios), '.3f')}, "
+              f"quartiles {fmt_pair(q, '.3f')}, range {fmt_pair(span, '.3f')})")
         with open(args.json, "w") as f:
             json.dump({"benchmark": "optimizer_vs_ddp", "model": args.model, "parameters": params,
                        "ranks": hvd.size(), "device": "cuda" if args.cuda else "cpu", "batch_size": args.batch_size,

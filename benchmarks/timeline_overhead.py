@@ -27,13 +27,17 @@ examples/models.py's small CNN: 0.89 MB, a single bucket, launched when the last
 so nothing can overlap backward. ``--fusion-threshold`` sets GPUCOMM_FUSION_THRESHOLD (bucket cap,
 bytes) on every rank before the optimizer is built.
 
-Rank 0 prints a table and writes ``DIR/timeline_overhead.json``.
+Rank 0 prints a table and writes ``DIR/timeline_overhead.json``. ``--quick`` is a smoke run (one
+pair of 2-step blocks after 1 warm-up step, batch 8). At 1 rank DistributedOptimizer reduces nothing,
+so the timeline has no bucket spans: the overhead is still measured, the overlap reads n/a with that
+reason. A timeline that cannot be read is reported as not analysed instead of stopping the run;
+without matplotlib the PNGs are skipped with a note.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.util
 import os
 import statistics
 import sys
@@ -50,7 +54,11 @@ import models  # noqa: E402
 import gpucomm  # noqa: E402
 import gpucomm.torch as hvd  # noqa: E402
 from gpucomm.timeline import plot as timeline_plot  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, also when imported by path
+from bench_stats import fmt, fmt_pair, quartiles, ratio, write_json  # noqa: E402
 
+QUICK = {"pairs": 1, "steps_per_block": 2, "warmup": 1, "batch_size": 8}
+FULL = {"pairs": 8, "steps_per_block": 5, "warmup": 3, "batch_size": 32}
 BACKWARD = "DistributedOptimizer.backward"
 BUCKETS = "DistributedOptimizer.bucket.*"
 GLOO = (BUCKETS, "GLOO_ALLREDUCE")
@@ -77,16 +85,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.splitlines()[2:]))
     ap.add_argument("--model", choices=["convnet", "cnn"], default="convnet", help="(default %(default)s)")
-    ap.add_argument("--batch-size", type=int, default=32, help="samples per rank and step (default %(default)s)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default %(default)s)")
-    ap.add_argument("--pairs", type=int, default=8, help="off/on block pairs (default %(default)s)")
-    ap.add_argument("--steps-per-block", type=int, default=5, help="(default %(default)s)")
+    ap.add_argument("--batch-size", type=int, help=f"samples per rank and step (default {FULL['batch_size']})")
+    ap.add_argument("--warmup", type=int, help=f"untimed steps first (default {FULL['warmup']})")
+    ap.add_argument("--pairs", type=int, help=f"off/on block pairs (default {FULL['pairs']})")
+    ap.add_argument("--steps-per-block", type=int, help=f"(default {FULL['steps_per_block']})")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
     ap.add_argument("--fusion-threshold", type=int, metavar="BYTES",
                     help="bucket cap (GPUCOMM_FUSION_THRESHOLD) for this run; default: gpucomm's (25 MiB, first 1 MiB)")
     ap.add_argument("--out", default="timeline_overhead", metavar="DIR",
                     help="timelines, PNGs and timeline_overhead.json go here (default %(default)s)")
     ap.add_argument("--no-png", action="store_true", help="skip drawing (matplotlib missing)")
     args = ap.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if min(args.batch_size, args.pairs, args.steps_per_block) < 1 or args.warmup < 0:
         ap.error("--batch-size, --pairs and --steps-per-block must be positive, --warmup not negative")
     if args.fusion_threshold is not None and args.fusion_threshold < 0:
@@ -164,6 +177,85 @@ def diagnosis(last: dict[str, Any]) -> list[str]:
     return notes
 
 
+def bucket_plan(optimizer: Any) -> dict[str, int]:
+    """Bucket name -> bytes from the optimizer's plan, for the report. There is no public accessor: this
+    reads ``DistributedOptimizer._buckets`` (a list of buckets, or an object holding them in ``.buckets``)
+    and answers {} when this gpucomm keeps them some other way."""
+    held = getattr(optimizer, "_buckets", None)
+    held = getattr(held, "buckets", held)
+    try:
+        return {f"DistributedOptimizer.bucket.{b.plan.index}": b.plan.numel * b.plan.dtype.itemsize for b in held}
+    except (TypeError, AttributeError):
+        return {}
+
+
+def safe_analyse(path: str, bucket_bytes: dict[str, int]) -> dict[str, Any]:
+    """``analyse``, or ``{"timeline": path, "error": why}`` when the file cannot be read as a timeline."""
+    try:
+        return analyse(path, bucket_bytes)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return {"timeline": path, "error": f"{type(e).__name__}: {e}"}
+
+
+def overlap_notes(ranks: int, analyses: list[dict[str, Any]]) -> list[str]:
+    """Why there is no overlap figure, when there is none."""
+    good = [a for a in analyses if "error" not in a]
+    if not good:
+        return [f"no timeline could be analysed ({analyses[-1]['error'] if analyses else 'none recorded'})"]
+    if ranks == 1:
+        return ["at 1 rank DistributedOptimizer reduces nothing, so the timeline has no bucket spans: overlap n/a "
+                "(run 2 or more ranks to measure it)"]
+    if not good[-1]["buckets"]:
+        return ["per-bucket figures n/a: the optimizer's bucket plan could not be read (DistributedOptimizer."
+                "_buckets changed shape); overlap and busy time above still hold"]
+    return diagnosis(good[-1])
+
+
+def summarize(times: dict[str, list[float]], every: list[dict[str, list[float]]], steps_per_block: int
+              ) -> dict[str, Any]:
+    """Step times of the slowest rank: medians, quartiles, overhead and per-pair block ratios."""
+    job = {m: [max(r[m][i] for r in every) for i in range(len(times[m]))] for m in times}
+    blocks = {m: [statistics.median(job[m][i:i + steps_per_block]) for i in range(0, len(job[m]), steps_per_block)]
+              for m in job}
+    off, on = statistics.median(job["off"]), statistics.median(job["on"])
+    pair_ratios = [r for r in (ratio(b, a) for a, b in zip(blocks["off"], blocks["on"])) if r is not None]
+    overhead = ratio(on, off)
+    return {"steps_per_mode": len(job["off"]),
+            "step_ms": {"off_median": off * 1e3, "on_median": on * 1e3,
+                        "off_quartiles": scale_pair(quartiles(job["off"]), 1e3),
+                        "on_quartiles": scale_pair(quartiles(job["on"]), 1e3)},
+            "overhead_pct": None if overhead is None else (overhead - 1) * 100,
+            "pair_ratio_median": statistics.median(pair_ratios) if pair_ratios else None,
+            "pair_ratios": pair_ratios}
+
+
+def scale_pair(pair: list[float] | None, factor: float) -> list[float] | None:
+    return None if pair is None else [x * factor for x in pair]
+
+
+def draw(result: dict[str, Any], last: dict[str, Any] | None, args: argparse.Namespace, out_dir: str) -> None:
+    """The last timeline, and its last step, as PNGs (skipped, with a note, when they cannot be drawn)."""
+    if args.no_png:
+        return
+    if importlib.util.find_spec("matplotlib") is None:
+        result["diagnosis"].append("PNGs skipped: matplotlib is not installed (pip install matplotlib)")
+        return
+    if last is None:
+        return
+    result["png"] = os.path.join(out_dir, "timeline.png")
+    timeline_plot.render(last["timeline"], result["png"],
+                         title=f"{args.model}, {hvd.size()} CPU ranks, batch {args.batch_size}: "
+                               f"last timeline ({args.steps_per_block} steps)")
+    trace = timeline_plot.load_trace(last["timeline"])
+    backs = sorted(timeline_plot.select_spans(trace, BACKWARD), key=lambda s: s.start_us)
+    if backs:
+        t_end = trace.time_range_us()[1]
+        lo = backs[-1].start_us - 0.2 * (backs[-1].end_us - backs[-1].start_us)
+        result["png_step"] = os.path.join(out_dir, "timeline_step.png")
+        timeline_plot.render(last["timeline"], result["png_step"], window_ms=(lo / 1e3, t_end / 1e3),
+                             title=f"{args.model}: the last step of the last timeline")
+
+
 # ---------------------------------------------------------------------------------------------- main
 
 
@@ -182,8 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                                          named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    bucket_bytes = {f"DistributedOptimizer.bucket.{b.plan.index}": b.plan.numel * b.plan.dtype.itemsize
-                    for b in optimizer._buckets}  # the plan, for the report (no public accessor)
+    bucket_bytes = bucket_plan(optimizer)
     g = torch.Generator().manual_seed(1000 + hvd.rank())
     data = torch.randn(args.batch_size, *sample, generator=g)
     target = torch.randint(0, 1000, (args.batch_size,), generator=g)
@@ -211,50 +302,27 @@ def main(argv: list[str] | None = None) -> None:
                 hvd.stop_timeline()  # rank 0 closes the file: complete JSON
     every = hvd.allgather_object(times, name="timeline_overhead.times")
     if hvd.rank() == 0:
-        job = {m: [max(r[m][i] for r in every) for i in range(len(times[m]))] for m in times}
-        blocks = {m: [statistics.median(job[m][i:i + args.steps_per_block])
-                      for i in range(0, len(job[m]), args.steps_per_block)] for m in job}
-        off, on = statistics.median(job["off"]), statistics.median(job["on"])
-        pair_ratios = [b / a for a, b in zip(blocks["off"], blocks["on"])]
-        analyses = [analyse(p, bucket_bytes) for p in timelines]
-        last = analyses[-1]
-        total_overlap = sum(a["overlap_ms"] for a in analyses)
-        total_busy = sum(a["gloo_allreduce_busy_ms"] for a in analyses)
+        analyses = [safe_analyse(p, bucket_bytes) for p in timelines]
+        good = [a for a in analyses if "error" not in a]
+        last = good[-1] if good else None
+        total_overlap = sum(a["overlap_ms"] for a in good)
+        total_busy = sum(a["gloo_allreduce_busy_ms"] for a in good)
         result: dict[str, Any] = {
             "benchmark": "timeline_overhead", "ranks": hvd.size(), "model": args.model,
             "parameters": sum(p.numel() for p in model.parameters()), "batch_size": args.batch_size,
             "threads_per_rank": torch.get_num_threads(), "torch": torch.__version__, "gpucomm": gpucomm.__version__,
             "fusion_threshold": os.environ.get("GPUCOMM_FUSION_THRESHOLD"), "buckets": bucket_bytes,
-            "args": vars(args), "steps_per_mode": len(job["off"]),
-            "loadavg_1min": {"before": load_before[0], "after": os.getloadavg()[0]},
-            "step_ms": {"off_median": off * 1e3, "on_median": on * 1e3,
-                        "off_quartiles": [q * 1e3 for q in statistics.quantiles(job["off"], n=4)[::2]]
-                        if len(job["off"]) > 1 else None,
-                        "on_quartiles": [q * 1e3 for q in statistics.quantiles(job["on"], n=4)[::2]]
-                        if len(job["on"]) > 1 else None},
-            "overhead_pct": (on / off - 1) * 100, "pair_ratio_median": statistics.median(pair_ratios),
-            "pair_ratios": pair_ratios, "last_timeline": last,
+            "args": vars(args), "loadavg_1min": {"before": load_before[0], "after": os.getloadavg()[0]},
+            **summarize(times, every, args.steps_per_block), "last_timeline": last,
+            "unreadable_timelines": [a for a in analyses if "error" in a],
             "all_timelines": {"overlap_ms": total_overlap, "gloo_allreduce_busy_ms": total_busy,
-                              "hidden_fraction": total_overlap / total_busy if total_busy > 0 else None,
-                              "hidden_fraction_per_timeline": [a["hidden_fraction"] for a in analyses]},
-            "diagnosis": diagnosis(last), "png": None, "png_step": None}
-        if not args.no_png:
-            result["png"] = os.path.join(out_dir, "timeline.png")
-            timeline_plot.render(last["timeline"], result["png"],
-                                 title=f"{args.model}, {hvd.size()} CPU ranks, batch {args.batch_size}: "
-                                       f"last timeline ({args.steps_per_block} steps)")
-            trace = timeline_plot.load_trace(last["timeline"])
-            backs = sorted(timeline_plot.select_spans(trace, BACKWARD), key=lambda s: s.start_us)
-            if backs:
-                t_end = trace.time_range_us()[1]
-                lo = backs[-1].start_us - 0.2 * (backs[-1].end_us - backs[-1].start_us)
-                result["png_step"] = os.path.join(out_dir, "timeline_step.png")
-                timeline_plot.render(last["timeline"], result["png_step"], window_ms=(lo / 1e3, t_end / 1e3),
-                                     title=f"{args.model}: the last step of the last timeline")
+                              "hidden_fraction": ratio(total_overlap, total_busy),
+                              "hidden_fraction_per_timeline": [a["hidden_fraction"] for a in good]},
+            "diagnosis": overlap_notes(hvd.size(), analyses), "png": None, "png_step": None}
+        draw(result, last, args, out_dir)
         print("\n".join(table(result)))
         path = os.path.join(out_dir, "timeline_overhead.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(path, result)
         print(f"wrote {path}")
     hvd.barrier()
     hvd.shutdown()
@@ -272,11 +340,23 @@ def table(r: dict[str, Any]) -> list[str]:
              f"{r['args']['steps_per_block']} steps ({r['steps_per_mode']} steps per mode), slowest rank; load "
              f"average (1 min) {r['loadavg_1min']['before']:.2f} before, {r['loadavg_1min']['after']:.2f} after",
              f"{'timeline':>8} {'median step ms':>14} {'quartiles ms':>17}",
-             f"{'off':>8} {s['off_median']:14.1f} {_fmt_q(s['off_quartiles']):>17}",
-             f"{'on':>8} {s['on_median']:14.1f} {_fmt_q(s['on_quartiles']):>17}",
-             f"timeline overhead: {r['overhead_pct']:+.1f}% (median step on / off - 1; median of per-pair block "
-             f"ratios {r['pair_ratio_median']:.3f})",
-             f"# last timeline ({last['steps']} steps): backward {last['backward_ms']:.1f} ms, bucket GLOO_ALLREDUCE "
+             f"{'off':>8} {s['off_median']:14.1f} {fmt_pair(s['off_quartiles'], '.1f', '-'):>17}",
+             f"{'on':>8} {s['on_median']:14.1f} {fmt_pair(s['on_quartiles'], '.1f', '-'):>17}",
+             f"timeline overhead: {fmt(r['overhead_pct'], '+.1f')}% (median step on / off - 1; median of per-pair "
+             f"block ratios {fmt(r['pair_ratio_median'], '.3f')})"]
+    lines += timeline_lines(last) if last else ["# last timeline: not analysed (see the notes)"]
+    a = r["all_timelines"]
+    lines.append(f"all {len(a['hidden_fraction_per_timeline'])} timelines: overlap {a['overlap_ms']:.1f} ms of "
+                 f"{a['gloo_allreduce_busy_ms']:.1f} ms allreduce busy, hidden "
+                 f"{_fmt(None if a['hidden_fraction'] is None else 100 * a['hidden_fraction'], '.1f')}%")
+    lines += [f"note: {n}" for n in r["diagnosis"]]
+    if r["png"]:
+        lines.append(f"timeline PNG: {r['png']} (last step: {r['png_step'] or 'none: no backward span'})")
+    return lines
+
+
+def timeline_lines(last: dict[str, Any]) -> list[str]:
+    lines = [f"# last timeline ({last['steps']} steps): backward {last['backward_ms']:.1f} ms, bucket GLOO_ALLREDUCE "
              f"busy {last['gloo_allreduce_busy_ms']:.1f} ms, overlap with backward {last['overlap_ms']:.1f} ms, "
              f"hidden {_fmt(None if last['hidden_fraction'] is None else 100 * last['hidden_fraction'], '.1f')}%",
              f"{'bucket':>30} {'bytes':>9} {'path':>18} {'n':>3} {'negotiate ms':>12} {'allreduce ms':>12} "
@@ -285,18 +365,7 @@ def table(r: dict[str, Any]) -> list[str]:
         lines.append(f"{b['bucket']:>30} {b['bytes']:9d} {b['path']:>18} {b['reductions']:3d} "
                      f"{_fmt(b['negotiate_ms_median'], '.2f'):>12} {_fmt(b['allreduce_ms_median'], '.2f'):>12} "
                      f"{_fmt(b['start_minus_backward_end_ms_median'], '.2f'):>23}")
-    a = r["all_timelines"]
-    lines.append(f"all {len(a['hidden_fraction_per_timeline'])} timelines: overlap {a['overlap_ms']:.1f} ms of "
-                 f"{a['gloo_allreduce_busy_ms']:.1f} ms allreduce busy, hidden "
-                 f"{_fmt(None if a['hidden_fraction'] is None else 100 * a['hidden_fraction'], '.1f')}%")
-    lines += [f"note: {n}" for n in r["diagnosis"]]
-    if r["png"]:
-        lines.append(f"timeline PNG: {r['png']} (last step: {r['png_step']})")
     return lines
-
-
-def _fmt_q(q: list[float] | None) -> str:
-    return "-" if not q else f"{q[0]:.1f}-{q[1]:.1f}"
 
 
 if __name__ == "__main__":

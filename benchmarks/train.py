@@ -40,7 +40,6 @@ import importlib.util
 import inspect
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -56,6 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, also when imported by path
 from torch_group import init_torch_group  # noqa: E402
+import bench_stats  # noqa: E402
 
 import gpucomm  # noqa: E402
 import gpucomm.torch as hvd  # noqa: E402
@@ -175,7 +175,16 @@ def check_baseline(path: str, args: argparse.Namespace, device: torch.device,
         if theirs.get("parameters") != count:
             raise SystemExit(f"--baseline {path}: its {name!r} has {theirs.get('parameters')} parameters, "
                              f"this one {count}: the model changed since the baseline was made")
+        missing = [v for v in (GPUCOMM, DDP) if not _positive_rate(theirs, v)]
+        if missing:
+            raise SystemExit(f"--baseline {path}: its {name!r} has no samples/s for {', '.join(missing)} "
+                             "(a partial or hand-edited file); make it again with gpucomm-run -np 1")
     return base
+
+
+def _positive_rate(model: dict[str, Any], variant: str) -> bool:
+    rate = ((model.get("variants") or {}).get(variant) or {}).get("samples_per_s_per_device")
+    return isinstance(rate, (int, float)) and rate > 0
 
 
 def agreed_baseline(args: argparse.Namespace, device: torch.device, names: list[str]) -> dict[str, Any] | None:
@@ -280,8 +289,8 @@ def job_seconds(local: dict[str, list[float]]) -> dict[str, list[float]]:
 
 
 def spread(values: list[float]) -> dict[str, Any]:
-    q = statistics.quantiles(values, n=4)
-    return {"median": statistics.median(values), "quartiles": [q[0], q[2]], "range": [min(values), max(values)]}
+    """Median, quartiles (inclusive: inside the range even for 2 rounds) and range; --rounds >= 2."""
+    return bench_stats.spread(values)
 
 
 def summarize(seconds: dict[str, list[float]], params: int, sample: tuple[int, ...], args: argparse.Namespace,
@@ -437,6 +446,10 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, baselin
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"train.py: error: --device cuda: torch sees no CUDA GPU (torch {torch.__version__}); use --device cpu "
+              "or run on a GPU machine", file=sys.stderr)
+        raise SystemExit(2)
     hvd.init()
     device = pick_device(args.device)
     names = args.models or default_models(device, args.quick)

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from .backends.gloo import GlooBackend, gloo_group, gloo_iface
+from .backends.local import SelfBackend
 from .backends.nccl import create_nccl
 from .bootstrap import devices
 from .bootstrap.rendezvous import RendezvousClient, RendezvousError, RendezvousServer
@@ -52,7 +53,7 @@ class Job:
     server: RendezvousServer | None
     prefix: str
     timeout: float
-    gloo: GlooBackend
+    gloo: GlooBackend | SelfBackend  # the job's CPU backend (SelfBackend in a one-rank job)
     device: devices.PinnedDevice | None
     hosts: list[str]
     cross_rank: int
@@ -173,7 +174,7 @@ class Job:
 
     def _group(self, set_id: int, ranks) -> Group:
         return Group(set_id, ranks, self.world.rank,
-                     lambda g: gloo_group(self.client, f"{self.prefix}gloo/ps{set_id}/", g.rank, g.size,
+                     lambda g: SelfBackend() if g.size == 1 else gloo_group(self.client, f"{self.prefix}gloo/ps{set_id}/", g.rank, g.size,
                                           timeout=self.timeout, one_host=self.one_host, iface=gloo_iface(os.environ)),
                      lambda g: create_nccl(self.client, f"{self.prefix}nccl/ps{set_id}/uid", g.rank, g.size,
                                            self._cuda_device().index, self.timeout))

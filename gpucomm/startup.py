@@ -10,6 +10,7 @@ import time
 from typing import Any, Mapping
 
 from .backends.gloo import gloo_group, gloo_iface
+from .backends.local import SelfBackend
 from .bootstrap import devices
 from .bootstrap.meeting import arrive, cross_placement, open_store
 from .bootstrap.rendezvous import RendezvousClient, RendezvousError, address_towards, interface_ipv4, wait_for_ranks
@@ -55,9 +56,12 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None)
         hosts = [rec["host"] for rec in records]
         one_host = len(set(hosts)) == 1
         iface = gloo_iface(env)
-        gloo = gloo_group(client, f"{prefix}gloo/", world.rank, world.size, timeout=timeout, one_host=one_host,
-                          iface=iface)
-        steps.done("Gloo group ready")
+        if world.size == 1:  # nothing to exchange: CPU collectives are computed inline
+            gloo = SelfBackend()
+        else:
+            gloo = gloo_group(client, f"{prefix}gloo/", world.rank, world.size, timeout=timeout, one_host=one_host,
+                              iface=iface)
+            steps.done("Gloo group ready")
         try:
             links = _connect_control(client, prefix, world, client.secret, one_host, iface, start_timeout)
             steps.done("control plane connected" if world.size > 1 else "no control plane needed (one rank)")

@@ -152,11 +152,11 @@ def cache_bursts() -> dict[str, list[int]]:
         frames[inline] = []
         for burst in range(2):
             hvd.barrier()
-            before = ctl.frames_sent
+            before = hvd.stats()["control_rounds"]
             handles = [hvd.allreduce_async(torch.full((4,), float(i + r + burst)), name=f"burst.{i}", op=hvd.Sum)
                        for i in range(100)]
             outs = [hvd.synchronize(h) for h in handles]
-            frames[inline].append(ctl.frames_sent - before)
+            frames[inline].append(hvd.stats()["control_rounds"] - before)
             # white-box: every name is now in this rank's response cache, so the next burst sends hits
             assert sum(1 for _, name in ctl._cache if name.startswith("allreduce.burst.")) == 100
             for i, out in enumerate(outs):
@@ -239,7 +239,7 @@ def stall_timeout_names_missing_rank() -> str | None:
         assert got.tolist() == [2.0, 2.0]
     else:
         elapsed, message = _raises(RuntimeError, lambda: hvd.allreduce(torch.ones(2), op=hvd.Sum, name="late"))
-        assert 2.9 < elapsed < 5.0, elapsed
+        assert 2.9 < elapsed < 30.0, elapsed  # GPUCOMM_TIMEOUT (3 s), not a hang
     _sum_check("after")  # rank 1's 'late' completes in the background once rank 0 submits it
     hvd.shutdown()
     return message

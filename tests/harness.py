@@ -1,41 +1,48 @@
-"""Run a function in N real rank processes and fail with every failing rank's traceback.
+"""The one way tests start processes: rank functions in a pool of warm rank processes, rank
+scripts as fresh processes, and whole commands (``gpucomm-run``, other launchers, fresh
+interpreters). Every process has a deadline and is reaped with its children; a failing rank fails
+the test with that rank's traceback; stores listen on free ports.
 
-Ranks are spawned (fresh interpreters, as a launcher would start them), talk to a rendezvous store
-hosted by the test process on a free port, each has a deadline, and every process is reaped: a rank
-still alive at the deadline is killed, together with its children.
+``run_ranks(fn, size)`` runs ``fn`` in ``size`` rank processes. The processes are kept between
+calls (a warm pool: each has imported torch and gpucomm once), because starting an interpreter and
+importing torch costs more than most scenarios. Between calls a worker shuts gpucomm down and
+restores its environment; a worker whose task failed, timed out or died is replaced, so one test's
+wreckage never reaches the next. ``fresh=True`` starts new processes for that call instead.
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
 import secrets
+import signal
+import subprocess
+import sys
 import time
 import traceback
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
+
+import psutil
 
 from gpucomm.bootstrap.rendezvous import RendezvousServer
 
-_CTX = mp.get_context("spawn")
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+MARK = "GPUCOMM_TEST_JOB_MARK"  # every process a test starts carries it; leftovers are found by it
 FAILURE_GRACE = 10.0  # seconds the other ranks get to report once one rank has failed
+_CTX = mp.get_context("spawn")
 
 
 class RankFailure(AssertionError):
     """One or more ranks failed; the message holds each one's traceback."""
 
 
-def _entry(fn: Callable[..., Any], env: dict[str, str], args: tuple, conn) -> None:
-    os.environ.update(env)
-    try:
-        result = fn(*args)
-        conn.send(("ok", result))
-    except BaseException:  # report everything, including SystemExit and assertion errors
-        conn.send(("error", traceback.format_exc()))
-    finally:
-        conn.close()
-
-
 def rank_env(rank: int, size: int, port: int, secret: bytes, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment ``gpucomm-run`` would give ``rank`` of a ``size``-rank job on this host."""
     env = {
         "GPUCOMM_RANK": str(rank), "GPUCOMM_SIZE": str(size),
         "GPUCOMM_LOCAL_RANK": str(rank), "GPUCOMM_LOCAL_SIZE": str(size),
@@ -48,48 +55,356 @@ def rank_env(rank: int, size: int, port: int, secret: bytes, extra: dict[str, st
     return env
 
 
+# =============================================================================================
+# rank functions in a warm pool
+
+
+def _serve(conn, mark: str) -> None:
+    """A pool worker: import once, then run tasks ``(fn, args, env)`` until the pipe closes."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ[MARK] = mark
+    import torch  # noqa: PLC0415 - the point of the pool: paid once per worker
+
+    import gpucomm.torch  # noqa: F401, PLC0415
+
+    torch.set_num_threads(1)
+    base = dict(os.environ)
+    while True:
+        try:
+            fn, args, env = conn.recv()
+        except (EOFError, OSError):
+            return
+        os.environ.clear()
+        os.environ.update(base)
+        os.environ.update(env)
+        try:
+            outcome = ("ok", fn(*args))
+        except BaseException:  # report everything, including SystemExit and assertion errors
+            outcome = ("error", traceback.format_exc())
+        try:
+            _reset_worker()
+        except BaseException:
+            outcome = outcome if outcome[0] == "error" else ("error", "cleanup failed:\n" + traceback.format_exc())
+        try:
+            conn.send(outcome)
+        except Exception:
+            conn.send(("error", f"the rank's result could not be sent back:\n{traceback.format_exc()}"))
+        if outcome[0] != "ok":
+            return  # a failed task may leave threads or sockets behind: the pool starts a new worker
+
+
+def _reset_worker() -> None:
+    """What one task may leave behind: an initialized job, unsynchronized handles, log settings."""
+    import logging  # noqa: PLC0415
+
+    from gpucomm import runtime  # noqa: PLC0415
+    from gpucomm.torch import mpi_ops  # noqa: PLC0415
+
+    if runtime.is_initialized():
+        runtime.shutdown()
+    runtime._generation = 0  # a job's ranks count their inits alike; pooled workers have other histories
+    mpi_ops._handles.clear()
+    log = logging.getLogger("gpucomm")
+    log.setLevel(logging.NOTSET)
+    for handler in [h for h in log.handlers if getattr(h, "_gpucomm", False)]:
+        log.removeHandler(handler)
+
+
+def _entry(fn: Callable[..., Any], env: dict[str, str], args: tuple, conn) -> None:
+    """A fresh rank process (``fresh=True``): one task, then exit."""
+    os.environ.update(env)
+    try:
+        conn.send(("ok", fn(*args)))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+class _Worker:
+    def __init__(self, slot: int, mark: str) -> None:
+        self.conn, child = _CTX.Pipe()
+        self.proc = _CTX.Process(target=_serve, args=(child, mark), name=f"rank-worker-{slot}", daemon=True)
+        self.proc.start()
+        child.close()
+
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def kill(self) -> None:
+        _kill_tree(self.proc.pid)
+        self.proc.join(timeout=10)
+        self.conn.close()
+
+
+class _Pool:
+    """Warm rank processes by slot (slot r runs rank r)."""
+
+    def __init__(self) -> None:
+        self.mark = uuid.uuid4().hex
+        self.workers: dict[int, _Worker] = {}
+
+    def take(self, slot: int) -> _Worker:
+        worker = self.workers.get(slot)
+        if worker is None or not worker.alive():
+            if worker is not None:
+                worker.kill()
+            worker = self.workers[slot] = _Worker(slot, self.mark)
+        return worker
+
+    def drop(self, slot: int) -> None:
+        worker = self.workers.pop(slot, None)
+        if worker is not None:
+            worker.kill()
+
+    def close(self) -> None:
+        for slot in list(self.workers):
+            self.drop(slot)
+
+
+_POOL = _Pool()
+atexit.register(_POOL.close)
+
+
 def run_ranks(fn: Callable[..., Any], size: int, *, args: tuple = (), timeout: float = 120.0,
-              env: dict[str, str] | None = None, ranks: Sequence[int] | None = None) -> list[Any]:
-    """Run ``fn(*args)`` on ranks ``ranks`` (default all) of a ``size``-rank job; return their results."""
+              env: dict[str, str] | None = None, ranks: Sequence[int] | None = None, fresh: bool = False) -> list[Any]:
+    """Run ``fn(*args)`` on ranks ``ranks`` (default all) of a ``size``-rank job; return their results.
+
+    ``fn`` must be importable (module level). ``fresh``: new processes instead of the warm pool
+    (for scenarios that must start from a clean interpreter)."""
     secret = secrets.token_bytes(32)
     ranks = list(range(size)) if ranks is None else list(ranks)
     with RendezvousServer(secret, "127.0.0.1", 0) as server:
-        procs = []
-        for r in ranks:
-            parent, child = _CTX.Pipe(duplex=False)
-            p = _CTX.Process(target=_entry, args=(fn, rank_env(r, size, server.port, secret, env), args, child),
-                             name=f"rank{r}", daemon=True)
-            p.start()
-            child.close()
-            procs.append((r, p, parent))
-        deadline = time.monotonic() + timeout
-        outcomes: dict[int, tuple[str, Any]] = {}
-        try:
-            pending = list(procs)
-            while pending and time.monotonic() < deadline:
-                for item in list(pending):
-                    r, p, conn = item
-                    if conn.poll(0.05):
-                        try:
-                            outcomes[r] = conn.recv()
-                        except EOFError:
-                            outcomes[r] = ("error", f"rank {r} exited (code {p.exitcode}) without reporting")
-                        pending.remove(item)
-                        if outcomes[r][0] != "ok":  # the others get a short grace to report, then are killed
-                            deadline = min(deadline, time.monotonic() + FAILURE_GRACE)
-                    elif not p.is_alive() and not conn.poll(0):
-                        outcomes[r] = ("error", f"rank {r} died with exit code {p.exitcode} without reporting")
-                        pending.remove(item)
-            for r, p, _ in pending:
-                outcomes[r] = ("error", f"rank {r} did not finish in time (killed)")
-        finally:
-            for _, p, conn in procs:
-                p.join(timeout=max(0.1, min(10.0, deadline - time.monotonic())))
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=10)
-                conn.close()
+        envs = {r: rank_env(r, size, server.port, secret, env) for r in ranks}
+        if fresh:
+            outcomes = _run_fresh(fn, args, envs, timeout)
+        else:
+            outcomes = _run_pooled(fn, args, envs, timeout)
     failures = [f"--- rank {r} ---\n{v}" for r, (status, v) in sorted(outcomes.items()) if status != "ok"]
     if failures:
         raise RankFailure(f"{len(failures)} of {len(ranks)} ranks failed:\n" + "\n".join(failures))
     return [outcomes[r][1] for r in ranks]
+
+
+def _run_pooled(fn, args, envs: dict[int, dict[str, str]], timeout: float) -> dict[int, tuple[str, Any]]:
+    pending = {}
+    for r, env in envs.items():
+        worker = _POOL.take(r)
+        worker.conn.send((fn, args, env))
+        pending[r] = worker
+    outcomes = _collect({r: (w.conn, w.proc) for r, w in pending.items()}, timeout)
+    for r, (status, _) in outcomes.items():
+        if status != "ok":
+            _POOL.drop(r)  # failed, timed out or died: never reused
+    return outcomes
+
+
+def _run_fresh(fn, args, envs: dict[int, dict[str, str]], timeout: float) -> dict[int, tuple[str, Any]]:
+    procs = {}
+    try:
+        for r, env in envs.items():
+            parent, child = _CTX.Pipe(duplex=False)
+            p = _CTX.Process(target=_entry, args=(fn, dict(env, **{MARK: _POOL.mark}), args, child), name=f"rank{r}",
+                             daemon=True)
+            p.start()
+            child.close()
+            procs[r] = (parent, p)
+        return _collect(procs, timeout)
+    finally:
+        for conn, p in procs.values():
+            p.join(timeout=5)
+            if p.is_alive():
+                _kill_tree(p.pid)
+                p.join(timeout=10)
+            conn.close()
+
+
+def _collect(procs: dict[int, tuple[Any, Any]], timeout: float) -> dict[int, tuple[str, Any]]:
+    """Each rank's ("ok", result) or ("error", text) within ``timeout``; once one rank fails, the
+    others get ``FAILURE_GRACE`` to report."""
+    deadline = time.monotonic() + timeout
+    outcomes: dict[int, tuple[str, Any]] = {}
+    pending = dict(procs)
+    while pending and time.monotonic() < deadline:
+        for r, (conn, p) in list(pending.items()):
+            if conn.poll(0.02):
+                try:
+                    outcomes[r] = conn.recv()
+                except EOFError:
+                    outcomes[r] = ("error", f"rank {r} exited (code {p.exitcode}) without reporting")
+                del pending[r]
+                if outcomes[r][0] != "ok":
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE)
+            elif not p.is_alive() and not conn.poll(0):
+                outcomes[r] = ("error", f"rank {r} died with exit code {p.exitcode} without reporting")
+                del pending[r]
+                deadline = min(deadline, time.monotonic() + FAILURE_GRACE)
+    for r in pending:
+        outcomes[r] = ("error", f"rank {r} did not finish in time (killed)")
+    return outcomes
+
+
+# =============================================================================================
+# rank scripts and commands as fresh processes
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+    leftovers: list[str]
+    seconds: float
+
+
+def base_env(mark: str, **extra: str) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), GPUCOMM_START_TIMEOUT="60",
+               GPUCOMM_TIMEOUT="60")
+    env[MARK] = mark
+    env.update(extra)
+    return env
+
+
+def launcher_cmd(*args: str) -> list[str]:
+    return [PYTHON, "-m", "gpucomm.runner", *args]
+
+
+def write_script(tmp_path: Path, name: str, body: str) -> Path:
+    path = tmp_path / name
+    path.write_text(body)
+    return path
+
+
+def run(cmd: list[str], *, timeout: float = 180.0, env: dict[str, str] | None = None, cwd: Path | None = None,
+        signal_after: tuple[float, int] | None = None, wait_for_line: str | None = None,
+        wait_count: int = 1) -> Result:
+    """Run ``cmd`` to completion in a session of its own (killed, with everything it started, at
+    ``timeout``); optionally send it a signal ``signal_after = (seconds, signum)`` once
+    ``wait_count`` stdout lines contain ``wait_for_line``. Processes it leaves behind are killed
+    and listed in ``Result.leftovers``."""
+    mark = uuid.uuid4().hex
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=base_env(mark, **(env or {})), cwd=cwd or ROOT, start_new_session=True)
+    try:
+        if signal_after is not None:
+            out_lines = _read_until(proc, wait_for_line, wait_count, timeout)
+            time.sleep(signal_after[0])
+            proc.send_signal(signal_after[1])
+            out, err = proc.communicate(timeout=timeout)
+            out = "".join(out_lines) + out
+        else:
+            out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        collect_leftovers(mark, 0)
+        raise AssertionError(f"{' '.join(map(str, cmd))} did not finish in {timeout} s\nstdout:\n{out}\n"
+                             f"stderr:\n{err}") from None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    seconds = time.monotonic() - t0
+    return Result(proc.returncode, out, err, collect_leftovers(mark), seconds)
+
+
+def run_rank_scripts(argv: list[str], size: int, *, timeout: float = 60.0,
+                     env: dict[str, str] | None = None) -> list[Result]:
+    """Run ``python *argv`` as every rank of a ``size``-rank job (a real script: an uncaught
+    exception goes through ``sys.excepthook``, ``os._exit`` really exits); returns each rank's
+    result. Ranks still running at the deadline are killed with their children."""
+    secret = secrets.token_bytes(32)
+    mark = uuid.uuid4().hex
+    procs: list[subprocess.Popen] = []
+    t0 = time.monotonic()
+    with RendezvousServer(secret, "127.0.0.1", 0) as server:
+        try:
+            for r in range(size):
+                procs.append(subprocess.Popen(
+                    [PYTHON, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                    env=base_env(mark, **rank_env(r, size, server.port, secret, env)), start_new_session=True))
+            deadline = time.monotonic() + timeout
+            out = []
+            for p in procs:
+                try:
+                    stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    stdout, stderr = p.communicate()
+                    stderr += f"\n[harness] rank killed: still running after {timeout} s"
+                out.append((p.returncode, stdout, stderr))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.communicate()
+    seconds = time.monotonic() - t0
+    left = collect_leftovers(mark)
+    return [Result(rc, stdout, stderr, left, seconds) for rc, stdout, stderr in out]
+
+
+def _read_until(proc: subprocess.Popen, text: str | None, count: int, timeout: float) -> list[str]:
+    lines: list[str] = []
+    if text is None:
+        return lines
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    seen = 0
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"launcher ended before printing {text!r}:\n{''.join(lines)}{proc.stderr.read()}")
+        lines.append(line)
+        if text in line:
+            seen += 1
+            if seen == count:
+                return lines
+    raise AssertionError(f"{text!r} did not appear within {timeout} s:\n{''.join(lines)}")
+
+
+# =============================================================================================
+# reaping
+
+
+def marked_processes(mark: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and p.environ().get(MARK) == mark and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def collect_leftovers(mark: str, settle: float = 2.0) -> list[str]:
+    """Processes of the job still alive ``settle`` s after it ended; killed, then described."""
+    deadline = time.monotonic() + settle
+    left = marked_processes(mark)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = marked_processes(mark)
+    described = []
+    for p in left:
+        try:
+            described.append(f"pid {p.pid}: {' '.join(p.cmdline())}")
+            p.kill()
+        except psutil.Error:
+            pass
+    return described
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it."""
+    try:
+        root = psutil.Process(pid)
+        family = root.children(recursive=True) + [root]
+    except psutil.Error:
+        return
+    for p in family:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(family, timeout=10)

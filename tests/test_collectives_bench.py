@@ -1,17 +1,16 @@
-"""benchmarks/collectives.py: nccl-tests' tables for gpucomm and torch.distributed on 2 CPU ranks, and
-the pieces they rest on (nccl-tests' sizes and bus-bandwidth factors, exact inputs, the #wrong check)."""
+"""benchmarks/collectives.py, the pieces without a job: nccl-tests' sizes and bus-bandwidth factors,
+exact inputs, the #wrong check, and a summary that never fails on empty or 1-rank tables. The sweep
+itself runs at 1 and 2 ranks in tests/test_benchmarks_smoke.py."""
 
 from __future__ import annotations
 
 import importlib.util
-import json
-import re
 import sys
 
 import pytest
 import torch
 
-from tests.launcher_util import PYTHON, ROOT, launcher_cmd, run
+from tests.harness import PYTHON, ROOT, run
 
 
 def _load_bench():
@@ -23,104 +22,6 @@ def _load_bench():
 
 
 bench = _load_bench()
-
-PREFIX = "[0]<stdout>:"
-HEADER = re.compile(r"^# Collective (\w+), implementation (\w+):")
-FIELD = r"\s+(\S+)"
-ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\w+)\s+(\w+)\s+(-?\d+)" + FIELD * 8 + r"\s*$")
-FACTORS_2 = {"allreduce": 1.0, "allgather": 0.5, "reducescatter": 0.5, "alltoall": 0.5, "broadcast": 1.0}
-
-
-def parse_tables(stdout: str) -> dict[tuple[str, str], dict]:
-    """Rank 0's tables: {(collective, impl): {"rows": [...], "footer": [...]}}."""
-    tables: dict[tuple[str, str], dict] = {}
-    current = None
-    for raw in stdout.splitlines():
-        if not raw.startswith(PREFIX):
-            continue
-        line = raw[len(PREFIX):]
-        m = HEADER.match(line)
-        if m:
-            current = tables.setdefault((m.group(1), m.group(2)), {"rows": [], "footer": []})
-            continue
-        if current is None:
-            continue
-        m = ROW.match(line)
-        if m:
-            g = m.groups()
-            current["rows"].append({"size": int(g[0]), "count": int(g[1]), "type": g[2], "redop": g[3],
-                                    "root": int(g[4]), "oop": g[5:9], "ip": g[9:13]})
-        elif line.startswith("# Out of bounds values") or line.startswith("# Avg bus bandwidth"):
-            current["footer"].append(line)
-    return tables
-
-
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("collectives")
-    js, png = out / "bench.json", out / "bench.png"
-    r = run(launcher_cmd("-np", "2", PYTHON, "benchmarks/collectives.py", "--device", "cpu", "--quick",
-                         "--json", str(js), "--plot", str(png)), timeout=120)
-    return r, js, png
-
-
-def test_quick_cpu_sweep_prints_nccl_tests_tables_with_no_wrong_results(quick_run):
-    r, _, _ = quick_run
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.leftovers == []
-    assert "[1]<stdout>" not in r.stdout  # only rank 0 prints
-    tables = parse_tables(r.stdout)
-    assert set(tables) == {(c, i) for c in bench.COLLECTIVES for i in ("gpucomm", "torch")}
-    for (coll, impl), t in tables.items():
-        assert len(t["rows"]) == 5, (coll, impl, t["rows"])  # 8 B .. 64 KiB by 8x
-        for row in t["rows"]:
-            assert row["oop"][3] == "0", (coll, impl, row)
-            has_in_place = coll != "alltoall" and (impl == "torch" or coll in ("allreduce", "broadcast"))
-            assert row["ip"][3] == ("0" if has_in_place else "N/A"), (coll, impl, row)
-            assert row["redop"] == ("sum" if coll in ("allreduce", "reducescatter") else "none")
-            assert row["root"] == (0 if coll == "broadcast" else -1)
-            per_rank = 1 if coll in ("allreduce", "broadcast") else 2
-            assert row["size"] == row["count"] * 4 * per_rank, (coll, row)  # float; nccl-tests' size column
-        assert t["footer"][0] == "# Out of bounds values : 0 OK"
-        assert re.fullmatch(r"# Avg bus bandwidth    : [0-9.e+-]+", t["footer"][1]), t["footer"]
-    assert f"{PREFIX}# Out of bounds values (all tables) : 0 OK" in r.stdout
-
-
-def test_busbw_is_algbw_times_nccl_tests_factor(quick_run):
-    r, js, _ = quick_run
-    assert r.returncode == 0, r.stderr[-3000:]
-    doc = json.loads(js.read_text())
-    assert doc["env"]["ranks"] == 2 and doc["env"]["device"] == "cpu" and doc["env"]["torch"] == torch.__version__
-    assert len(doc["tables"]) == 10 and all(t["out_of_bounds"] == 0 for t in doc["tables"])
-    printed = parse_tables(r.stdout)
-    for (coll, impl), table in printed.items():
-        rows = [x for x in doc["results"] if (x["collective"], x["impl"]) == (coll, impl)]
-        assert [x["bytes"] for x in rows] == [row["size"] for row in table["rows"]]
-        factor = FACTORS_2[coll]
-        for x in rows:
-            for place in ("out_of_place", "in_place"):
-                res = x[place]
-                if res:  # {} where the place does not apply
-                    assert res["busbw"] == pytest.approx(res["algbw"] * factor, rel=1e-12)
-                    assert res["wrong"] == 0
-        # the printed row carries the same numbers (2 decimals, time as nccl-tests formats it)
-        last, shown = rows[-1]["out_of_place"], table["rows"][-1]["oop"]
-        assert float(shown[1]) == pytest.approx(last["algbw"], abs=0.006)
-        assert float(shown[2]) == pytest.approx(last["busbw"], abs=0.006)
-        assert float(shown[0]) == pytest.approx(last["time_us"], rel=0.01, abs=0.01)
-
-
-def test_json_and_png_are_written(quick_run):
-    r, js, png = quick_run
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert js.is_file() and f"# wrote {js}" in r.stdout
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert "plot skipped: matplotlib is not installed" in r.stdout
-        return
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
 
 # -- the pieces, without a job ----------------------------------------------------------------
 
@@ -200,3 +101,76 @@ def test_cuda_without_a_gpu_exits_2_with_one_line():
     assert r.returncode == 2 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "--device cuda needs a CUDA GPU" in lines[0] and "--device cpu" in lines[0], r.stderr
+
+
+# -- the summary on empty, partial and 1-rank tables -------------------------------------------
+
+
+def _table(coll: str, impl: str, busbw: list[float], skipped: tuple[str, ...] = ()) -> "bench.Table":
+    rows = [bench.Row(8 << i, 2 << i, "float", "sum", -1, bench.Result(10.0, 1.0 + i, bw, 0), None)
+            for i, bw in enumerate(busbw)]
+    return bench.Table(coll, impl, impl, rows, list(skipped))
+
+
+def test_summary_of_empty_tables_says_why_instead_of_failing():
+    empty = _table("allreduce", "torch", [], ("int32 avg: Gloo's ReduceOp.AVG cannot write an integer result",))
+    tiny = _table("allgather", "gpucomm", [])
+    full = _table("allreduce", "gpucomm", [1.0, 3.0])
+    assert empty.avg_busbw is None and empty.avg_algbw is None and full.avg_busbw == 2.0
+    lines = bench.summary_lines([full, empty, tiny], 2, {"nccl": "raw NCCL moves CUDA buffers only"})
+    assert lines == [
+        "# Summary: avg bus bandwidth (GB/s): allreduce/gpucomm 2, allreduce/torch n/a, allgather/gpucomm n/a",
+        "# No rows for allreduce/torch: every case skipped: int32 avg: Gloo's ReduceOp.AVG cannot write an "
+        "integer result",
+        "# No rows for allgather/gpucomm: no size in the sweep leaves an element per rank (raise -b or -e)",
+        "# Not measured: nccl: raw NCCL moves CUDA buffers only",
+        "# Out of bounds values (all tables) : 0 OK"]
+    assert bench.table_footer(tiny)[1].startswith("# Avg bus bandwidth    : n/a (no rows: no size")
+    assert bench.summary_lines([], 2, {})[0] == "# Summary: avg bus bandwidth (GB/s): n/a (no tables were run)"
+
+
+def test_one_rank_summary_and_plot_use_algbw(tmp_path, capsys):
+    one_rank = _table("allreduce", "gpucomm", [0.0, 0.0])  # busbw = algbw x 2(n-1)/n = 0 at 1 rank
+    (line, *_) = bench.summary_lines([one_rank], 1, {})
+    assert line == ("# Summary: avg algorithm bandwidth (GB/s; at 1 rank nccl-tests' busbw is 0 for all but "
+                    "broadcast): allreduce/gpucomm 1.5")
+    assert bench.summary_metric(1) == "algbw" and bench.summary_metric(2) == "busbw"
+    assert not bench.write_plot(str(tmp_path / "none.png"), [_table("allreduce", "gpucomm", [])], "t")
+    assert "plot skipped: no table has a row to draw" in capsys.readouterr().out
+    assert not (tmp_path / "none.png").exists()
+
+
+def test_json_is_strict_when_a_bandwidth_is_infinite(tmp_path):
+    import argparse
+    import json
+
+    table = _table("allreduce", "gpucomm", [float("inf")])
+    bench.write_json(str(tmp_path / "c.json"), [table, _table("allgather", "gpucomm", [])], {"ranks": 2},
+                     argparse.Namespace(quick=True))
+    doc = json.loads((tmp_path / "c.json").read_text(), parse_constant=lambda name: pytest.fail(name))
+    assert doc["results"][0]["out_of_place"]["busbw"] is None
+    assert doc["tables"][1]["avg_busbw"] is None and doc["tables"][1]["empty_reason"].startswith("no size")
+
+
+def test_an_interrupted_sweep_reports_the_rows_it_measured(tmp_path):
+    """Ctrl-C on the launcher: it stops the ranks (SIGTERM), and rank 0 still prints the summary and
+    writes the JSON of the tables so far, marked interrupted, then exits 130."""
+    import json
+    import signal
+
+    from tests.harness import launcher_cmd
+
+    js = tmp_path / "c.json"
+    cmd = launcher_cmd("-np", "2", PYTHON, "benchmarks/collectives.py", "--device", "cpu", "--impls", "gpucomm",
+                       "--ops", "broadcast,allreduce", "-o", "all", "-b", "8", "-e", "64K", "-f", "8", "-w", "1",
+                       "-n", "200", "--json", str(js), "--plot", "")
+    # 5 broadcast rows, then 25 allreduce rows (5 ops): the signal comes early in the second table
+    r = run(cmd, timeout=180, signal_after=(0.0, signal.SIGINT), wait_for_line="# Collective allreduce")
+    assert r.returncode == 130, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.leftovers == [] and "Traceback" not in r.stdout + r.stderr
+    assert "[0]<stdout>:# Interrupted: the sweep was stopped; the tables above hold the rows measured before that" \
+        in r.stdout
+    doc = json.loads(js.read_text())
+    assert doc["env"]["interrupted"] is True
+    rows = {t["collective"]: t["rows"] for t in doc["tables"]}
+    assert rows["broadcast"] == 5 and 0 <= rows["allreduce"] < 25, rows  # stopped inside the allreduce table

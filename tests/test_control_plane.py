@@ -1,25 +1,23 @@
 """The control plane end to end, in 2 and 3 real processes on CPU: errors when ranks disagree,
 duplicate names, ordering, the response cache, the stall inspector, join, process sets, and ranks
-that die while the others wait. The rank-side halves live in ``tests/control_scenarios.py``."""
+that die while the others wait. The rank-side halves live in ``tests/control_scenarios.py``.
+
+Three ranks where a third rank shows something two cannot (ranks grouped by value, a missing rank
+among several, sets of a subset); two elsewhere. Time bounds only catch hangs: each is at least ten
+times what the behaviour needs (the benchmarks measure the real figures)."""
 
 from __future__ import annotations
 
 import json
-import os
-import secrets
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from gpucomm.bootstrap.rendezvous import RendezvousServer
 from tests import control_scenarios as sc
-from tests.harness import rank_env, run_ranks
-from tests.launcher_util import ROOT
+from tests.harness import run_rank_scripts, run_ranks
 
-SIZES = [2, 3]
+ERROR_BOUND_S = 20.0  # a mismatch or a dead peer is an error within 2 s (benchmarks/control_plane.py); 10x that
 STALL_ENV = {"GPUCOMM_STALL_CHECK_TIME_SECONDS": "1", "GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS": "3"}
 
 
@@ -32,8 +30,8 @@ def _who(size: int) -> str:
 # 1. mismatches: an error on every rank, fast, naming ranks and values; the job goes on
 
 
-@pytest.mark.parametrize("size", SIZES)
-def test_mismatch_raises_on_every_rank_naming_ranks_and_values(size):
+def test_mismatch_raises_on_every_rank_naming_ranks_and_values():
+    size = 3
     results = run_ranks(sc.mismatches, size, timeout=90)
     who = _who(size)
     expected = {
@@ -53,7 +51,7 @@ def test_mismatch_raises_on_every_rank_naming_ranks_and_values(size):
         for case, fragment in expected.items():
             elapsed, kind, message = seen[case]
             assert kind == "CollectiveError", (rank, case, kind)  # a RuntimeError, as Horovod raises
-            assert elapsed < 2.0, f"rank {rank} waited {elapsed:.2f} s for the {case} error"
+            assert elapsed < ERROR_BOUND_S, f"rank {rank} waited {elapsed:.2f} s for the {case} error"
             op_kind = {"root": "broadcast", "splits": "alltoall"}.get(case, "allreduce")
             assert f"{op_kind.upper()} '{op_kind}.{case}'" in message, message
             assert fragment in message, (rank, case, message)
@@ -62,43 +60,40 @@ def test_mismatch_raises_on_every_rank_naming_ranks_and_values(size):
     assert all(m == messages[0] for m in messages)
 
 
-@pytest.mark.parametrize("size", SIZES)
-def test_duplicate_in_flight_name_fails_only_on_that_rank(size):
-    messages = run_ranks(sc.duplicate_name, size, timeout=60)
+def test_duplicate_in_flight_name_fails_only_on_that_rank():
+    messages = run_ranks(sc.duplicate_name, 2, timeout=60)
     assert "another operation named 'allreduce.dup' is still in flight on this rank" in messages[0]
-    assert messages[1:] == [None] * (size - 1)
+    assert messages[1:] == [None]
 
 
 # =============================================================================================
 # 2. order and the response cache
 
 
-@pytest.mark.parametrize("size, env", [(2, {}), (3, {}), (3, {"GPUCOMM_CACHE_CAPACITY": "0"})],
-                         ids=["2", "3", "3-no-cache"])
+@pytest.mark.parametrize("size, env", [(3, {}), (3, {"GPUCOMM_CACHE_CAPACITY": "0"})], ids=["3", "3-no-cache"])
 def test_async_ops_submitted_in_different_orders_all_complete_correctly(size, env):
     run_ranks(sc.out_of_order, size, timeout=60, env=env)
 
 
-@pytest.mark.parametrize("size", SIZES)
-def test_burst_of_named_allreduces_costs_few_control_rounds(size):
+def test_burst_of_named_allreduces_costs_few_control_rounds():
     """100 async allreduces, twice (the second burst is all response-cache hits), with the
-    coordinator reducing them and with the data plane (GPUCOMM_INLINE_BYTES=0). A 10 ms cycle keeps
-    each burst within a cycle or two even on a slow, loaded machine: the bound is about batching
-    requests into frames, not about CPU speed. The ranks also check cached names whose requests
-    change (new allgather rows; a shape mismatch, then the old shape again)."""
-    frames = run_ranks(sc.cache_bursts, size, timeout=90, env={"GPUCOMM_CYCLE_TIME": "10"})
+    coordinator reducing them and with the data plane (GPUCOMM_INLINE_BYTES=0). A cycle far longer
+    than a burst takes to submit (10 s; waiting on a handle sends at once) puts each burst in one
+    frame however loaded the machine is: the bound is about batching requests, not CPU speed. The
+    ranks also check cached names whose requests change (new allgather rows; a shape mismatch,
+    then the old shape again)."""
+    frames = run_ranks(sc.cache_bursts, 3, timeout=90, env={"GPUCOMM_CYCLE_TIME": "10000"})
     for rank, per_mode in enumerate(frames):
         for mode, bursts in per_mode.items():
-            assert len(bursts) == 2 and all(1 <= f <= 5 for f in bursts), (rank, mode, bursts)
+            assert len(bursts) == 2 and all(1 <= f <= 3 for f in bursts), (rank, mode, bursts)
 
 
 # =============================================================================================
 # 3. the stall inspector
 
 
-@pytest.mark.parametrize("size", SIZES)
-def test_stall_is_reported_then_becomes_an_error_on_every_rank(size):
-    results = run_ranks(sc.stall_shutdown, size, timeout=90, env=STALL_ENV)
+def test_stall_is_reported_then_becomes_an_error_on_every_rank():
+    results = run_ranks(sc.stall_shutdown, 3, timeout=90, env=STALL_ENV)
     rank0 = results[0]
     assert rank0["warnings"], "rank 0 logged no stall warning"
     first = rank0["warnings"][0]
@@ -109,8 +104,8 @@ def test_stall_is_reported_then_becomes_an_error_on_every_rank(size):
         assert "the stall inspector stopped the job after 3 s" in seen["error"], (rank, seen["error"])
         assert "1: [allreduce.forgotten]" in seen["error"]
         assert seen["later"] == seen["error"], "later collectives fail with the same cause"
-        if rank != 1:  # the ranks that waited got the error at the shutdown time, not at GPUCOMM_TIMEOUT
-            assert 2.5 <= seen["elapsed"] <= 6.0, (rank, seen["elapsed"])
+        if rank != 1:  # the ranks that waited got the error at the 3 s shutdown time, not at GPUCOMM_TIMEOUT (60 s)
+            assert 2.5 <= seen["elapsed"] < 30.0, (rank, seen["elapsed"])
 
 
 def test_stall_warning_without_shutdown_lets_the_job_finish():
@@ -120,7 +115,7 @@ def test_stall_warning_without_shutdown_lets_the_job_finish():
                for w in warnings), warnings
     assert all("Set GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS to turn a stall into an error." in w for w in warnings)
     assert results[1]["warnings"] == []
-    assert 2.0 < results[0]["elapsed"] < 10.0  # rank 0 waited for the late rank, then finished
+    assert results[0]["elapsed"] > 2.0  # rank 0 waited for the late rank, then finished
 
 
 def test_stall_check_disable_logs_nothing():
@@ -150,16 +145,16 @@ def test_early_join_is_not_a_stall():
 # 4. join
 
 
-@pytest.mark.parametrize("size", SIZES)
-def test_join_with_uneven_steps(size):
+def test_join_with_uneven_steps():
     """Rank r runs 3 + r steps; exact Sum/Average/reducescatter/grouped values are checked on each
     rank, including through the data plane where joined ranks stand in with zeros."""
+    size = 3
     lasts = run_ranks(sc.join_uneven_steps, size, timeout=90)
     assert lasts == [size - 1] * size
 
 
-@pytest.mark.parametrize("size", SIZES)
-def test_data_movement_after_a_peer_joined_fails_on_the_submitting_ranks(size):
+def test_data_movement_after_a_peer_joined_fails_on_the_submitting_ranks():
+    size = 2
     results = run_ranks(sc.join_then_data_movement, size, timeout=90)
     lasts = {last for last, _ in results}
     assert len(lasts) == 1 and lasts <= set(range(1, size)), results
@@ -171,8 +166,10 @@ def test_data_movement_after_a_peer_joined_fails_on_the_submitting_ranks(size):
         assert "op=hvd.Min cannot run: rank 0 already called join()" in errors["min"]
 
 
-@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("size", [2, 3])
 def test_distributed_optimizer_with_uneven_batches_then_join(size):
+    """Joined ranks stand in for the others' fixed-schedule steps with zeros (a training flag in
+    bucket 0 tells them when every rank has joined)."""
     results = run_ranks(sc.train_uneven_then_join, size, timeout=120)
     want = sc.reference_training({r: 4 + r for r in range(size)}, size)
     for rank, (last, params) in enumerate(results):
@@ -217,28 +214,11 @@ def test_dynamic_process_sets():
 
 
 def _run_scripts(size: int, argv: list[str], timeout: float = 60.0) -> list[tuple[int, str, str]]:
-    """Run ``python -m tests.control_scenarios *argv`` as every rank of a ``size``-rank job (a real
-    script, so an uncaught exception goes through sys.excepthook); returns (rc, stdout, stderr)
-    per rank. Every process is reaped: those still running at the deadline are killed."""
-    secret = secrets.token_bytes(32)
-    procs: list[subprocess.Popen] = []
-    with RendezvousServer(secret, "127.0.0.1", 0) as server:
-        try:
-            for r in range(size):
-                env = dict(os.environ, PYTHONPATH=str(ROOT), **rank_env(r, size, server.port, secret))
-                procs.append(subprocess.Popen([sys.executable, "-m", "tests.control_scenarios", *argv], cwd=ROOT,
-                                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-            deadline = time.monotonic() + timeout
-            out = []
-            for p in procs:
-                stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-                out.append((p.returncode, stdout, stderr))
-            return out
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.communicate()
+    """Run ``python -m tests.control_scenarios *argv`` as every rank (real scripts, so an uncaught
+    exception goes through sys.excepthook); (rc, stdout, stderr) per rank, every process reaped."""
+    ranks = run_rank_scripts(["-m", "tests.control_scenarios", *argv], size, timeout=timeout)
+    assert not ranks[0].leftovers, ranks[0].leftovers
+    return [(r.returncode, r.stdout, r.stderr) for r in ranks]
 
 
 def _report(stdout: str) -> dict:
@@ -247,12 +227,11 @@ def _report(stdout: str) -> dict:
     return json.loads(lines[0])
 
 
-@pytest.mark.parametrize("size, mode, dying", [(2, "exit", 1), (3, "exit", 1), (2, "raise", 1), (3, "exit", 0),
-                                               (2, "raise", 0)])
+@pytest.mark.parametrize("size, mode, dying", [(2, "exit", 1), (3, "exit", 0), (2, "raise", 1), (2, "raise", 0)])
 def test_dead_rank_fails_the_waiting_ranks_fast(size, mode, dying):
     t0 = time.monotonic()
     ranks = _run_scripts(size, ["dies_while_others_wait", mode, str(dying)])
-    assert time.monotonic() - t0 < 45, "the job took far too long to end"
+    assert time.monotonic() - t0 < 50, "the job took far too long to end"
     rc, _, stderr = ranks[dying]
     if mode == "exit":
         assert rc == 3, (rc, stderr)
@@ -263,8 +242,8 @@ def test_dead_rank_fails_the_waiting_ranks_fast(size, mode, dying):
             continue
         assert rc == 0, (rank, rc, stderr)
         seen = _report(stdout)
-        assert seen["elapsed"] < 5.0, f"rank {rank} waited {seen['elapsed']:.1f} s (GPUCOMM_TIMEOUT is 60 s)"
-        assert seen["later_elapsed"] < 1.0
+        assert seen["elapsed"] < ERROR_BOUND_S, f"rank {rank} waited {seen['elapsed']:.1f} s (GPUCOMM_TIMEOUT is 60 s)"
+        assert seen["later_elapsed"] < ERROR_BOUND_S
         if mode == "raise":  # the uncaught exception was reported before the rank went away
             assert f"rank {dying} failed: ValueError: rank {dying} gave up" in seen["error"], seen["error"]
         elif dying == 0:
@@ -274,11 +253,10 @@ def test_dead_rank_fails_the_waiting_ranks_fast(size, mode, dying):
         assert seen["later"] == seen["error"], "later collectives fail at once with the same cause"
 
 
-@pytest.mark.parametrize("size", SIZES)
-def test_rank_that_shuts_down_fails_the_waiting_ranks_fast(size):
-    results = run_ranks(sc.shutdown_while_others_wait, size, timeout=60)
+def test_rank_that_shuts_down_fails_the_waiting_ranks_fast():
+    results = run_ranks(sc.shutdown_while_others_wait, 2, timeout=60)
     assert results[1] is None
-    for rank in [0] + list(range(2, size)):
+    for rank in (0,):
         seen = results[rank]
-        assert seen["elapsed"] < 5.0, (rank, seen)
+        assert seen["elapsed"] < ERROR_BOUND_S, (rank, seen)
         assert "rank 1 has shut gpucomm down" in seen["error"], seen["error"]

@@ -1,19 +1,16 @@
-"""benchmarks/control_plane.py, benchmarks/mismatch_exit.py and benchmarks/timeline_overhead.py with
-tiny counts on 2 CPU ranks: they run, print their tables on rank 0 only, and write sane JSON (and
-PNGs); plus the timeline analysis on a hand-made trace."""
+"""benchmarks/control_plane.py, benchmarks/mismatch_exit.py and benchmarks/timeline_overhead.py without
+a job: their summaries of 1-rank, empty and partial measurements, the timeline analysis on a hand-made
+trace, and the refusals. The scripts themselves run in tests/test_benchmarks_smoke.py."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import sys
 
 import pytest
 
-from tests.launcher_util import PYTHON, ROOT, launcher_cmd, run
-
-PREFIX = "[0]<stdout>:"
+from tests.harness import ROOT
 
 
 def _load(name: str):
@@ -27,108 +24,122 @@ def _load(name: str):
     return sys.modules[key]
 
 
-def test_control_plane_quick_run_reports_latency_bursts_and_mismatch(tmp_path):
-    js = tmp_path / "cp.json"
-    r = run(launcher_cmd("-np", "2", PYTHON, "benchmarks/control_plane.py", "--rounds", "2", "--iters", "20",
-                         "--warmup", "5", "--burst-repeats", "3", "--mismatch-repeats", "1", "--json", str(js)),
-            timeout=60)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.leftovers == []
-    assert "[1]<stdout>" not in r.stdout  # only rank 0 reports
-    assert f"{PREFIX}wrote {js}" in r.stdout
-    doc = json.loads(js.read_text())
-    assert doc["benchmark"] == "control_plane" and doc["ranks"] == 2
-    assert doc["generations"]["default"]["inline_bytes"] == 16 << 10
-    assert doc["generations"]["inline_off"]["inline_bytes"] == 0
-
-    lat = doc["latency"]
-    assert set(lat) == {"named", "unnamed", "named_dataplane", "barrier", "raw_gloo", "named_4097", "raw_gloo_4097"}
-    for name, s in lat.items():
-        assert 0 < s["p10_us"] <= s["median_us"] <= s["p90_us"] < 1e6, (name, s)
-        assert 0 < s["loop_avg_us"] < 1e6, (name, s)
-        # raw Gloo: both generations each round; the others: one block per round
-        assert s["blocks"] == (4 if name == "raw_gloo" else 2) and s["ops"] == 20 * s["blocks"], (name, s)
-        if name.startswith("raw_gloo"):
-            assert s["control_rounds_per_op"] == 0, (name, s)  # raw Gloo never talks to the coordinator
-        else:
-            assert s["control_rounds_per_op"] >= 1, (name, s)  # a blocking op is at least one round
-        assert f"{PREFIX}{name:>16} " in r.stdout
-    for name, ratio in doc["ratios"].items():
-        assert ratio["vs"] == ("raw_gloo_4097" if name == "named_4097" else "raw_gloo")
-        for stat in ("loop_avg", "median"):
-            assert math.isfinite(ratio[stat]) and ratio[stat] > 0, (name, ratio)
-
-    bursts = doc["bursts"]
-    assert set(bursts) == {"inline_1", "dataplane_5000", "inline_off_1"}
-    # 100 async ops share a few control rounds: at most one leaves per cycle while the burst is being
-    # submitted, and one more for the rest when it is synchronized (a loaded machine submits slower)
-    cycle_ms = doc["generations"]["default"]["cycle_time_ms"]
-    assert bursts["inline_1"]["cached"]["rounds_median"] <= 5, bursts["inline_1"]
-    for kind, b in bursts.items():
-        assert b["uncached"]["bursts"] == 2 and b["cached"]["bursts"] == 6, (kind, b)
-        for label in ("uncached", "cached"):
-            assert b[label]["ms_median"] > 0
-            for rounds, submit_ms in zip(b[label]["rounds_all"], b[label]["submit_ms_all"]):
-                assert 1 <= rounds <= submit_ms / cycle_ms + 3, (kind, label, b)
-                assert rounds < 50, (kind, label, b)  # batched: far fewer rounds than ops
-
-    m = doc["mismatch"]
-    assert m["repeats"] == 2 and [p["rank"] for p in m["per_rank"]] == [0, 1]
-    assert all(0 < p["max_ms"] < 10_000 for p in m["per_rank"])
-    assert "Mismatched ALLREDUCE" in m["error"] and "rank 0 sent [1]; rank 1 sent [2]" in m["error"]
-    assert m["all_errors_name_shapes"]
-
-
-def test_uncaught_mismatch_ends_every_rank_quickly(tmp_path):
-    js = tmp_path / "exit.json"
-    # the benchmark's own verdict uses 2 s; a loaded test machine gets 10 (Python's teardown alone takes ~0.5 s)
-    r = run([PYTHON, "benchmarks/control_plane.py", "--mismatch-exit", "--exit-repeats", "1", "--exit-limit", "10",
-             "--json", str(js)], timeout=60)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.leftovers == []
-    doc = json.loads(js.read_text())
-    assert doc["benchmark"] == "mismatch_exit" and doc["ok"] is True
-    (launch,) = doc["runs"]
-    assert launch["returncode"] != 0 and not launch["hung"] and not launch["not_reached"]
-    assert launch["ranks_called"] == [0, 1] and launch["ranks_with_error"] == [0, 1]
-    ends = launch["call_to_rank_process_end_s"]
-    assert set(ends) == {"0", "1"} and all(0 <= t < 10 for t in ends.values()), ends
-    assert 0 <= launch["call_to_launcher_exit_s"] < 10
-    assert launch["launch_to_call_s"] < launch["launch_to_all_ranks_exited_s"] <= launch["launch_to_launcher_exit_s"]
-    assert doc["limit_s"] == 10 and "every rank raised the error and exited within 10 s of the call: yes" in r.stdout
-    assert all(0 <= t < 10 for t in launch["call_to_rank_exit_hook_s"].values())  # error + gpucomm shutdown
-
-
-def test_mismatch_exit_mode_refuses_to_run_under_a_launcher(tmp_path):
-    r = run(launcher_cmd("-np", "1", PYTHON, "benchmarks/control_plane.py", "--mismatch-exit",
-                         "--json", str(tmp_path / "x.json")), timeout=60)
-    assert r.returncode != 0 and "run it with plain python" in r.stdout + r.stderr
+def test_mismatch_exit_mode_refuses_to_run_under_a_launcher(tmp_path, monkeypatch, capsys):
+    bench = _load("control_plane")
+    args = bench.parse_args(["--mismatch-exit", "--quick", "--json", str(tmp_path / "x.json")])
+    monkeypatch.setenv("GPUCOMM_RANK", "0")  # what every rank of a gpucomm-run job has
+    with pytest.raises(SystemExit, match="run it with plain python"):
+        bench.mismatch_exit(args)
     assert not (tmp_path / "x.json").exists()
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--mismatch-exit", "--np", "1"])
+    assert "a shape mismatch needs at least 2 ranks" in capsys.readouterr().err
 
 
-def test_timeline_overhead_quick_run_writes_json_and_pngs(tmp_path):
-    out = tmp_path / "tl"
-    r = run(launcher_cmd("-np", "2", PYTHON, "benchmarks/timeline_overhead.py", "--pairs", "1", "--steps-per-block",
-                         "2", "--warmup", "1", "--batch-size", "8", "--out", str(out)), timeout=60)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.leftovers == []
-    assert "[1]<stdout>" not in r.stdout
-    doc = json.loads((out / "timeline_overhead.json").read_text())
-    assert doc["benchmark"] == "timeline_overhead" and doc["ranks"] == 2 and doc["model"] == "convnet"
-    assert doc["steps_per_mode"] == 2
-    assert doc["step_ms"]["off_median"] > 0 and doc["step_ms"]["on_median"] > 0
-    assert math.isfinite(doc["overhead_pct"]) and f"{PREFIX}timeline overhead: " in r.stdout
-    # the default limits split convnet into the head (first bucket, <= 1 MiB) and the rest
-    assert list(doc["buckets"].values()) == [1029024, 2602240]
-    last = doc["last_timeline"]
-    assert last["steps"] == 2 and last["open_optimizer_spans"] == 0
-    assert 0 <= last["overlap_ms"] <= min(last["backward_ms"], last["gloo_allreduce_busy_ms"]) + 1e-9
-    assert 0 <= last["hidden_fraction"] <= 1
-    assert [b["path"] for b in last["buckets"]] == ["GLOO_ALLREDUCE", "GLOO_ALLREDUCE"]
-    assert all(b["reductions"] == 2 for b in last["buckets"])
-    for key in ("png", "png_step"):
-        assert doc[key] and open(doc[key], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
-    assert (out / "timeline.0.json").is_file()
+# -- summaries of 1-rank, empty and partial measurements, without a job ---------------------------
+
+
+def _local(bench, iters: int, bursts: int, mismatches: int, plane: bool = True):
+    """One rank's measurements for one round: every variant, ``bursts`` bursts of each kind; with no
+    control plane (a 1-rank job) no frames are counted."""
+    local = bench.Local()
+    for v in bench.VARIANTS:
+        local.blocks[v], local.ops[v] = [iters * 1e-4], [1e-4] * iters
+        if plane:
+            local.frames[v] = [iters]
+    for kind in bench.BURSTS:
+        local.bursts[kind] = [{"cached": i > 0, "frames": 2 if plane else None, "submit_s": 1e-3, "seconds": 2e-3}
+                              for i in range(bursts)]
+    local.mismatch = [1e-3] * mismatches
+    local.mismatch_errors = ["Mismatched ALLREDUCE tensor shapes"] * mismatches
+    return local
+
+
+def _result(bench, every, args):
+    return {"ranks": len(every), "args": vars(args), "loadavg_1min": {"before": 0.0, "after": 0.0},
+            "generations": {"default": {"inline_bytes": 16384, "cycle_time_ms": 1.0},
+                            "inline_off": {"inline_bytes": 0, "cycle_time_ms": 1.0}},
+            **bench.summarize(every, args)}
+
+
+def test_control_plane_summary_at_one_rank_and_with_nothing_cached():
+    bench = _load("control_plane")
+    args = bench.parse_args(["--quick", "--burst-repeats", "0"])
+    one = _result(bench, [_local(bench, 20, bursts=1, mismatches=0, plane=False)], args)
+    assert one["mismatch"]["not_measured"] == "a shape mismatch needs at least 2 ranks"
+    assert all(set(b) == {"uncached"} for b in one["bursts"].values())  # no cached burst was run
+    assert one["latency"]["named"]["control_rounds_per_op"] is None and one["latency"]["named"]["ops"] == 20
+    assert one["bursts"]["inline_1"]["uncached"]["rounds_median"] is None
+    lines = bench.table(one)
+    assert lines[-2:] == ["# mismatched shapes: not measured (a shape mismatch needs at least 2 ranks)",
+                          "# note: control rounds n/a: a 1-rank job has no control plane (gpucomm runs its "
+                          "collectives inline)"]
+    assert any(line.split()[:3] == ["inline_1", "n/a", "n/a"] for line in lines), lines
+    counted = _result(bench, [_local(bench, 20, bursts=1, mismatches=0)], args)
+    assert any(line.split()[:3] == ["inline_1", "2", "n/a"] for line in bench.table(counted))
+
+    two = _result(bench, [_local(bench, 20, 2, 1), _local(bench, 20, 2, 1)], bench.parse_args(["--quick"]))
+    assert [p["rank"] for p in two["mismatch"]["per_rank"]] == [0, 1] and two["mismatch"]["not_measured"] is None
+    assert two["latency"]["named"]["ops"] == 20 and two["ratios"]["named"]["median"] == pytest.approx(1.0)
+
+    empty = bench.Local()  # a rank that measured nothing: every figure is None, the table says n/a
+    nothing = _result(bench, [empty, empty], bench.parse_args(["--quick", "--mismatch-repeats", "0"]))
+    assert nothing["latency"]["named"]["median_us"] is None and nothing["ratios"]["named"]["median"] is None
+    assert nothing["mismatch"]["not_measured"] == "--mismatch-repeats 0"
+    assert "n/a" in "\n".join(bench.table(nothing))
+
+
+def test_mismatch_exit_summary_with_no_launch_or_a_hung_one():
+    bench = _load("control_plane")
+    args = bench.parse_args(["--mismatch-exit", "--quick"])
+    none = bench.exit_summary([], args)
+    assert none["ok"] is False and none["call_to_last_rank_exit_s_median"] is None
+    assert "no launch finished: n/a" in bench.exit_table(none)
+    hung = {"returncode": -9, "hung": True, "ranks_called": [0, 1], "ranks_with_error": [], "launch_to_call_s": 1.0,
+            "launch_to_all_ranks_exited_s": None, "launch_to_launcher_exit_s": 60.0, "call_to_rank_exit_hook_s": {},
+            "call_to_rank_process_end_s": {0: 0.5}, "call_to_launcher_exit_s": 59.0, "not_reached": False}
+    result = bench.exit_summary([hung], args)
+    assert result["ok"] is False and result["call_to_last_rank_exit_s_max"] is None
+    assert bench.exit_table(result)[-1].endswith(": NO (slowest rank: median n/a s, max n/a s)")
+
+
+def test_timeline_summary_at_one_rank_and_with_an_unreadable_timeline(tmp_path):
+    bench = _load("timeline_overhead")
+    times = {"off": [0.02], "on": [0.03]}
+    s = bench.summarize(times, [times], steps_per_block=1)
+    assert s["step_ms"]["off_quartiles"] is None and s["overhead_pct"] == pytest.approx(50.0)
+    bad = tmp_path / "t.json"
+    bad.write_text("[{")  # a file cut short
+    broken = bench.safe_analyse(str(bad), {"DistributedOptimizer.bucket.0": 4})
+    assert broken["error"]
+    assert bench.overlap_notes(2, [broken])[0].startswith("no timeline could be analysed (")
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps(_trace([])))
+    one_rank = bench.safe_analyse(str(empty), {"DistributedOptimizer.bucket.0": 4})
+    assert one_rank["steps"] == 0 and one_rank["hidden_fraction"] is None
+    assert "at 1 rank DistributedOptimizer reduces nothing" in bench.overlap_notes(1, [one_rank])[0]
+    result = {"model": "cnn", "parameters": 1, "ranks": 1, "threads_per_rank": 1, "batch_size": 8, "buckets": {},
+              "args": {"pairs": 1, "steps_per_block": 1}, "loadavg_1min": {"before": 0.0, "after": 0.0}, **s,
+              "last_timeline": None, "all_timelines": {"overlap_ms": 0.0, "gloo_allreduce_busy_ms": 0.0,
+                                                       "hidden_fraction": None, "hidden_fraction_per_timeline": []},
+              "diagnosis": bench.overlap_notes(2, [broken]), "png": None}
+    lines = bench.table(result)
+    assert "# last timeline: not analysed (see the notes)" in lines and lines[2].split()[-1] == "-"
+
+
+def test_timeline_bucket_plan_survives_the_optimizers_private_layout_changing():
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    bench = _load("timeline_overhead")
+    bucket = NS(plan=NS(index=0, numel=10, dtype=torch.float32))
+    want = {"DistributedOptimizer.bucket.0": 40}
+    assert bench.bucket_plan(NS(_buckets=[bucket])) == want  # a list of buckets
+    assert bench.bucket_plan(NS(_buckets=NS(buckets=[bucket]))) == want  # an object holding them
+    assert bench.bucket_plan(NS(_buckets=NS())) == {} and bench.bucket_plan(object()) == {}
+    analysis = {"buckets": [], "hidden_fraction": None}
+    assert bench.overlap_notes(2, [analysis])[0].startswith("per-bucket figures n/a: the optimizer's bucket plan")
 
 
 # -- the timeline analysis, without a job ------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from tests.launcher_util import PYTHON, launcher_cmd, run
+from tests.harness import PYTHON, launcher_cmd, run
 from gpucomm.runner.cli import build_parser, tunables_env
 from gpucomm.timeline import plot as timeline_plot
 

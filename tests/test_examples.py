@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from tests.launcher_util import PYTHON, launcher_cmd, run
+from tests.harness import PYTHON, launcher_cmd, run
 
 
 def test_synthetic_benchmark_prints_horovods_report():

@@ -8,7 +8,7 @@ import textwrap
 
 from gpucomm.failures import Failure, read_failures, record_failure, summarize
 from gpucomm.bootstrap.rendezvous import RendezvousClient, RendezvousServer
-from tests.launcher_util import ROOT
+from tests.harness import ROOT
 
 
 def test_reports_come_back_in_arrival_order():

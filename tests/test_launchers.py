@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launcher_util import PYTHON, run
+from tests.harness import PYTHON, run
 
 ROOT = Path(__file__).resolve().parent.parent
 

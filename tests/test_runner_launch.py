@@ -6,7 +6,7 @@ import re
 import signal
 import textwrap
 
-from tests.launcher_util import PYTHON, ROOT, launcher_cmd, run, write_script
+from tests.harness import PYTHON, ROOT, launcher_cmd, run, write_script
 
 # A rank that starts a helper which leaves the rank's process group and ignores SIGTERM: only a
 # SIGKILL found through the process tree (or the launcher's subreaper sweep) stops it.
@@ -198,7 +198,7 @@ def test_second_ctrl_c_kills_at_once(tmp_path):
     import time
     import uuid
 
-    from tests.launcher_util import base_env, collect_leftovers
+    from tests.harness import base_env, collect_leftovers
 
     script = write_script(tmp_path, "deaf.py", textwrap.dedent("""
         import signal, time

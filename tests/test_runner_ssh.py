@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.launcher_util import PYTHON, launcher_cmd, run, write_script
+from tests.harness import PYTHON, launcher_cmd, run, write_script
 
 SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd", "/sbin/sshd")
 
@@ -160,7 +160,7 @@ def test_unreachable_host_is_explained(sshd, tmp_path):
 
 def _wrapper(argv, cwd, env, grace=2.0):
     from gpucomm.runner.remote import encode_request
-    from tests.launcher_util import ROOT
+    from tests.harness import ROOT
 
     proc = subprocess.Popen([PYTHON, "-m", "gpucomm.runner.remote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)

@@ -13,8 +13,8 @@ from typing import Protocol, Sequence
 import torch
 
 
-class WireOp(enum.Enum):
-    """The reduction a backend performs on the wire."""
+class WireOp(str, enum.Enum):
+    """The reduction a backend performs on the wire (a str enum: hashing it costs no Python call)."""
 
     SUM = "sum"
     AVG = "avg"

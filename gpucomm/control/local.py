@@ -36,7 +36,7 @@ class LocalPlane:
         if request.kind in CONTROL_KINDS:
             return self._control(request)
         try:
-            issued = self._execute(request, _own_meta(request))
+            issued = self._execute(request, _own_meta(request) if request.kind in _META_KINDS else _NO_META)
         except BaseException as e:  # noqa: BLE001 - raised to whoever waits, as in a larger job
             handle = Handle(request, self)
             handle._error = e
@@ -66,6 +66,9 @@ class LocalPlane:
 
     def close(self) -> None:
         self._closed = True
+
+
+_META_KINDS, _NO_META = ("allgather", "alltoall"), {}
 
 
 def _own_meta(request: Request) -> dict:

@@ -64,8 +64,11 @@ class Executor:
     def __call__(self, req: Request, meta: dict) -> Issued:
         group = self._groups(req.set_id)
         tracer = self._tracer()
+        nbytes = 0
+        for t in req.tensors:
+            nbytes += t.numel() * t.element_size()
         COUNTERS.collectives += 1
-        COUNTERS.bytes += sum(t.numel() * t.element_size() for t in req.tensors)
+        COUNTERS.bytes += nbytes
         if req.device.type == "cpu":
             works, after = self._plan(req, meta, group, group.gloo(), None)
             if tracer is not None:

@@ -76,10 +76,13 @@ def check_tensors(kind: str, tensors: Sequence[torch.Tensor], *, reducing: bool)
     return device
 
 
+_OPS = frozenset(ReduceOp)
+
+
 def check_op(kind: str, op: ReduceOp) -> None:
     if op == ReduceOp.ADASUM:
         raise NotImplementedError(f"{kind} with op=Adasum is not supported by gpucomm; use hvd.Average or hvd.Sum.")
-    if op not in ReduceOp.__members__.values():
+    if op not in _OPS:
         raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, hvd.Sum, hvd.Min, hvd.Max or hvd.Product.")
 
 

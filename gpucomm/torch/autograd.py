@@ -20,11 +20,6 @@ def _group(process_set: ProcessSet):
     return runtime.current().group(_set_id(process_set))
 
 
-def _tracked(tensors) -> bool:
-    """True when autograd must record the collective."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 def _allreduce_now(tensor, op, pre, post, name, process_set):
     return _execute("allreduce", [tensor], name, **_reduction(op, None, pre, post, process_set))[0]
 
@@ -152,7 +147,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     """Reduce ``tensor`` over the ranks of ``process_set`` into a new tensor (default op: Average). Differentiable."""
     rop = handle_average_backwards_compatibility(op, average)
     if compression is Compression.none or compression is NoneCompressor:
-        if not _tracked((tensor,)):
+        if not (tensor.requires_grad and torch.is_grad_enabled()):
             return _allreduce_now(tensor, rop, prescale_factor, postscale_factor, name, process_set)
         return _Allreduce.apply(tensor, rop, float(prescale_factor), float(postscale_factor), name, process_set)
     compressed, cctx = compression.compress(tensor)
@@ -174,7 +169,7 @@ def grouped_allreduce(tensors, average: bool | None = None, name: str | None = N
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dim 0 (which may differ per rank). Differentiable."""
-    if not _tracked((tensor,)):
+    if not (tensor.requires_grad and torch.is_grad_enabled()):
         return _allgather_now([tensor], name, process_set)[0][0]
     return _Allgather.apply(tensor, name, process_set)
 
@@ -188,7 +183,7 @@ def grouped_allgather(tensors, name: str | None = None,
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Root's ``tensor`` as a new tensor on every rank. Differentiable."""
-    if not _tracked((tensor,)):
+    if not (tensor.requires_grad and torch.is_grad_enabled()):
         return _broadcast_now(tensor, root_rank, name, process_set)
     return _Broadcast.apply(tensor, root_rank, name, process_set)
 

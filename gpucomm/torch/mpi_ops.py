@@ -113,9 +113,11 @@ def _first(outs: list) -> torch.Tensor:
     return outs[0]
 
 
-def _reduction(op: int | None, average: bool | None, prescale_factor: float, postscale_factor: float,
+def _reduction(op: ReduceOp | int | None, average: bool | None, prescale_factor: float, postscale_factor: float,
                process_set: ProcessSet | None) -> dict:
-    return {"reducing": True, "op": handle_average_backwards_compatibility(op, average),
+    """The request fields of a reduction (``op`` may already be resolved to a ``ReduceOp``)."""
+    resolved = op if op.__class__ is ReduceOp and average is None else handle_average_backwards_compatibility(op, average)
+    return {"reducing": True, "op": resolved,
             "prescale": float(prescale_factor), "postscale": float(postscale_factor), "process_set": process_set}
 
 

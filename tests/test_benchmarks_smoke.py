@@ -1,0 +1,447 @@
+"""Every script in benchmarks/ at its smallest setting on CPU, as a real job: it exits as documented,
+prints its summary, writes parseable JSON and leaves no process behind. The GPU-only ones end with
+one line saying a GPU is needed. Each run is checked for structure and counts only: this machine is
+shared, so nothing here bounds a measured time or rate; at most it is finite, not negative, or in an
+order that holds by construction (p10 <= median <= p90).
+
+The runs are started together when the first test asks for one, two at a time (a run is mostly
+interpreter and job start-up, so two overlap well on two cores), and each test waits for its own;
+verify_gpu.py's summary-only mode reads the JSON the collectives and training runs wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness import PYTHON, launcher_cmd, run
+
+PREFIX = "[0]<stdout>:"
+TIMEOUT = 180.0  # a hang detector: every run here takes a few seconds
+WORKERS = 2  # runs at a time
+NO_GPU = "needs a CUDA GPU"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark run: ``argv`` after the interpreter, ``{out}`` standing for the run's folder."""
+
+    id: str
+    argv: tuple[str, ...]
+    json: str  # the JSON file the run writes, relative to its folder
+    summary: str  # a line of the summary, as printed (without the rank prefix)
+    ranks: int | None = None  # None: plain python (the script starts its own jobs, or none)
+    needs: tuple[str, ...] = ()  # runs whose outputs this one reads
+
+    def command(self, out: Path) -> list[str]:
+        argv = [a.replace("{out}", str(out)) for a in self.argv]
+        if self.ranks is None:
+            return [PYTHON, *argv]
+        return launcher_cmd("-np", str(self.ranks), PYTHON, *argv)
+
+
+def _collectives(ranks: int) -> Case:
+    return Case(f"collectives-{ranks}", ("benchmarks/collectives.py", "--device", "cpu", "--quick",
+                                          "--json", "{out}/collectives.json", "--plot", "{out}/collectives.png"),
+                "collectives.json", "# Summary: avg ", ranks)
+
+
+# the longest runs first, so that two workers finish together
+CASES = {c.id: c for c in [
+    _collectives(2),
+    # mismatch_exit.py fails on purpose; its driver times it (the limit only catches a hang)
+    Case("mismatch_exit", ("benchmarks/control_plane.py", "--mismatch-exit", "--quick", "--exit-limit", "60",
+                           "--json", "{out}/mismatch_exit.json"), "mismatch_exit.json", "every rank raised the error"),
+    Case("timeline_overhead", ("benchmarks/timeline_overhead.py", "--quick", "--out", "{out}"),
+         "timeline_overhead.json", "timeline overhead: ", 2),
+    Case("control_plane", ("benchmarks/control_plane.py", "--quick", "--json", "{out}/control_plane.json"),
+         "control_plane.json", "# burst of 10 async allreduces", 2),
+    _collectives(1),
+    Case("train", ("benchmarks/train.py", "--device", "cpu", "--quick", "--models", "cnn", "--rounds", "2",
+                   "--steps-per-round", "1", "--warmup", "0", "--json", "{out}/train.json",
+                   "--plot", "{out}/train.png"), "train.json", "gpucomm / DDP throughput, cnn: ", 1),
+    Case("optimizer_vs_ddp", ("benchmarks/optimizer_vs_ddp.py", "--quick", "--model", "cnn",
+                              "--json", "{out}/optimizer_vs_ddp.json"),
+         "optimizer_vs_ddp.json", "ratio gpucomm / DDP: ", 1),
+    Case("startup", ("benchmarks/startup.py", "--quick", "--sizes", "1", "--launchers", "gpucomm-run",
+                     "--json", "{out}/startup.json"), "startup.json", "Start-up to first completed allreduce"),
+    Case("overhead-2", ("benchmarks/overhead.py", "--device", "cpu", "--quick", "--json", "{out}/overhead.json"),
+         "overhead.json", "# gpucomm host overhead per cached op: 2 rank(s)", 2),
+    Case("overhead-1", ("benchmarks/overhead.py", "--device", "cpu", "--quick", "--json", "{out}/overhead.json"),
+         "overhead.json", "# gpucomm host overhead per cached op: 1 rank(s)", 1),
+    Case("cpu_allreduce", ("benchmarks/cpu_allreduce.py", "--quick", "--json", "{out}/cpu_allreduce.json"),
+         "cpu_allreduce.json", "gpucomm / raw gloo small-op latency: ", 1),
+    Case("pack_bw", ("benchmarks/pack_bw.py", "--quick", "--json", "{out}/pack_bw.json"), "pack_bw.json", "# target "),
+    Case("verify_gpu", ("benchmarks/verify_gpu.py", "--summarize-only", "--out", "{out}"), "summary.json",
+         "# gpucomm GPU verification, summary of the results in ", needs=("collectives-1", "collectives-2", "train")),
+]}
+# verify_gpu.py's plan names the files it summarizes
+VERIFY_INPUTS = {"collectives-1": "collectives_1.json", "collectives-2": "collectives_2.json", "train": "train_1.json"}
+
+
+@dataclass
+class Run:
+    case: Case
+    out: Path
+    returncode: int
+    stdout: str
+    stderr: str
+    leftovers: list[str]
+
+    def doc(self) -> Any:
+        """The JSON the run wrote, parsed strictly: NaN and Infinity are not JSON."""
+        path = self.out / self.case.json
+        assert path.is_file(), f"{self.case.id}: no {path}\n{self.tail()}"
+        return json.loads(path.read_text(), parse_constant=_reject_constant)
+
+    def rank0(self) -> list[str]:
+        """Rank 0's stdout lines without the prefix (all lines for a plain-python run)."""
+        lines = self.stdout.splitlines()
+        if self.case.ranks is None:
+            return lines
+        return [line[len(PREFIX):] for line in lines if line.startswith(PREFIX)]
+
+    def tail(self) -> str:
+        return f"stdout:\n{self.stdout[-3000:]}\nstderr:\n{self.stderr[-3000:]}"
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} in JSON: a benchmark must write null for a figure it could not measure")
+
+
+class Runs:
+    """The selected cases, run ``WORKERS`` at a time in submission order, dependencies first."""
+
+    def __init__(self, factory: pytest.TempPathFactory, wanted: list[str]) -> None:
+        self.factory = factory
+        self.pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="bench")
+        self.futures: dict[str, Future[Run]] = {}
+        for case_id in wanted:
+            self.submit(case_id)
+
+    def submit(self, case_id: str) -> Future[Run]:
+        if case_id not in self.futures:
+            # dependencies are queued first, so a worker never waits on a run no worker has taken
+            needs = [self.submit(n) for n in CASES[case_id].needs]
+            out = self.factory.mktemp(case_id)
+            self.futures[case_id] = self.pool.submit(self._run, CASES[case_id], out, needs)
+        return self.futures[case_id]
+
+    def get(self, case_id: str) -> Run:
+        return self.submit(case_id).result()
+
+    @staticmethod
+    def _run(case: Case, out: Path, needs: list[Future[Run]]) -> Run:
+        for need in needs:
+            done = need.result()
+            if case.id == "verify_gpu":
+                shutil.copy(done.out / done.case.json, out / VERIFY_INPUTS[done.case.id])
+        r = run(case.command(out), timeout=TIMEOUT)
+        return Run(case, out, r.returncode, r.stdout, r.stderr, r.leftovers)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def selected_cases(session: pytest.Session) -> list[str]:
+    """The case ids of this module's tests that this session will run (all, unless -k narrows them)."""
+    return [item.callspec.params["case_id"] for item in session.items
+            if item.path == Path(__file__) and "case_id" in getattr(getattr(item, "callspec", None), "params", {})]
+
+
+@pytest.fixture(scope="module")
+def bench_runs(request, tmp_path_factory):
+    runs = Runs(tmp_path_factory, selected_cases(request.session))
+    yield runs
+    runs.close()
+
+
+def gpu_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def expected_returncode(case: Case) -> int:
+    return 2 if case.id == "pack_bw" and not gpu_available() else 0  # pack_bw: 2 = skipped, documented
+
+
+def non_finite_numbers(doc: Any, where: str = "") -> list[str]:
+    """Paths of every number in ``doc`` that is not finite (strict parsing already refuses NaN)."""
+    if isinstance(doc, dict):
+        return [p for k, v in doc.items() for p in non_finite_numbers(v, f"{where}.{k}")]
+    if isinstance(doc, list):
+        return [p for i, v in enumerate(doc) for p in non_finite_numbers(v, f"{where}[{i}]")]
+    if isinstance(doc, float) and not math.isfinite(doc):
+        return [where]
+    return []
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_benchmark_runs_and_reports(bench_runs, case_id):
+    r = bench_runs.get(case_id)
+    assert r.returncode == expected_returncode(r.case), r.tail()
+    assert r.leftovers == [], r.leftovers
+    assert "Traceback" not in r.stdout + r.stderr, r.tail()
+    if r.case.ranks and r.case.ranks > 1:
+        assert "[1]<stdout>" not in r.stdout, "only rank 0 reports"
+    doc = r.doc()
+    assert non_finite_numbers(doc) == []  # e.g. 1e999 parses as inf
+    if r.returncode == 0:
+        assert any(line.startswith(r.case.summary) for line in r.rank0()), r.tail()
+    CHECKS[case_id](r, doc)
+
+
+# -- what each run must show, beyond the common checks --------------------------------------------
+
+HEADER = re.compile(r"^# Collective (\w+), implementation (\w+):")
+ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\w+)\s+(\w+)\s+(-?\d+)" + r"\s+(\S+)" * 8 + r"\s*$")
+COLLECTIVES = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
+FACTORS_2 = {"allreduce": 1.0, "allgather": 0.5, "reducescatter": 0.5, "alltoall": 0.5, "broadcast": 1.0}
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def parse_tables(lines: list[str]) -> dict[tuple[str, str], dict]:
+    """Rank 0's nccl-tests tables: {(collective, impl): {"rows": [...], "footer": [...]}}."""
+    tables: dict[tuple[str, str], dict] = {}
+    current = None
+    for line in lines:
+        m = HEADER.match(line)
+        if m:
+            current = tables.setdefault((m.group(1), m.group(2)), {"rows": [], "footer": []})
+        elif current is not None and (m := ROW.match(line)):
+            g = m.groups()
+            current["rows"].append({"size": int(g[0]), "count": int(g[1]), "redop": g[3], "root": int(g[4]),
+                                    "oop": g[5:9], "ip": g[9:13]})
+        elif current is not None and line.startswith(("# Out of bounds values :", "# Avg bus bandwidth")):
+            current["footer"].append(line)
+    return tables
+
+
+def check_collectives(r: Run, doc: dict) -> None:
+    n = r.case.ranks
+    tables = parse_tables(r.rank0())
+    assert set(tables) == {(c, i) for c in COLLECTIVES for i in ("gpucomm", "torch")}
+    for (coll, impl), t in tables.items():
+        assert len(t["rows"]) == 5, (coll, impl, t["rows"])  # --quick: 8 B .. 64 KiB by 8x
+        for row in t["rows"]:
+            has_in_place = coll != "alltoall" and (impl == "torch" or coll in ("allreduce", "broadcast"))
+            assert row["oop"][3] == "0" and row["ip"][3] == ("0" if has_in_place else "N/A"), (coll, impl, row)
+            assert row["redop"] == ("sum" if coll in ("allreduce", "reducescatter") else "none")
+            assert row["root"] == (0 if coll == "broadcast" else -1)
+            per_rank = 1 if coll in ("allreduce", "broadcast") else n
+            assert row["size"] == row["count"] * 4 * per_rank, (coll, row)  # float; nccl-tests' size column
+        assert t["footer"][0] == "# Out of bounds values : 0 OK"
+    lines = r.rank0()
+    assert "# Out of bounds values (all tables) : 0 OK" in lines
+    assert any(line.startswith("# Not measured: nccl: raw NCCL moves CUDA buffers only") for line in lines)
+    assert doc["env"]["ranks"] == n and doc["env"]["device"] == "cpu" and "nccl" in doc["env"]["not_measured"]
+    assert len(doc["tables"]) == 10 and all(t["out_of_bounds"] == 0 and t["rows"] == 5 for t in doc["tables"])
+    assert all(t["avg_algbw"] >= 0 and t["avg_busbw"] >= 0 for t in doc["tables"])
+    for x in doc["results"]:
+        for res in (x["out_of_place"], x["in_place"]):  # {} where the place does not apply
+            if res:
+                factor = FACTORS_2[x["collective"]] if n == 2 else (1.0 if x["collective"] == "broadcast" else 0.0)
+                assert res["wrong"] == 0 and res["time_us"] >= 0
+                assert res["busbw"] == pytest.approx(res["algbw"] * factor, rel=1e-12)
+    printed, last = tables[("allreduce", "gpucomm")]["rows"][-1]["oop"], doc["results"][4]["out_of_place"]
+    assert doc["results"][4]["collective"] == "allreduce"
+    assert float(printed[1]) == pytest.approx(last["algbw"], abs=0.006)  # the table prints what the JSON holds
+    assert (r.out / "collectives.png").read_bytes()[:8] == PNG
+    if n == 1:  # busbw is 0 by definition at 1 rank: the summary says algbw instead
+        assert any("avg algorithm bandwidth" in line and "allreduce/gpucomm " in line for line in lines)
+
+
+def check_train(r: Run, doc: dict) -> None:
+    assert doc["benchmark"] == "train" and doc["ranks"] == 1 and doc["device"] == "cpu" and doc["rounds"] == 2
+    m = doc["models"]["cnn"]
+    assert set(m["variants"]) == {"gpucomm", "ddp", "plain"}  # DDP exists at world size 1 too
+    assert set(m["overhead_vs_plain"]) == {"gpucomm", "ddp"} and m["scaling_efficiency"] is None
+    for v in m["variants"].values():
+        assert len(v["round_samples_per_s_per_device"]) == 2 and v["samples_per_s_per_device"] > 0
+        lo, hi = v["per_device_range"]
+        assert lo <= v["per_device_quartiles"][0] <= v["per_device_quartiles"][1] <= hi  # inclusive quartiles
+    assert len(m["ratio_gpucomm_vs_ddp"]["round_ratios"]) == 2
+    assert "1-rank run: pass its JSON as --baseline to an N-rank run with the same flags for scaling efficiency" \
+        in r.rank0()
+    assert (r.out / "train.png").read_bytes()[:8] == PNG
+
+
+def check_optimizer_vs_ddp(r: Run, doc: dict) -> None:
+    assert doc["benchmark"] == "optimizer_vs_ddp" and doc["ranks"] == 1 and doc["model"] == "cnn"
+    assert set(doc["median_step_s"]) == {"gpucomm", "ddp"} and all(v > 0 for v in doc["median_step_s"].values())
+    assert len(doc["round_ratios"]) == 2 and doc["ratio"] > 0
+
+
+def check_control_plane(r: Run, doc: dict) -> None:
+    assert doc["benchmark"] == "control_plane" and doc["ranks"] == 2
+    assert doc["generations"]["default"]["inline_bytes"] == 16 << 10
+    assert doc["generations"]["inline_off"]["inline_bytes"] == 0
+    lat = doc["latency"]
+    assert set(lat) == {"named", "unnamed", "named_dataplane", "barrier", "raw_gloo", "named_4097", "raw_gloo_4097"}
+    for name, s in lat.items():
+        # raw Gloo runs in both generations of the one round; the others in one
+        assert s["blocks"] == (2 if name == "raw_gloo" else 1) and s["ops"] == 20 * s["blocks"], (name, s)
+        assert 0 <= s["p10_us"] <= s["median_us"] <= s["p90_us"], (name, s)  # order statistics of one sample
+        if name.startswith("raw_gloo"):
+            assert s["control_rounds_per_op"] == 0, (name, s)  # raw Gloo never talks to the coordinator
+        else:
+            assert s["control_rounds_per_op"] >= 1, (name, s)  # a blocking op is at least one round
+    assert set(doc["bursts"]) == {"inline_1", "dataplane_5000", "inline_off_1"}
+    for kind, b in doc["bursts"].items():
+        assert b["uncached"]["bursts"] == 1 and b["cached"]["bursts"] == 1, (kind, b)
+        # 10 async ops: at least one control round, and never more than a few per op
+        assert all(1 <= x <= 2 * 10 + 2 for x in b["uncached"]["rounds_all"] + b["cached"]["rounds_all"]), (kind, b)
+    m = doc["mismatch"]
+    assert m["repeats"] == 1 and [p["rank"] for p in m["per_rank"]] == [0, 1] and m["not_measured"] is None
+    assert "Mismatched ALLREDUCE" in m["error"] and "rank 0 sent [1]; rank 1 sent [2]" in m["error"]
+
+
+def check_cpu_allreduce(r: Run, doc: dict) -> None:
+    assert doc["benchmark"] == "cpu_allreduce" and doc["ranks"] == 1
+    for name in ("gpucomm", "raw_gloo"):
+        s = doc["summary"][name]
+        assert s["small_ops"] == 20 and s["large_ops"] == 2, s  # --quick: every iteration timed once
+        assert all(v >= 0 for v in s.values()), s
+
+
+def check_overhead(r: Run, doc: dict) -> None:
+    n = r.case.ranks
+    assert doc["benchmark"] == "overhead" and doc["ranks"] == n and doc["device"] == "cpu"
+    forms = ("allreduce", "allreduce_", "allreduce_async", "broadcast", "allgather")
+    assert set(doc["summary"]) == set(forms)
+    for impl in ("gpucomm", "raw_gloo", "torch.distributed"):
+        for form in forms:
+            x = doc["results"][impl][form]
+            assert len(x["samples_us"]) == 2 and x["us_p10"] <= x["us_median"] <= x["us_p90"], (impl, form, x)
+            assert x["python_calls"] >= (1 if impl == "gpucomm" else 0), (impl, form, x)
+    if n == 1:  # nothing to agree on: no control round at all
+        assert doc["control_rounds"] == 0, doc["control_rounds"]
+    else:  # one round per synchronous op or barrier, never more
+        assert 0 < doc["control_rounds"] <= 2 * doc["gpucomm_ops"], doc["control_rounds"]
+
+
+def check_startup(r: Run, doc: dict) -> None:
+    assert doc["benchmark"] == "startup" and doc["repeats"] == 1 and not doc["interrupted"]
+    assert [(x["launcher"], x["ranks"]) for x in doc["results"]] == [("gpucomm-run", 1)]
+    for x in doc["results"]:
+        assert x["failures"] == [] and len(x["first_allreduce_s"]) == 1 and x["median_first_allreduce_s"] >= 0
+
+
+def check_timeline_overhead(r: Run, doc: dict) -> None:
+    assert doc["benchmark"] == "timeline_overhead" and doc["ranks"] == 2 and doc["model"] == "convnet"
+    assert doc["steps_per_mode"] == 2 and doc["step_ms"]["off_median"] > 0 and doc["step_ms"]["on_median"] > 0
+    # the default limits split convnet into the head (first bucket, <= 1 MiB) and the rest
+    assert list(doc["buckets"].values()) == [1029024, 2602240]
+    last = doc["last_timeline"]
+    assert last["steps"] == 2 and last["open_optimizer_spans"] == 0 and doc["unreadable_timelines"] == []
+    assert [b["path"] for b in last["buckets"]] == ["GLOO_ALLREDUCE", "GLOO_ALLREDUCE"]
+    assert all(b["reductions"] == 2 for b in last["buckets"])
+    assert 0 <= last["overlap_ms"] <= min(last["backward_ms"], last["gloo_allreduce_busy_ms"]) + 1e-9
+    for key in ("png", "png_step"):
+        assert Path(doc[key]).read_bytes()[:8] == PNG
+    assert (r.out / "timeline.0.json").is_file()
+
+
+def check_mismatch_exit(r: Run, doc: dict) -> None:
+    assert doc["benchmark"] == "mismatch_exit" and doc["ok"] is True and doc["limit_s"] == 60
+    (launch,) = doc["runs"]
+    assert launch["returncode"] != 0 and not launch["hung"] and not launch["not_reached"]
+    assert launch["ranks_called"] == [0, 1] and launch["ranks_with_error"] == [0, 1]
+    assert set(launch["call_to_rank_process_end_s"]) == {"0", "1"}
+    assert set(launch["call_to_rank_exit_hook_s"]) == {"0", "1"}  # error raised, gpucomm shut down, then exit
+
+
+def check_pack_bw(r: Run, doc: dict) -> None:
+    if r.returncode == 0:  # a GPU machine
+        assert doc["rows"] and set(doc["targets"]) and any(line.startswith("# target ") for line in r.rank0())
+        return
+    assert r.stdout == "" and r.stderr.strip().count("\n") == 0, r.tail()  # one line
+    assert r.stderr.startswith(f"pack_bw: skipped: {NO_GPU}")
+    assert doc["skipped"].startswith(NO_GPU) and doc["rows"] == []
+
+
+def check_verify_gpu(r: Run, doc: dict) -> None:
+    steps = {s["name"]: s for s in doc["steps"]}
+    assert steps["gpu tests"]["status"] == "no results" and steps["gpu tests"]["figures"] == []
+    one, two = steps["collectives 1 rank(s)"], steps["collectives 2 rank(s)"]
+    assert one["status"] == two["status"] == "results found"
+    # the 1-rank sweep compares algbw (its busbw is 0 by definition), the 2-rank one busbw; both stop at 64 KiB
+    largest = "at 32768 B (the largest size; none >= 1 MiB): "
+    for step, metric in ((one, "algbw"), (two, "busbw")):
+        assert step["figures"] == ["#wrong over all collectives and sizes: 0",
+                                   "allreduce gpucomm/nccl: not measured (raw NCCL moves CUDA buffers only; use "
+                                   "--device cuda (or leave nccl out on CPU))", step["figures"][2]], step
+        assert step["figures"][2].startswith(f"allreduce {metric} gpucomm/torch {largest}"), step
+    (train,) = steps["train 1 rank"]["figures"]
+    assert re.match(r"cnn: gpucomm [0-9.]+ vs DDP [0-9.]+ samples/s total, ratio [0-9.]+ .*gpucomm/plain [0-9.]+",
+                    train), train
+    assert all(not f.startswith("(could not summarize") for s in doc["steps"] for f in s["figures"])
+    assert (r.out / "summary.txt").read_text().startswith("# gpucomm GPU verification, summary of the results in ")
+
+
+CHECKS: dict[str, Callable[[Run, Any], None]] = {
+    "collectives-1": check_collectives, "collectives-2": check_collectives, "train": check_train,
+    "optimizer_vs_ddp": check_optimizer_vs_ddp, "control_plane": check_control_plane,
+    "cpu_allreduce": check_cpu_allreduce, "overhead-1": check_overhead, "overhead-2": check_overhead,
+    "startup": check_startup, "timeline_overhead": check_timeline_overhead,
+    "mismatch_exit": check_mismatch_exit, "pack_bw": check_pack_bw, "verify_gpu": check_verify_gpu,
+}
+
+
+# -- summaries of the scripts above that have no test file of their own, on empty input ------------
+
+
+def _load(name: str):
+    """A benchmark script as a module, loaded once (benchmarks/ is not a package)."""
+    import importlib.util
+    import sys
+
+    key = f"smoke_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).resolve().parent.parent / "benchmarks"
+                                                      / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+def test_summary_helpers_answer_none_for_nothing(tmp_path):
+    stats = _load("bench_stats")
+    assert stats.median([]) is None and stats.quartiles([1.0]) is None and stats.value_range([]) is None
+    assert stats.percentile([], 0.9) is None and stats.ratio(1.0, 0.0) is None and stats.ratio(None, 1.0) is None
+    assert stats.quartiles([1.0, 3.0]) == [1.5, 2.5]  # inside the range, even for two values
+    assert stats.fmt(None, ".2f") == stats.fmt(float("nan"), ".2f") == "n/a" and stats.fmt(1.234, ".2f") == "1.23"
+    stats.write_json(str(tmp_path / "x" / "d.json"), {"a": [float("inf"), 1.0], "b": float("nan")})
+    assert json.loads((tmp_path / "x" / "d.json").read_text()) == {"a": [None, 1.0], "b": None}
+
+
+def test_startup_and_cpu_allreduce_and_pack_bw_summaries_of_nothing(capsys):
+    startup = _load("startup")
+    assert startup.cell([], []) == "not measured" and startup.cell([], ["timed out after 1 s"]) == "failed"
+    assert startup.cell([2.0], ["exit status 1: boom"]).endswith(" 1 failed")
+    args = startup.parse_args(["--quick"])
+    rows = startup.report(args, ["gpucomm-run"], {"first": {}, "exit": {}}, {("gpucomm-run", 2): ["boom"]})
+    assert rows == [{"launcher": "gpucomm-run", "ranks": 2, "first_allreduce_s": [], "exit_s": [],
+                     "median_first_allreduce_s": None, "failures": ["boom"]}]
+    assert "failed" in capsys.readouterr().out
+
+    cpu = _load("cpu_allreduce")
+    empty = cpu.impl_summary({"small": [], "large": []}, 1 << 20)
+    assert empty["small_median_us"] is None and empty["large_algbw_GBps"] is None and empty["small_ops"] == 0
+    assert [cpu.per_round(10, 4, r) for r in range(4)] == [3, 3, 2, 2] and cpu.per_round(1, 5, 4) == 0
+
+    pack = _load("pack_bw")
+    assert pack.targets([], {}) == dict.fromkeys(
+        ["bw_ge_85pct_d2d_for_16MiB_plus", "resnet50_pack_faster_than_cat", "resnet50_host_us_per_launch_le_30",
+         "resnet50_host_us_le_30_with_validate_false"], False)
