@@ -13,7 +13,8 @@ from .backends.gloo import gloo_group, gloo_iface
 from .backends.local import SelfBackend
 from .bootstrap import devices
 from .bootstrap.meeting import arrive, cross_placement, open_store
-from .bootstrap.rendezvous import RendezvousClient, RendezvousError, address_towards, interface_ipv4, wait_for_ranks
+from .bootstrap.netaddr import address_towards, interface_ipv4
+from .bootstrap.rendezvous import RendezvousClient, RendezvousError, wait_for_ranks
 from .bootstrap.world import World, detect_world
 from .control.channel import ControlListener, connect as connect_control
 from .control.controller import ControlConfig, ControlLinks

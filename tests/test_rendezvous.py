@@ -141,7 +141,8 @@ def test_truncated_frame_then_disconnect(server):
 
 def test_replayed_frame_is_rejected(server):
     """A frame captured on one connection is useless on another (per-connection nonce)."""
-    from gpucomm.bootstrap.rendezvous import MAC_BYTES, OP_SET, _mac, encode_fields
+    from gpucomm.bootstrap.framing import MAC_BYTES, encode_fields, mac as _mac
+    from gpucomm.bootstrap.rendezvous import OP_SET
 
     c = client_for(server)
     chan = c._acquire()

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from gpucomm.bootstrap import world as W
+from gpucomm.bootstrap.slurm import SlurmSyntaxError
 from gpucomm.bootstrap.world import (World, WorldError, derive_port, detect_world,
                            expand_slurm_nodelist, parse_slurm_tasks_per_node)
 
@@ -293,8 +294,10 @@ def test_expand_slurm_nodelist(text: str, hosts: list[str]) -> None:
 
 @pytest.mark.parametrize("text", ["n[1-", "n]1[", "n[3-1]", "n[a-b]", "n[[1]]"])
 def test_expand_slurm_nodelist_rejects_garbage(text: str) -> None:
-    with pytest.raises(WorldError):
+    with pytest.raises(SlurmSyntaxError):
         expand_slurm_nodelist(text)
+    with pytest.raises(WorldError, match="SLURM_STEP_NODELIST: Slurm hostlist"):  # detect_world names the variable
+        detect({**SLURM_ENV, "SLURM_STEP_NODELIST": text})
 
 
 @pytest.mark.parametrize("text, counts", [
@@ -309,7 +312,7 @@ def test_parse_slurm_tasks_per_node(text: str, counts: list[int]) -> None:
 
 @pytest.mark.parametrize("text", ["", "2(x)", "x2", "2(3)", "-1"])
 def test_parse_slurm_tasks_per_node_rejects_garbage(text: str) -> None:
-    with pytest.raises(WorldError):
+    with pytest.raises(SlurmSyntaxError):
         parse_slurm_tasks_per_node(text)
 
 

@@ -11,7 +11,8 @@ import os
 import secrets
 
 from ..errors import GpucommError
-from .rendezvous import RendezvousClient, RendezvousServer, address_towards, wait_for_ranks
+from .netaddr import address_towards
+from .rendezvous import RendezvousClient, RendezvousServer, wait_for_ranks
 from .world import World
 
 

@@ -6,20 +6,14 @@ TCPStore and Horovod's HTTP store are not), reads are framed and bounded (a host
 cannot make the server allocate gigabytes or hang the honest ranks), and a timeout says which
 ranks never arrived instead of "timed out".
 
-Wire format (both directions), after the server's hello ``b"GPCM" + version + 16-byte nonce``::
-
-    u32 big-endian length L | 32-byte MAC | body (L - 32 bytes)
-    MAC = HMAC-SHA256(secret, nonce | direction byte | u64 sequence number | body)
-
-The per-connection nonce and sequence numbers stop a recorded frame from being replayed. A body is
-one opcode byte followed by fields, each ``u32 length | bytes``. A frame that fails any check is
+Frames are authenticated and sequenced (``framing.py``). A body is one opcode byte followed by
+fields, each ``u32 length | bytes``. A frame that fails any check is
 logged, answered with an unauthenticated ``DENY`` marker when the MAC is wrong, and its connection
 is closed; the store keeps serving everyone else.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import socket
@@ -28,20 +22,15 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 
+from .framing import (DENY, HELLO_BYTES, MAGIC, NONCE_BYTES, VERSION, FrameError, FramedChannel, decode_fields,
+                      encode_fields, recv_exact)
+
 log = logging.getLogger("gpucomm.rendezvous")
 
-MAGIC = b"GPCM"
-VERSION = 1
-NONCE_BYTES = 16
-MAC_BYTES = 32
-HELLO_BYTES = len(MAGIC) + 1 + NONCE_BYTES
-DENY = b"\x00\x00\x00\x00DENY"
 DEFAULT_MAX_FRAME = 64 << 20  # the NCCL id is 128 B and Gloo's addresses ~100 B; 64 MiB is generous
 BODY_READ_TIMEOUT = 30.0  # a peer that starts a frame must finish it this fast
 MAX_CONNECTIONS = 4096
 
-_LEN = struct.Struct(">I")
-_SEQ = struct.Struct(">Q")
 _I64 = struct.Struct(">q")
 
 OP_SET, OP_GET, OP_ADD, OP_WAIT, OP_CHECK, OP_DELETE, OP_NUM_KEYS, OP_COMPARE_SET = range(1, 9)
@@ -62,93 +51,6 @@ class RendezvousTimeout(RendezvousError):
     def __init__(self, message: str, missing: Sequence[str]) -> None:
         super().__init__(message)
         self.missing = list(missing)
-
-
-class FrameError(Exception):
-    """A frame broke the protocol (internal: the connection is closed)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# framing
-
-
-def encode_fields(op: int, fields: Iterable[bytes]) -> bytes:
-    parts = [bytes([op])]
-    for f in fields:
-        parts.append(_LEN.pack(len(f)))
-        parts.append(f)
-    return b"".join(parts)
-
-
-def decode_fields(body: bytes) -> tuple[int, list[bytes]]:
-    if not body:
-        raise FrameError("empty body")
-    op, pos, fields = body[0], 1, []
-    while pos < len(body):
-        if pos + 4 > len(body):
-            raise FrameError("truncated field length")
-        (n,) = _LEN.unpack_from(body, pos)
-        pos += 4
-        if pos + n > len(body):
-            raise FrameError(f"field of {n} bytes overruns the frame")
-        fields.append(body[pos : pos + n])
-        pos += n
-    return op, fields
-
-
-def _mac(secret: bytes, nonce: bytes, direction: bytes, seq: int, body: bytes) -> bytes:
-    return hmac.digest(secret, nonce + direction + _SEQ.pack(seq) + body, "sha256")
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise FrameError(f"connection closed after {got} of {n} bytes")
-        got += k
-    return bytes(buf)
-
-
-class FramedChannel:
-    """One authenticated, sequenced connection end (used by both server and client)."""
-
-    def __init__(self, sock: socket.socket, secret: bytes, nonce: bytes, send_dir: bytes, max_frame: int):
-        self.sock, self.secret, self.nonce = sock, secret, nonce
-        self.send_dir = send_dir
-        self.recv_dir = b"S" if send_dir == b"C" else b"C"
-        self.max_frame = max_frame
-        self.send_seq = self.recv_seq = 0
-
-    def send(self, body: bytes) -> None:
-        mac = _mac(self.secret, self.nonce, self.send_dir, self.send_seq, body)
-        self.send_seq += 1
-        self.sock.sendall(_LEN.pack(MAC_BYTES + len(body)) + mac + body)
-
-    def recv(self, body_timeout: float | None) -> bytes:
-        header = recv_exact(self.sock, 4)
-        if header == DENY[:4]:
-            rest = recv_exact(self.sock, 4)
-            raise FrameError("DENY" if rest == DENY[4:] else "zero-length frame")
-        (length,) = _LEN.unpack(header)
-        if length < MAC_BYTES + 1 or length > self.max_frame + MAC_BYTES:
-            raise FrameError(f"frame length {length} outside [{MAC_BYTES + 1}, {self.max_frame + MAC_BYTES}]")
-        previous = self.sock.gettimeout()
-        if previous == body_timeout:
-            payload = recv_exact(self.sock, length)
-        else:
-            self.sock.settimeout(body_timeout)
-            try:
-                payload = recv_exact(self.sock, length)
-            finally:
-                self.sock.settimeout(previous)
-        mac, body = payload[:MAC_BYTES], payload[MAC_BYTES:]
-        expected = _mac(self.secret, self.nonce, self.recv_dir, self.recv_seq, body)
-        if not hmac.compare_digest(mac, expected):
-            raise FrameError("bad MAC")
-        self.recv_seq += 1
-        return body
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,25 +380,3 @@ def barrier(client: RendezvousClient, name: str, rank: int, size: int, timeout: 
     """All ``size`` ranks meet at ``name``; a timeout names the absent ranks."""
     client.set(f"{name}/{rank}", b"1")
     wait_for_ranks(client, name, range(size), timeout, f"'{name}'")
-
-
-def interface_ipv4(nic: str) -> str | None:
-    """The IPv4 address of local network interface ``nic``, or None when it has none (or does not exist)."""
-    import psutil  # noqa: PLC0415
-
-    for a in psutil.net_if_addrs().get(nic, []):
-        if a.family == socket.AF_INET:
-            return a.address
-    return None
-
-
-def address_towards(host: str, port: int = 9) -> str:
-    """This host's address on the route towards ``host``: the address a peer there can reach us on.
-    No packet is sent (a UDP socket is only connected); an unresolvable or unroutable host falls
-    back to the address of this host's own name."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, port))
-            return s.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())

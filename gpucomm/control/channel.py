@@ -12,7 +12,7 @@ import pickle
 import select
 import socket
 import time
-from ..bootstrap.rendezvous import (HELLO_BYTES, MAGIC, NONCE_BYTES, VERSION, FrameError, FramedChannel as Channel, recv_exact)
+from ..bootstrap.framing import HELLO_BYTES, MAGIC, NONCE_BYTES, VERSION, FrameError, FramedChannel as Channel, recv_exact
 
 MAX_CONTROL_FRAME = 256 << 20  # a burst of thousands of full requests stays far below this
 BODY_TIMEOUT = 30.0  # a peer that has started a frame must finish it this fast
@@ -38,6 +38,34 @@ def readable(socks: list[socket.socket], timeout: float) -> list[socket.socket]:
         return []
     ready, _, _ = select.select(socks, [], [], max(0.0, timeout))
     return ready
+
+
+class Waker:
+    """A pipe that interrupts ``readable``: ``fd`` goes in its list, ``wake()`` makes it readable."""
+
+    def __init__(self) -> None:
+        self.fd, self._w = os.pipe()
+        os.set_blocking(self.fd, False)
+
+    def wake(self) -> None:
+        try:
+            os.write(self._w, b"x")
+        except OSError:  # closed, or the pipe is full: the reader is awake anyway
+            pass
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        for fd in (self.fd, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 class ControlListener:

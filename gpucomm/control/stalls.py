@@ -64,4 +64,12 @@ def stall_report(stalled: Stalled, warning: float, shutdown: float | None) -> st
             + "\n".join(f"  {r}: [{', '.join(names)}]" for r, names in sorted(by_rank.items())))
 
 
-__all__ = ["StallInspector", "stall_report"]
+def negotiation_timeout(what: str, missing: list[int] | None, timeout: float) -> str:
+    """The error of a wait that reached GPUCOMM_TIMEOUT before ``what`` was negotiated."""
+    who = f"ranks {missing} have not submitted it" if missing else "the coordinator (rank 0) has not answered"
+    return (f"{what} was not negotiated within {timeout:.0f} s: {who}. Every rank must run the same collectives "
+            f"(same names) in the same order; a rank that ran out of data should call hvd.join(). GPUCOMM_TIMEOUT "
+            f"sets this limit.")
+
+
+__all__ = ["StallInspector", "negotiation_timeout", "stall_report"]

@@ -17,7 +17,8 @@ import sys
 from typing import Sequence
 
 from ..failures import read_failures
-from ..bootstrap.rendezvous import RendezvousServer, address_towards, interface_ipv4
+from ..bootstrap.netaddr import address_towards, interface_ipv4
+from ..bootstrap.rendezvous import RendezvousServer
 from ..settings import env_seconds
 from .hosts import HostSlots, HostSpecError, assign_slots, parse_hostfile, parse_hosts
 from .output import OutputSink

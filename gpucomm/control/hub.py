@@ -1,0 +1,121 @@
+"""Rank 0's side of the control plane: the coordinator, one authenticated channel per other rank,
+who has left and why, and the stall inspector. It turns frames from the other ranks into
+coordinator submissions and sends every response to the ranks it concerns (one frame per rank);
+rank 0's own responses go to ``apply``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping
+
+from . import channel as wire
+from .config import ControlConfig
+from .coordinator import Coordinator, Outgoing
+from .stalls import StallInspector
+
+log = logging.getLogger("gpucomm.control")
+
+
+class CoordinatorHub:
+    """``apply(response)`` runs one of rank 0's own responses; ``stopping()`` is true once rank 0
+    shuts down (a lost rank is then no failure); ``failed()`` once the job has failed."""
+
+    def __init__(self, size: int, coordinator: Coordinator, workers: Mapping[int, Any], config: ControlConfig, *,
+                 apply: Callable[[tuple], None], stopping: Callable[[], bool], failed: Callable[[], bool]) -> None:
+        self.size = size
+        self.coordinator = coordinator
+        self._workers = dict(workers)
+        self._rank_of = {c.sock: r for r, c in self._workers.items()}
+        self._apply, self._stopping, self._failed = apply, stopping, failed
+        self.left: set[int] = set()  # ranks whose connections ended
+        self._failed_reports: dict[int, str] = {}  # ranks that reported a failure before leaving
+        self.frames_received = 0
+        self.stalls = None
+        if config.stall_warning is not None:
+            self.stalls = StallInspector(coordinator, config.stall_warning, config.stall_shutdown,
+                                         report=self._send_stall_info, abort=self.abort_all)
+
+    def sockets(self) -> list:
+        return [c.sock for r, c in self._workers.items() if r not in self.left]
+
+    def everyone_left(self) -> bool:
+        return len(self.left) >= len(self._workers)
+
+    def submit_own(self, items: list[tuple]) -> None:
+        """Rank 0's own requests."""
+        self.dispatch(self.coordinator.submit(0, items))
+
+    def receive(self, sock: Any) -> None:
+        """Read one frame from the rank behind ``sock`` and act on it."""
+        rank = self._rank_of.get(sock)
+        if rank is None or rank in self.left:
+            return
+        try:
+            items = wire.recv(self._workers[rank])
+        except (OSError, wire.FrameError, EOFError) as e:
+            self.lost(rank, f"its control connection closed ({e or 'end of stream'})")
+            return
+        self.frames_received += 1
+        requests = []
+        for item in items:
+            if item[0] == "bye":
+                self.left.add(rank)
+                self.dispatch(self.coordinator.rank_left(rank, f"rank {rank} has shut gpucomm down"))
+            elif item[0] == "fail":
+                self._failed_reports.setdefault(rank, item[1])
+                self.abort_all(f"rank {rank} failed: {item[1]}")
+            else:
+                requests.append(item)
+        if requests:
+            try:
+                self.dispatch(self.coordinator.submit(rank, requests))
+            except Exception as e:  # a protocol violation: the job cannot go on consistently
+                self.abort_all(f"rank {rank} sent a request the coordinator cannot accept: {e}")
+
+    def lost(self, rank: int, what: str) -> None:
+        if rank in self.left:
+            return
+        self.left.add(rank)
+        self._workers[rank].sock.close()
+        if self._stopping():
+            return
+        cause = self._failed_reports.get(rank)
+        self.abort_all(f"rank {rank} failed: {cause}" if cause else
+                       f"rank {rank} exited or crashed without shutting gpucomm down ({what})")
+
+    def dispatch(self, outgoing: list[Outgoing]) -> None:
+        """Send each response to its ranks (one frame per rank) and apply rank 0's own."""
+        frames: dict[int, list] = {}
+        mine = []
+        for ranks, response in outgoing:
+            for r in ranks:
+                if r == 0:
+                    mine.append(response)
+                elif r not in self.left:
+                    frames.setdefault(r, []).append(response)
+        for r, responses in frames.items():
+            try:
+                wire.send(self._workers[r], responses)
+            except OSError as e:
+                self.lost(r, f"sending to it failed: {e}")
+        for response in mine:
+            self._apply(response)
+
+    def abort_all(self, reason: str) -> None:
+        """End the job's collectives everywhere with ``reason`` (the first reason wins)."""
+        if not self._failed():
+            log.error("gpucomm: %s", reason)
+        self.dispatch([(tuple(range(self.size)), ("abort", reason))])
+
+    def _send_stall_info(self, report: dict) -> None:
+        self.dispatch([(tuple(range(1, self.size)), ("stall", report))])
+
+    def close(self) -> None:
+        for chan in self._workers.values():
+            try:
+                chan.sock.close()
+            except OSError:
+                pass
+
+
+__all__ = ["CoordinatorHub"]

@@ -1,0 +1,56 @@
+"""A joined rank's part in the collectives the others still run: zeros of the right shape and
+dtype, described by the template the coordinator sends with the response (Horovod's join)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..dataplane.executor import prepare
+from ..dataplane.handles import Issued
+from ..dataplane.requests import Request
+from .negotiation import Descriptor
+
+
+class StandIns:
+    """``execute(request, meta)`` issues a collective; ``zeros_device()`` is where CUDA zeros go."""
+
+    def __init__(self, execute: Callable[[Request, dict], Issued], zeros_device: Callable[[], torch.device]) -> None:
+        self._execute, self._zeros_device = execute, zeros_device
+        self.joining = False
+        self._issued: list[Issued] = []
+
+    def run(self, set_id: int, name: str, meta: dict) -> None:
+        """Take part in ``name``'s collective with zeros (the template in ``meta`` describes it)."""
+        template: Descriptor = meta["template"]
+        device = torch.device("cpu") if template.device == "cpu" else self._zeros_device()
+        tensors = [torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+                   for dtype, shape in zip(template.dtypes, template.shapes)]
+        request = Request(template.kind, name, tensors, outputs=tensors, op=template.op, prescale=template.prescale,
+                          postscale=template.postscale, root=template.root, splits=template.splits, device=device,
+                          set_id=set_id)
+        if device.type == "cuda":
+            request.stream = torch.cuda.current_stream(device)
+        if request.kind in ("allreduce", "broadcast"):
+            prepare(request)
+        if device.type == "cuda":
+            request.ready_event = torch.cuda.Event()
+            request.ready_event.record(request.stream)
+        self._issued.append(self._execute(request, meta))
+
+    def prune(self) -> None:
+        """Forget the stand-ins whose host-side work has finished."""
+        if self._issued:
+            self._issued = [s for s in self._issued if not all(w.done() for w in s.works)]
+
+    def finish(self, timeout: float) -> None:
+        """Every rank has joined: wait for the last stand-ins."""
+        issued, self._issued = self._issued, []
+        self.joining = False
+        for s in issued:
+            for w in s.works:
+                w.wait(timeout)
+
+
+__all__ = ["StandIns"]
