@@ -42,7 +42,7 @@ QUICK = (8, 2, 2, 1)
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="mlp10m", choices=["mlp10m", "cnn", "resnet50"])
+    ap.add_argument("--model", default="mlp10m", choices=["mlp10m", "cnn10m", "cnn", "resnet50"])
     ap.add_argument("--batch-size", type=int, help=f"default {FULL[0]}")
     ap.add_argument("--rounds", type=int, help=f"default {FULL[1]}")
     ap.add_argument("--steps-per-round", type=int, help=f"default {FULL[2]}")

@@ -2,8 +2,8 @@
 
 ``resnet50`` follows the published architecture (bottleneck blocks 3-4-6-3, 25.6 M parameters,
 161 parameter tensors), so its gradient layout is the one real training sees; torchvision's is used
-instead when it is installed. ``mlp10m`` is a ~10 M-parameter MLP for CPU runs, ``cnn`` a small
-convolutional net, ``transformer`` a small encoder-only transformer (0.9 M parameters, 55 tensors).
+instead when it is installed. ``mlp10m`` is a ~10 M-parameter MLP for CPU runs, ``cnn10m`` a ~10
+M-parameter conv net in 30 tensors (also for CPU runs), ``cnn`` a small convolutional net, ``transformer`` a small encoder-only transformer (0.9 M parameters, 55 tensors).
 
 Every model takes a float batch ``torch.randn(batch, *sample)``, where ``sample`` is the shape
 ``build`` returns, and gives 1000 class scores per sample.
@@ -75,6 +75,16 @@ class SmallCNN(nn.Module):
         return self.fc(torch.flatten(self.features(x), 1))
 
 
+def cnn10m(num_classes: int = 1000) -> nn.Module:
+    """A VGG-style conv net: 9.0 M parameters in 30 tensors (7 conv + BatchNorm blocks and a linear
+    head) on 3x32x32 inputs, so its gradients fill several buckets of unequal size."""
+    layers, channels = [], 3
+    for out, stride in ((64, 1), (128, 2), (256, 1), (256, 2), (512, 1), (512, 2), (512, 2)):
+        layers += [nn.Conv2d(channels, out, 3, stride=stride, padding=1), nn.BatchNorm2d(out), nn.ReLU(inplace=True)]
+        channels = out
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(512 * 4, num_classes))
+
+
 def mlp10m(width: int = 1024, num_classes: int = 1000) -> nn.Module:
     """About 9.4 M parameters in 4 linear layers (8 tensors; several gradient buckets)."""
     return nn.Sequential(nn.Linear(width, width * 2), nn.ReLU(), nn.Linear(width * 2, width * 2), nn.ReLU(),
@@ -104,7 +114,7 @@ class SmallTransformer(nn.Module):
         return self.head(self.norm(y.mean(dim=1)))
 
 
-MODELS = ("resnet50", "cnn", "mlp10m", "transformer")
+MODELS = ("resnet50", "cnn", "cnn10m", "mlp10m", "transformer")
 
 
 def build(name: str) -> tuple[nn.Module, tuple[int, ...]]:
@@ -120,6 +130,8 @@ def build(name: str) -> tuple[nn.Module, tuple[int, ...]]:
         return SmallCNN(), (3, 64, 64)
     if name == "mlp10m":
         return mlp10m(), (1024,)
+    if name == "cnn10m":
+        return cnn10m(), (3, 32, 32)
     if name == "transformer":
         return SmallTransformer(), (64, 64)
     raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")

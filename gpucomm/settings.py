@@ -46,4 +46,12 @@ def env_flag(env: Mapping[str, str], names: tuple[str, ...]) -> bool:
     return False
 
 
-__all__ = ["env_flag", "env_number", "env_seconds"]
+def env_flag_default_on(name: str, env: Mapping[str, str] | None = None) -> bool:
+    """``env_flag`` for a setting that is on unless set to 0/false/no/off."""
+    import os  # noqa: PLC0415
+
+    env = os.environ if env is None else env
+    return env.get(name) is None or env_flag(env, (name,))
+
+
+__all__ = ["env_flag", "env_flag_default_on", "env_number", "env_seconds"]

@@ -29,11 +29,10 @@ def steady_state_steps(steps: int = 20) -> dict:
                                    named_parameters=model.named_parameters())
     ref = make_model()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    buckets = len(opt._buckets.buckets)
-    before = None
+    before, buckets = None, 0
     for s in range(steps + 2):
-        if s == 2:
-            before = hvd.stats()
+        if s == 2:  # after the first step the buckets were cut again once, where backward pauses
+            before, buckets = hvd.stats(), len(opt._buckets.buckets)
         x, y = batch(s)
         opt.zero_grad()
         nn.functional.mse_loss(model(half(x, r, n)), half(y, r, n)).backward()
@@ -129,7 +128,8 @@ def python_calls_per_cached_op() -> dict:
 
 def trainable_set_changes(steps: int = 6) -> dict:
     """Freeze the middle layer after step 1 and unfreeze it after step 3 (on every rank): each change
-    re-verifies the layout once; the steps in between send no control message; training equals one
+    re-verifies the layout once (so does the end of the first, watched step, which cuts the buckets
+    where backward pauses); the steps in between send no control message; training equals one
     process on the full batch with the same freezing."""
     hvd.init()
     r, n = hvd.rank(), hvd.size()

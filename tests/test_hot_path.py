@@ -51,9 +51,25 @@ def test_python_calls_per_cached_op_in_a_one_rank_job():
 
 def test_layout_is_agreed_again_only_when_the_trainable_set_changes():
     for rank, seen in enumerate(run_ranks(sc.trainable_set_changes, 2, env=SMALL_BUCKETS)):
-        assert seen["checks"] == [0, 0, 1, 0, 1, 0], (rank, seen)
-        assert [r > 0 for r in seen["rounds"]] == [False, False, True, False, True, False], (rank, seen)
+        assert seen["checks"] == [1, 0, 1, 0, 1, 0], (rank, seen)  # step 0: the watched step's new cut
+        assert [r > 0 for r in seen["rounds"]] == [True, False, True, False, True, False], (rank, seen)
         assert seen["diff"] <= 1e-5, (rank, seen["diff"])
+
+
+def test_buckets_are_cut_where_backward_pauses_after_the_first_step():
+    """Pure planning: gradients arriving in two bursts become two buckets, whatever the cap."""
+    import torch
+
+    from gpucomm.dataplane.fusion import plan_by_readiness
+
+    params = [torch.zeros(1000) for _ in range(6)]
+    ready = [900.0, 880.0, 870.0, 20.0, 10.0, 0.0]  # the last three parameters' gradients come first
+    plan = plan_by_readiness(params, ready, bucket_cap_bytes=1 << 30, min_bucket_bytes=1, env={})
+    assert [b.param_indices for b in plan] == [(5, 4, 3), (2, 1, 0)]
+    plan = plan_by_readiness(params, ready, bucket_cap_bytes=8000, min_bucket_bytes=1, env={})  # 2 per bucket
+    assert [b.param_indices for b in plan] == [(5, 4), (3,), (2, 1), (0,)]
+    plan = plan_by_readiness(params, [None] * 6, bucket_cap_bytes=1 << 30, env={})  # nothing seen: one bucket
+    assert [b.param_indices for b in plan] == [(5, 4, 3, 2, 1, 0)]
 
 
 def test_ranks_planning_other_buckets_fail_at_construction_on_every_rank():

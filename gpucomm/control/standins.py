@@ -3,7 +3,7 @@ dtype, described by the template the coordinator sends with the response (Horovo
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 

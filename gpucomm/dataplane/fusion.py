@@ -33,7 +33,7 @@ from ..kernels import rules
 
 __all__ = [
     "DEFAULT_FIRST_BUCKET_BYTES", "DEFAULT_BUCKET_CAP_BYTES", "THRESHOLD_ENV", "FIRST_BUCKET_ENV", "FusionLimits",
-    "fusion_limits", "Bucket", "plan_buckets", "plan_groups", "FusionBuffers", "pack_bucket", "unpack_bucket",
+    "fusion_limits", "Bucket", "plan_buckets", "plan_by_readiness", "plan_groups", "FusionBuffers", "pack_bucket", "unpack_bucket",
 ]
 
 log = logging.getLogger("gpucomm.fusion")
@@ -158,6 +158,43 @@ def plan_buckets(params: Sequence[torch.Tensor], *, first_bucket_bytes: int | No
             total += n
         first = params[indices[0]]
         plan.append(Bucket(number, tuple(indices), tuple(offsets), numels, total, first.dtype, first.device))
+    return plan
+
+
+def plan_by_readiness(params: Sequence[torch.Tensor], ready_us: Sequence[float | None], *,
+                      bucket_cap_bytes: int | None = None, gap_fraction: float = 0.05, min_bucket_bytes: int = 64 << 10,
+                      env: Mapping[str, str] | None = None) -> list[Bucket]:
+    """Buckets cut where backward pauses, from the times the gradients became ready in a step that
+    was watched (``ready_us[i]`` for ``params[i]``; None: never seen, taken as ready last).
+
+    Parameters are taken in the order their gradients arrived; a bucket closes when it reaches the
+    cap (DDP's rule: the parameter that crosses it stays in), or when the next gradient arrives
+    later than ``gap_fraction`` of the whole backward span after this one and the bucket holds at
+    least ``min_bucket_bytes``: its allreduce then runs during the pause instead of waiting for
+    gradients that come much later. So the gradients of the last, cheap-to-compute layers never
+    hold back those of the expensive ones, and the tail left after backward stays small. One dtype
+    and device is required (else ``plan_buckets``)."""
+    if len({(p.dtype, p.device) for p in params}) > 1 or len(ready_us) != len(params):
+        return plan_buckets(params, bucket_cap_bytes=bucket_cap_bytes, env=env)
+    cap = fusion_limits(bucket_cap_bytes=bucket_cap_bytes, env=env).bucket_cap_bytes
+    last = max((t for t in ready_us if t is not None), default=0.0)
+    order = sorted(range(len(params)), key=lambda i: (ready_us[i] if ready_us[i] is not None else last, -i))
+    times = [ready_us[i] if ready_us[i] is not None else last for i in order]
+    gap = gap_fraction * (times[-1] - times[0]) if times else 0.0
+    groups, current, size = [], [], 0
+    for k, i in enumerate(order):
+        current.append(i)
+        size += params[i].numel() * params[i].element_size()
+        pause = k + 1 < len(order) and times[k + 1] - times[k] > gap and size >= min_bucket_bytes
+        if size >= cap or pause or k + 1 == len(order):
+            groups.append(current)
+            current, size = [], 0
+    plan = []
+    for number, indices in enumerate(groups):
+        numels = tuple(params[i].numel() for i in indices)
+        offsets = tuple(sum(numels[:j]) for j in range(len(numels)))
+        first = params[indices[0]]
+        plan.append(Bucket(number, tuple(indices), offsets, numels, sum(numels), first.dtype, first.device))
     return plan
 
 
@@ -310,8 +347,18 @@ def _torch_pack(tensors: Sequence[torch.Tensor], flat: torch.Tensor, scale: floa
     if total == 0:
         return out
     pieces = [t.view(-1) for t in tensors]
-    if dtype == flat.dtype and scale == 1.0:
-        torch.cat(pieces, out=out)
+    if dtype == flat.dtype and (scale == 1.0 or dtype in (torch.float32, torch.float64)):
+        # one pass, no temporary: a piece that already lives in its slot (a gradient that is a view
+        # of this buffer) is scaled in place, or left alone
+        pos = 0
+        for piece in pieces:
+            n = piece.numel()
+            slot = out[pos : pos + n]
+            if piece.data_ptr() != slot.data_ptr():
+                torch.mul(piece, scale, out=slot) if scale != 1.0 else slot.copy_(piece)
+            elif scale != 1.0:
+                slot.mul_(scale)
+            pos += n
         return out
     joined = torch.cat(pieces)
     if scale != 1.0:  # in float32 (float64 for float64), like the kernels; .to() may return joined itself

@@ -45,3 +45,6 @@ def main(argv: Iterable[str] | None = None) -> int:
           f"({summary['n_spans']} spans, {summary['n_markers']} rank ticks), "
           f"{t1 - t0:.3f} ms ({t0:.3f} .. {t1:.3f} ms) -> {args.output}")
     return 0
+
+
+__all__ = ["main"]

@@ -197,4 +197,4 @@ class GpuActivities:
         return times
 
 
-# -- CLI -----------------------------------------------------------------------------------------
+__all__ = ["GpuActivities", "GpuOpTrace"]

@@ -32,7 +32,7 @@ import time
 import weakref
 from typing import Any
 
-__all__ = ["Timeline", "GpuActivities", "GpuOpTrace", "dtype_name", "shape_str", "main"]
+__all__ = ["Timeline", "dtype_name", "shape_str"]
 
 log = logging.getLogger("gpucomm.timeline")
 

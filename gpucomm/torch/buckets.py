@@ -36,11 +36,15 @@ class BucketState:
     params: list[torch.Tensor]
     wire_dtype: torch.dtype | None  # the fused buffer's dtype; None: a compressor the kernels cannot fuse
     name: str
+    direct: bool = False  # gradients copied in as they arrive; averaged ones are views of the buffer
     pending: int = 0  # gradients still to arrive before the bucket is complete
     handle: Handle | None = None
     reduced: list[torch.Tensor] = field(default_factory=list)  # the fusion buffer, or the compressed gradients
     contexts: list[Any] = field(default_factory=list)  # the compressor's contexts (unfused buckets)
     in_flight: list[torch.Tensor] = field(default_factory=list)  # gradients read by the launch, kept alive
+    full: torch.Tensor | None = None  # direct: the fusion buffer (numel, + the training flag in bucket 0)
+    slots: dict = field(default_factory=dict)  # direct: parameter -> its view of ``full``
+    copied: set = field(default_factory=set)  # direct: parameters copied in this step
 
 
 def wire_dtype(compression: Any, dtype: torch.dtype) -> torch.dtype | None:
@@ -72,10 +76,10 @@ class GradientBuckets:
         self._set_id = set_id
         self._tracer = tracer
         self._buffers = fusion.FusionBuffers()
-        self.buckets = [BucketState(plan, [trainable[i] for i in plan.param_indices],
-                                    wire_dtype(compression, plan.dtype), f"DistributedOptimizer.bucket.{plan.index}",
+        self.buckets = [BucketState(plan, [trainable[i] for i in plan.param_indices], wire,
+                                    f"DistributedOptimizer.bucket.{plan.index}", _direct(plan, wire),
                                     len(plan.param_indices))
-                        for plan in plans]
+                        for plan, wire in ((plan, wire_dtype(compression, plan.dtype)) for plan in plans)]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self._next = 0
 
@@ -84,6 +88,42 @@ class GradientBuckets:
         return any(b.handle is not None for b in self.buckets)
 
     # -- a training step -----------------------------------------------------------------------
+    def gradient_ready(self, p: torch.Tensor) -> None:
+        """``p``'s gradient is final for this step (its hook fired): a direct bucket copies it into
+        its slot at once, averaged (DDP's order: the bucket is ready to send when its last gradient
+        arrives); then every complete bucket whose predecessors are launched is launched."""
+        bucket = self.bucket_of[p]
+        if bucket.direct:
+            self._copy_in(bucket, p)
+        bucket.pending -= 1
+        self.launch_ready()
+
+    def _copy_in(self, bucket: BucketState, p: torch.Tensor) -> None:
+        if bucket.full is None:
+            self._bind(bucket)
+        if not bucket.copied:  # a new step: last step's gradients go now, if zero_grad did not release them
+            bucket.in_flight = []
+        g, slot = _gradient_to_send(p), bucket.slots[p]
+        scale = self._prescale * self._postscale
+        tracer = self._tracer()
+        start = tracer.now_us() if tracer is not None else 0.0
+        with torch.no_grad():
+            if g.data_ptr() != slot.data_ptr():
+                torch.mul(g, scale, out=slot) if scale != 1.0 else slot.copy_(g)
+            elif scale != 1.0:  # the gradient is last step's view of this slot: average it in place
+                slot.mul_(scale)
+        if tracer is not None:
+            tracer.span(bucket.name, "MEMCPY_IN_FUSION_BUFFER", start, tracer.now_us())
+        bucket.copied.add(p)
+        bucket.in_flight.append(g)
+
+    def _bind(self, bucket: BucketState) -> None:
+        """A direct bucket's buffer and slot views (stable: the buffer's size never changes)."""
+        numel, first = bucket.plan.numel, bucket.plan.index == 0
+        bucket.full = self._buffers.get(bucket.plan.device, bucket.wire_dtype, numel + first, slot=bucket.plan.index)
+        bucket.slots = {p: bucket.full[offset : offset + n].view(p.shape)
+                        for p, offset, n in zip(bucket.params, bucket.plan.offsets, bucket.plan.numels)}
+
     def launch_ready(self) -> None:
         """Launch every complete bucket whose predecessors are launched (hooks call this)."""
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
@@ -97,8 +137,17 @@ class GradientBuckets:
         self._next = len(self.buckets)
 
     def _launch(self, bucket: BucketState) -> None:
-        grads = [_gradient_to_send(p) for p in bucket.params]
         first = bucket.plan.index == 0
+        if bucket.direct:  # the gradients whose hooks did not fire are copied now (zeros if they have none)
+            for p in bucket.params:
+                if p not in bucket.copied:
+                    self._copy_in(bucket, p)
+            if first:
+                bucket.full[bucket.plan.numel:].fill_(1)  # the training flag
+            bucket.reduced = [bucket.full]
+            bucket.handle = self._schedule.launch(self._request(bucket, bucket.reduced))
+            return
+        grads = [_gradient_to_send(p) for p in bucket.params]
         if bucket.wire_dtype is not None:
             numel = bucket.plan.numel
             full = self._buffers.get(bucket.plan.device, bucket.wire_dtype, numel + first, slot=bucket.plan.index)
@@ -134,7 +183,7 @@ class GradientBuckets:
         assert bucket.handle is not None
         bucket.handle.wait()
         targets = []
-        for p in bucket.params:
+        for p in bucket.params if not bucket.direct else ():
             if not p.requires_grad:
                 targets.append(None)  # frozen since the layout was agreed: leave its gradient alone
                 continue
@@ -146,7 +195,11 @@ class GradientBuckets:
         tracer = self._tracer()
         start = tracer.now_us() if tracer is not None else 0.0
         with torch.no_grad():
-            if bucket.wire_dtype is not None:
+            if bucket.direct:  # averaged when copied in: each gradient becomes its slot of the buffer
+                for p in bucket.params:
+                    if p.requires_grad:
+                        p.grad = bucket.slots[p]
+            elif bucket.wire_dtype is not None:
                 dests = [t if t is not None and t.is_contiguous() else torch.empty(p.shape, dtype=p.dtype,
                                                                                     device=p.device)
                          for t, p in zip(targets, bucket.params)]
@@ -159,15 +212,27 @@ class GradientBuckets:
                     if t is not None:
                         averaged = self._compression.decompress(r, ctx)
                         t.copy_(averaged.mul(self._postscale) if self._postscale != 1.0 else averaged)
-        if tracer is not None and bucket.plan.device.type == "cpu":
+        if tracer is not None and bucket.plan.device.type == "cpu" and not bucket.direct:
             tracer.span(bucket.name, "MEMCPY_OUT_FUSION_BUFFER", start, tracer.now_us())
 
     def reset(self) -> None:
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
             bucket.handle = None
-            bucket.reduced, bucket.contexts, bucket.in_flight = [], [], []
+            bucket.reduced, bucket.contexts = [], []
+            bucket.copied.clear()
+            if not bucket.direct:
+                bucket.in_flight = []
         self._next = 0
+
+    def release(self) -> None:
+        """Drop the gradients the last step sent (``zero_grad`` calls this): a direct bucket keeps
+        them until then, so their memory is freed right before the next backward allocates anew,
+        as it would be had they stayed ``p.grad`` (the allocator reuses it instead of faulting in
+        fresh pages)."""
+        for bucket in self.buckets:
+            if bucket.handle is None:
+                bucket.in_flight = []
 
     # -- beyond the steady state ----------------------------------------------------------------
     def reduce_once(self, params: Sequence[torch.Tensor], name: str) -> None:
@@ -210,6 +275,16 @@ class GradientBuckets:
         if first:
             tensors.append(torch.zeros(1, dtype=tensors[0].dtype, device=device))
         return tensors
+
+
+def _direct(plan: fusion.Bucket, wire: torch.dtype | None) -> bool:
+    """CPU buckets of float32/float64 gradients sent uncompressed are *direct*: each gradient is
+    copied into its slot as soon as its hook fires, averaged in the same pass, and the averaged
+    gradients are handed back as views of the fusion buffer (as DDP's ``gradient_as_bucket_view``
+    does): one pass over the gradients per step, where a pack and an unpack take two. A view is
+    overwritten by the next step, so a gradient kept across steps must be cloned. On GPU one pack
+    kernel per bucket and one unpack kernel write them instead."""
+    return plan.device.type == "cpu" and wire == plan.dtype and plan.dtype in (torch.float32, torch.float64)
 
 
 def _gradient_to_send(p: torch.Tensor) -> torch.Tensor:

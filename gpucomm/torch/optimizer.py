@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import warnings
 from typing import Any, Iterable, Iterator
 
@@ -36,7 +37,9 @@ from ..dataplane import fusion
 from ..process_sets import ProcessSet, global_process_set
 from .buckets import GradientBuckets
 from .compression import Compression
-from .functions import allgather_object
+from ..errors import CollectiveError as HorovodInternalError
+from ..settings import env_flag_default_on
+from .functions import allgather_object, broadcast_object
 from .mpi_ops import Adasum, Average, Sum, _set_id
 
 TWICE_ERROR = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
@@ -77,7 +80,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._backward_span: tuple[float, float] | None = None  # first and last gradient of this step (timeline)
         self._schedule = job.new_schedule(self._set_id) if self._size > 1 else None
         self._layouts = 0
+        self._ready_us: list[float | None] | None = None  # when each gradient arrived in the watched step
         self._buckets = self._agree_on_layout(job)
+        # On CPU the first step is watched, and the buckets are cut again where backward pauses
+        # (``fusion.plan_by_readiness``), once, from rank 0's timings (DDP rebuilds after step 1 too).
+        self._watch: dict[torch.Tensor, float] | None = None
+        if (self._size > 1 and groups is None and env_flag_default_on("GPUCOMM_FUSION_BY_READINESS")
+                and all(b.plan.device.type == "cpu" for b in self._buckets.buckets)):
+            self._watch = {}
         if self._schedule is not None:
             for device in {b.plan.device for b in self._buckets.buckets}:
                 self._schedule.open(device)
@@ -90,8 +100,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         across ranks (a collective: every rank calls this at the same point), and hook them."""
         self._requires = [p.requires_grad for p in self._params]
         self._trainable = [p for p in self._params if p.requires_grad]
-        plans = (fusion.plan_buckets(self._trainable) if self._groups is None
-                 else fusion.plan_groups(self._trainable, _trainable_groups(self._groups, self._trainable)))
+        if self._groups is not None:
+            plans = fusion.plan_groups(self._trainable, _trainable_groups(self._groups, self._trainable))
+        elif self._ready_us is not None:
+            index = {p: i for i, p in enumerate(self._params)}
+            plans = fusion.plan_by_readiness(self._trainable, [self._ready_us[index[p]] for p in self._trainable])
+        else:
+            plans = fusion.plan_buckets(self._trainable)
         buckets = GradientBuckets(self._schedule, self._trainable, plans, self._compression, self._prescale,
                                   self._postscale, self._set_id, lambda: job.tracer)
         self._layouts += 1
@@ -160,10 +175,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._backward_span = (self._backward_span[0] if self._backward_span else now, now)
             if delay < 0 or p in self._fired:
                 raise AssertionError(TWICE_ERROR)
+            if self._watch is not None:
+                self._watch[p] = time.perf_counter()
             self._fired.add(p)
-            self._buckets.bucket_of[p].pending -= 1
             self._synchronized = False
-            self._buckets.launch_ready()
+            self._buckets.gradient_ready(p)
 
     # ------------------------------------------------------------------ Horovod API
 
@@ -185,8 +201,29 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         tracer = runtime.current().tracer
         if tracer is not None and span is not None:
             tracer.span("DistributedOptimizer.backward", "BACKWARD", span[0], span[1])
-        if self._layout_changed():
+        if self._watch is not None:
+            self._cut_where_backward_pauses()
+        elif self._layout_changed():
             self._adopt_new_layout()
+
+    def _cut_where_backward_pauses(self) -> None:
+        """After the watched step: take rank 0's gradient arrival times and agree on buckets cut at
+        its pauses. If a rank has joined meanwhile, every training rank gets the same refusal from
+        the coordinator and keeps the buckets it has (the joined rank stands in with those)."""
+        watched, self._watch = self._watch, None
+        if not watched:
+            return
+        start = min(watched.values())
+        mine = [None if p not in watched else (watched[p] - start) * 1e6 for p in self._params]
+        root = runtime.current().group(self._set_id).ranks[0]
+        try:
+            self._ready_us = broadcast_object(mine, root_rank=root, name=f"DistributedOptimizer.ready.{self._schedule.number}",
+                                              process_set=self._process_set)
+        except HorovodInternalError as e:
+            if "already called join()" not in str(e):
+                raise
+            return
+        self._buckets = self._agree_on_layout(runtime.current())
 
     def stand_in_until_all_joined(self) -> None:
         """This rank joined (``hvd.join``): take part in the other ranks' steps with zeros until
@@ -237,7 +274,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._buckets.in_flight:
             raise AssertionError(ZERO_GRAD_ERROR)
-        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+        result = super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+        self._buckets.release()
+        return result
 
     def load_state_dict(self, state_dict: dict) -> None:
         if self._buckets.in_flight:

@@ -1,0 +1,49 @@
+"""A light package face: each import below runs in a fresh interpreter and must not load what its
+first call does not need (the launcher never loads torch, CuPy or Numba; ``import gpucomm.torch``
+leaves the job's machinery, the optimizer and the timeline for ``hvd.init()`` and first use)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.harness import PYTHON, run
+
+HEAVY = ("torch", "cupy", "numba", "numpy", "matplotlib")
+
+
+def _modules_after(statement: str) -> set[str]:
+    code = f"import json, sys; {statement}; print(json.dumps(sorted(sys.modules)))"
+    r = run([PYTHON, "-c", code], timeout=120)
+    assert r.returncode == 0, r.stderr
+    return set(json.loads(r.stdout.splitlines()[-1]))
+
+
+@pytest.mark.parametrize("statement", [
+    "import gpucomm",
+    "import gpucomm.runner.cli",  # gpucomm-run
+    "import gpucomm.runner.remote",  # the ssh-side wrapper
+    "from gpucomm.runner.cli import build_parser; build_parser().parse_args(['-np', '2', 'true'])",
+    "import gpucomm.bootstrap.world, gpucomm.bootstrap.rendezvous, gpucomm.reduce_op, gpucomm.process_sets",
+])
+def test_launcher_and_package_face_import_nothing_heavy(statement):
+    loaded = _modules_after(statement)
+    assert not [m for m in HEAVY if m in loaded], sorted(m for m in loaded if m.split(".")[0] in HEAVY)[:10]
+
+
+def test_gpucomm_torch_loads_the_job_machinery_only_at_init():
+    loaded = _modules_after("import gpucomm.torch")
+    later = ("gpucomm.job", "gpucomm.startup", "gpucomm.control.controller", "gpucomm.control.hub",
+             "gpucomm.dataplane.executor", "gpucomm.torch.optimizer", "gpucomm.timeline.writer", "gpucomm.kernels.api",
+             "numba", "cupy", "matplotlib")
+    assert not [m for m in later if m in loaded], [m for m in later if m in loaded]
+    assert "torch" in loaded  # the front works on torch tensors
+
+
+def test_lazy_names_resolve():
+    loaded = _modules_after("import gpucomm, gpucomm.torch as hvd; "
+                            "assert callable(gpucomm.stats) and hvd.stats is gpucomm.stats; "
+                            "assert hvd.DistributedOptimizer.__name__ == 'DistributedOptimizer'; "
+                            "assert gpucomm.Communicator.__name__ == 'Communicator'")
+    assert "gpucomm.torch.optimizer" in loaded
