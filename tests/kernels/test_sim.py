@@ -18,7 +18,8 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from gpucomm.dataplane import fusion, kernels  # noqa: E402
+from gpucomm import kernels  # noqa: E402
+from gpucomm.dataplane import fusion  # noqa: E402
 from gpucomm.kernels import api, launch, table  # noqa: E402
 from tests.kernels.reference import (  # noqa: E402
     BF16_EDGE_BITS, assert_same_bits, f32_from_bits, random_values, reference, special_values)
