@@ -71,7 +71,7 @@ class Job:
     _nccl: Any = None
     _nccl_lock: threading.Lock = field(default_factory=threading.Lock)
     _set_counter: int = 0
-    _schedule_counter: int = 0
+    _schedule_counters: dict = field(default_factory=dict)  # process set id -> schedules made on it
     _schedules: list[Schedule] = field(default_factory=list)
     _join_parties: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
 
@@ -92,7 +92,7 @@ class Job:
         execute = Executor(self.group, self._current_tracer, events=self.events)
         self.plane = Controller(rank, size, execute, self.control, coordinator=self._coordinator, links=self.links,
                                 on_done=self._on_done, zeros_device=self._zeros_device, tracer=self._current_tracer,
-                                nccl_health=self._nccl_health)
+                                nccl_health=self._nccl_health, events=self.events)
 
     @property
     def controller(self) -> Controller | None:
@@ -106,6 +106,7 @@ class Job:
         once here."""
         if request.device.type == "cuda":
             request.stream = torch.cuda.current_stream(request.device)
+            request.waited_at_once = send is Send.ON_WAIT
             prepare(request)
             request.ready_event = self.events.record(request.stream)
         elif request.kind in ("allreduce", "broadcast"):
@@ -119,11 +120,11 @@ class Job:
     # -- fixed schedules (DistributedOptimizer) --------------------------------------------------
     def new_schedule(self, set_id: int) -> Schedule:
         """A fixed schedule on the members of process set ``set_id``, on a group of its own. Every
-        member calls this at the same point (an optimizer's construction), so the numbering agrees;
-        the optimizer's cross-rank check verifies it."""
-        self._schedule_counter += 1
-        number, base = self._schedule_counter, self.group(set_id)
-        where = f"{self.prefix}schedule/{number}/"
+        member calls this at the same point (an optimizer's construction), so the numbering, kept
+        per set, agrees; the optimizer's cross-rank check verifies it. ``close_schedule`` ends it."""
+        number = self._schedule_counters[set_id] = self._schedule_counters.get(set_id, 0) + 1
+        base = self.group(set_id)
+        where = f"{self.prefix}schedule/{set_id}/{number}/"
         group = Group(set_id, base.ranks, self.world.rank,
                       lambda g: gloo_group(self.client, where + "gloo/", g.rank, g.size, timeout=self.timeout,
                                            one_host=self.one_host, iface=gloo_iface(os.environ)),
@@ -135,6 +136,12 @@ class Job:
         schedule.number = number
         self._schedules.append(schedule)
         return schedule
+
+    def close_schedule(self, schedule: Schedule) -> None:
+        """Release a schedule's group (its optimizer is gone)."""
+        if schedule in self._schedules:
+            self._schedules.remove(schedule)
+            schedule.close()
 
     def add_join_party(self, party: Any) -> None:
         """``party.stand_in_until_all_joined()`` runs while this rank waits in ``hvd.join()``."""

@@ -157,6 +157,25 @@ def trainable_set_changes(steps: int = 6) -> dict:
     return {"checks": checks, "rounds": rounds, "diff": diff}
 
 
+def in_place_prescale() -> dict:
+    """In-place allreduces with a prescale, small (reduced by the coordinator) and large (Gloo): the
+    prescale is applied once; a mismatch leaves the caller's tensor as it was."""
+    hvd.init()
+    n, r = hvd.size(), hvd.rank()
+    out = {}
+    for numel in (4, 8192):
+        x = torch.ones(numel)
+        hvd.allreduce_(x, op=hvd.Sum, prescale_factor=0.5, name=f"pre.{numel}")
+        out[numel] = x[:2].tolist()
+    y = torch.ones(3 if r == 0 else 5)
+    try:
+        hvd.allreduce_(y, op=hvd.Sum, prescale_factor=0.5, name="pre.mismatch")
+    except RuntimeError:
+        out["after_mismatch"] = sorted(set(y.tolist()))
+    hvd.shutdown()
+    return out
+
+
 def mismatched_bucket_layout() -> str:
     """Rank 1 plans other buckets (its own GPUCOMM_FUSION_THRESHOLD): every rank refuses at construction."""
     hvd.init()

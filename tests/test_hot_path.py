@@ -72,6 +72,12 @@ def test_buckets_are_cut_where_backward_pauses_after_the_first_step():
     assert [b.param_indices for b in plan] == [(5, 4, 3, 2, 1, 0)]
 
 
+def test_in_place_prescale_is_applied_once_and_a_refused_op_leaves_the_tensor_alone():
+    for seen in run_ranks(sc.in_place_prescale, 2):
+        assert seen[4] == [1.0, 1.0] and seen[8192] == [1.0, 1.0], seen  # 2 ranks x 1 x 0.5
+        assert seen["after_mismatch"] == [1.0], seen
+
+
 def test_ranks_planning_other_buckets_fail_at_construction_on_every_rank():
     messages = run_ranks(sc.mismatched_bucket_layout, 2)
     for message in messages:

@@ -20,6 +20,7 @@ import torch
 
 from . import channel as wire
 from ..counters import COUNTERS
+from ..dataplane.events import EventPool
 from ..dataplane.handles import Handle, Issued
 from ..dataplane.inline import inline_payload, write_inline
 from ..dataplane.requests import Request
@@ -55,7 +56,8 @@ class Controller:
                  on_done: Callable[[str, str, Any], None] | None = None,
                  zeros_device: Callable[[], torch.device] | None = None,
                  tracer: Callable[[], Any] = lambda: None,
-                 nccl_health: Callable[[int, bool], str | None] = lambda set_id, abort: None) -> None:
+                 nccl_health: Callable[[int, bool], str | None] = lambda set_id, abort: None,
+                 events: EventPool | None = None) -> None:
         self.rank, self.size, self.config = rank, size, config
         self.timeout = config.timeout
         self._execute = execute
@@ -78,7 +80,7 @@ class Controller:
         self._failure: CollectiveError | None = None
         self._closed = False
         self._waiting = 0  # threads inside wait_ready
-        self._standins = StandIns(execute, self._zeros_device)
+        self._standins = StandIns(execute, self._zeros_device, events or EventPool())
         self._stall_info: dict[Key, list[int]] = {}
         self.frames_sent = 0  # request frames this rank sent (rank 0: coordinator steps that took requests)
         self.frames_received = 0

@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from ..dataplane.events import EventPool
 from ..dataplane.executor import prepare
 from ..dataplane.handles import Issued
 from ..dataplane.requests import Request
@@ -14,10 +15,12 @@ from .negotiation import Descriptor
 
 
 class StandIns:
-    """``execute(request, meta)`` issues a collective; ``zeros_device()`` is where CUDA zeros go."""
+    """``execute(request, meta)`` issues a collective; ``zeros_device()`` is where CUDA zeros go;
+    ``events`` gives the ready events (the executor returns them to it)."""
 
-    def __init__(self, execute: Callable[[Request, dict], Issued], zeros_device: Callable[[], torch.device]) -> None:
-        self._execute, self._zeros_device = execute, zeros_device
+    def __init__(self, execute: Callable[[Request, dict], Issued], zeros_device: Callable[[], torch.device],
+                 events: EventPool) -> None:
+        self._execute, self._zeros_device, self._events = execute, zeros_device, events
         self.joining = False
         self._issued: list[Issued] = []
 
@@ -35,22 +38,31 @@ class StandIns:
         if request.kind in ("allreduce", "broadcast"):
             prepare(request)
         if device.type == "cuda":
-            request.ready_event = torch.cuda.Event()
-            request.ready_event.record(request.stream)
+            request.ready_event = self._events.record(request.stream)
         self._issued.append(self._execute(request, meta))
 
     def prune(self) -> None:
-        """Forget the stand-ins whose host-side work has finished."""
+        """Forget the stand-ins that have finished: their zeros (held by ``finalize``) stay alive
+        until then, so no new allocation reuses their memory while NCCL still reads or writes it."""
         if self._issued:
-            self._issued = [s for s in self._issued if not all(w.done() for w in s.works)]
+            self._issued = [s for s in self._issued if not _finished(s)]
 
     def finish(self, timeout: float) -> None:
-        """Every rank has joined: wait for the last stand-ins."""
+        """Every rank has joined: wait for the last stand-ins (a CUDA one by making the stream its
+        zeros were allocated on wait for it, so their memory is reused only after NCCL is done)."""
         issued, self._issued = self._issued, []
         self.joining = False
         for s in issued:
             for w in s.works:
                 w.wait(timeout)
+            if s.done_event is not None and not s.done_event.query():
+                torch.cuda.current_stream(self._zeros_device()).wait_event(s.done_event)
+
+
+def _finished(issued: Issued) -> bool:
+    if not all(w.done() for w in issued.works):
+        return False
+    return issued.done_event is None or issued.done_event.query()
 
 
 __all__ = ["StandIns"]

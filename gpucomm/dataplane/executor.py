@@ -29,13 +29,16 @@ Plan = tuple[list[Any], Callable[[], Any]]  # backend works, and the step that p
 
 def prepare(req: Request) -> None:
     """Caller's thread, at submission: allocate the outputs of a one-tensor allreduce or a broadcast
-    and pre-scale the allreduce's input into its output (so the op sends ``req.send``)."""
+    and pre-scale the allreduce's input into its new output (so the op sends ``req.send``). The
+    caller's tensors are never changed here: an in-place allreduce with a prescale is left to run
+    time, after the ranks agreed (and the coordinator may still reduce it from the unscaled input)."""
     if req.kind == "allreduce" and len(req.tensors) == 1:
         src = req.tensors[0]
+        if req.prescale != 1.0 and req.outputs is not None:
+            return
         out = req.outputs[0] if req.outputs is not None else torch.empty_like(src)
         if req.prescale != 1.0:
-            if out is not src:
-                out.copy_(src)
+            out.copy_(src)
             scale_(out, req.prescale)
             src = out
         req.outputs, req.send = [out], src

@@ -66,12 +66,12 @@ class Handle:
             for w in issued.works:
                 w.wait(self._owner.timeout)
             if issued.done_event is not None:
-                stream = self.request.stream  # the caller's stream at submission: the one lookup of this op
+                stream = self._waiting_stream()
                 stream.wait_event(issued.done_event)
                 if issued.release_done is not None:
                     issued.release_done()
                 self._result = issued.finalize()
-                if issued.results_on_comm:
+                if issued.results_on_comm or stream is not self.request.stream:
                     _used_on(self._result, stream)
             else:
                 self._result = issued.finalize()
@@ -86,12 +86,24 @@ class Handle:
         self._issued = None  # drop the backend's references
         return self._result
 
+    def _waiting_stream(self) -> Any:
+        """The stream the result must be ready on: the caller's current one. A synchronous op is
+        waited on by its submitter right away, so that is the stream it was submitted on (no second
+        lookup); an asynchronous one may be waited on from another stream."""
+        request = self.request
+        if request.waited_at_once:
+            return request.stream
+        import torch  # noqa: PLC0415 - CUDA handles only
+
+        current = torch.cuda.current_stream(request.stream.device)
+        return request.stream if current.cuda_stream == request.stream.cuda_stream else current
+
 
 def _used_on(result: Any, stream: Any) -> None:
-    """Mark CUDA results as used on the caller's ``stream``. They were allocated on the
-    communication stream, so without this the caching allocator could hand their memory to a new
-    communication-stream allocation as soon as the caller frees them, while kernels the caller
-    queued on its own stream still read them."""
+    """Mark CUDA results as used on the caller's ``stream``. They were allocated on another stream
+    (the communication stream, or the stream the op was submitted on), so without this the caching
+    allocator could hand their memory to a new allocation on that stream as soon as the caller
+    frees them, while kernels the caller queued on its own stream still read them."""
     if isinstance(result, (list, tuple)):
         for item in result:
             _used_on(item, stream)

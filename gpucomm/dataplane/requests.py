@@ -37,6 +37,7 @@ class Request:
     ready_event: Any = None  # CUDA: recorded on the caller's stream when submitted
     stream: Any = None  # CUDA: the caller's stream at submission (its results are ready on it)
     send: torch.Tensor | None = None  # prepared kinds: what this rank sends (``executor.prepare``)
+    waited_at_once: bool = False  # the submitter waits right away, on the stream it submitted on
     set_id: int = 0  # the process set it runs on (0: every rank)
     ranks: tuple[int, ...] | None = None  # add_process_set: the new set's ranks
 

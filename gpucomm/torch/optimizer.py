@@ -27,6 +27,7 @@ import contextlib
 import threading
 import time
 import warnings
+import weakref
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -92,22 +93,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for device in {b.plan.device for b in self._buckets.buckets}:
                 self._schedule.open(device)
             job.add_join_party(self)
+            weakref.finalize(self, job.close_schedule, self._schedule)  # its communicator goes with it
 
     # ------------------------------------------------------------------ the layout, agreed once
 
     def _agree_on_layout(self, job) -> GradientBuckets:
         """Plan buckets for the parameters that need gradients now, verify parameters and buckets
-        across ranks (a collective: every rank calls this at the same point), and hook them."""
-        self._requires = [p.requires_grad for p in self._params]
-        self._trainable = [p for p in self._params if p.requires_grad]
+        across ranks (a collective: every rank calls this at the same point), and hook them. Nothing
+        of the optimizer changes unless the ranks agreed."""
+        requires = [p.requires_grad for p in self._params]
+        trainable = [p for p in self._params if p.requires_grad]
         if self._groups is not None:
-            plans = fusion.plan_groups(self._trainable, _trainable_groups(self._groups, self._trainable))
+            plans = fusion.plan_groups(trainable, _trainable_groups(self._groups, trainable))
         elif self._ready_us is not None:
             index = {p: i for i, p in enumerate(self._params)}
-            plans = fusion.plan_by_readiness(self._trainable, [self._ready_us[index[p]] for p in self._trainable])
+            plans = fusion.plan_by_readiness(trainable, [self._ready_us[index[p]] for p in trainable])
         else:
-            plans = fusion.plan_buckets(self._trainable)
-        buckets = GradientBuckets(self._schedule, self._trainable, plans, self._compression, self._prescale,
+            plans = fusion.plan_buckets(trainable)
+        buckets = GradientBuckets(self._schedule, trainable, plans, self._compression, self._prescale,
                                   self._postscale, self._set_id, lambda: job.tracer)
         self._layouts += 1
         if self._size > 1:
@@ -115,10 +118,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p in list(self._hooks):
                 if p not in buckets.bucket_of:
                     self._hooks.pop(p).remove()
-            for p in self._trainable:
+            for p in trainable:
                 if p not in self._hooks:
                     self._hooks[p] = p.register_post_accumulate_grad_hook(self._hook)
-        self._delay = {p: self._passes for p in self._trainable}
+        self._requires, self._trainable = requires, trainable
+        self._delay = {p: self._passes for p in trainable}
         return buckets
 
     def _verify_everywhere(self, buckets: GradientBuckets) -> None:
@@ -201,19 +205,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         tracer = runtime.current().tracer
         if tracer is not None and span is not None:
             tracer.span("DistributedOptimizer.backward", "BACKWARD", span[0], span[1])
-        if self._watch is not None:
-            self._cut_where_backward_pauses()
-        elif self._layout_changed():
+        if self._watch is not None and self._cut_where_backward_pauses():
+            return
+        if self._layout_changed():
             self._adopt_new_layout()
 
-    def _cut_where_backward_pauses(self) -> None:
+    def _cut_where_backward_pauses(self) -> bool:
         """After the watched step: take rank 0's gradient arrival times and agree on buckets cut at
-        its pauses. If a rank has joined meanwhile, every training rank gets the same refusal from
-        the coordinator and keeps the buckets it has (the joined rank stands in with those)."""
+        its pauses (and on any change of the trainable set). False if a rank has joined meanwhile:
+        every training rank then gets the same refusal from the coordinator and keeps the buckets
+        it has (the joined rank stands in with those)."""
         watched, self._watch = self._watch, None
-        if not watched:
-            return
-        start = min(watched.values())
+        start = min(watched.values(), default=0.0)
         mine = [None if p not in watched else (watched[p] - start) * 1e6 for p in self._params]
         root = runtime.current().group(self._set_id).ranks[0]
         try:
@@ -222,8 +225,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         except HorovodInternalError as e:
             if "already called join()" not in str(e):
                 raise
-            return
-        self._buckets = self._agree_on_layout(runtime.current())
+            return False
+        self._adopt_new_layout()
+        return True
 
     def stand_in_until_all_joined(self) -> None:
         """This rank joined (``hvd.join``): take part in the other ranks' steps with zeros until
