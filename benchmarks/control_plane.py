@@ -54,7 +54,6 @@ import argparse
 import dataclasses
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -66,6 +65,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, also when loaded by path
 from cpu_allreduce import raw_gloo_group  # noqa: E402
+from bench_jobs import stop_group  # noqa: E402
 from bench_stats import fmt, median, percentile, ratio, scaled, write_json  # noqa: E402
 
 import gpucomm  # noqa: E402
@@ -447,22 +447,6 @@ def _watch_ranks(launcher: subprocess.Popen, script: str, deadline: float) -> di
             return gone
         time.sleep(0.005)
     return gone
-
-
-def stop_group(proc: subprocess.Popen, grace: float = 15.0) -> None:
-    """SIGTERM ``proc``'s process group (a launcher then stops its ranks, which run in sessions of their
-    own, so a SIGKILL of the group alone would orphan them), and SIGKILL it after ``grace`` s."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    proc.wait()
 
 
 def launch_mismatch(np_: int, timeout: float) -> dict[str, Any]:

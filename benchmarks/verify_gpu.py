@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, also when imported by path
+from bench_jobs import stop_group  # noqa: E402
 from bench_stats import fmt, ratio as safe_ratio  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -157,22 +157,6 @@ def load_results(step: Step, out: Path) -> None:
         step.data = json.loads(step.json_path.read_text())
     except ValueError:
         step.status += ", JSON unreadable"
-
-
-def stop_group(proc: subprocess.Popen, grace: float = 15.0) -> None:
-    """SIGTERM ``proc``'s process group (a launcher then stops its ranks, which run in sessions of their
-    own, so a SIGKILL of the group alone would orphan them), and SIGKILL it after ``grace`` s."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    proc.wait()
 
 
 def _copy_output(pipe, log) -> None:

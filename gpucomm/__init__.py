@@ -6,10 +6,8 @@ use. The Horovod-style front is ``import gpucomm.torch as hvd``.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from .errors import CollectiveError, GpucommError, NotInitializedError, ShutdownError
+from .lazy import lazy_names
 from .reduce_op import ReduceOp
 
 __version__ = "0.1.0"
@@ -20,10 +18,4 @@ __all__ = ["Communicator", "CollectiveError", "GpucommError", "NotInitializedErr
            "__version__"]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _LAZY, globals())

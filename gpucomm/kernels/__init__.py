@@ -11,10 +11,8 @@ CPU path (``gpucomm.dataplane.fusion``) can share ``rules`` without loading Numb
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from ..errors import KernelUnavailableError
+from ..lazy import lazy_names
 from .rules import CASTS, FLOAT_DTYPES, INT_WIDTHS, compute_dtype, conversion, validate
 
 _LAZY = {"pack": "api", "unpack": "api", "clear_cache": "api", "cache_info": "api", "SIMULATOR": "devicefns",
@@ -24,10 +22,4 @@ __all__ = ["KernelUnavailableError", "CASTS", "FLOAT_DTYPES", "INT_WIDTHS", "com
            "validate", *_LAZY]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _LAZY, globals())

@@ -6,10 +6,8 @@ machinery, and ``DistributedOptimizer``, the broadcast helpers and checkpoints l
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from .. import runtime as _runtime
+from ..lazy import lazy_names
 from ..counters import stats
 from ..errors import CollectiveError as HorovodInternalError
 from .autograd import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
@@ -27,13 +25,7 @@ _LAZY = {"DistributedOptimizer": "optimizer", "save_checkpoint": "checkpoint", "
          "broadcast_parameters": "functions"}
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _LAZY, globals())
 
 
 def _nccl_version() -> int:

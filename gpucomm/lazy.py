@@ -1,0 +1,25 @@
+"""Names a package exports without importing them: each is loaded from its module on first use,
+so importing the package stays light (PEP 562 module ``__getattr__``)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Mapping
+
+
+def lazy_names(package: str, names: Mapping[str, str], namespace: dict) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for ``package``: ``names`` maps an exported name to the submodule
+    (relative to ``package``) that defines it; the value is cached in ``namespace`` once loaded."""
+
+    def __getattr__(name: str) -> Any:
+        module = names.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f".{module}", package), name)
+        namespace[name] = value
+        return value
+
+    return __getattr__
+
+
+__all__ = ["lazy_names"]
