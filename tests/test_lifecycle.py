@@ -77,7 +77,7 @@ def test_hanging_rank_is_killed_and_reaped():
     t0 = time.monotonic()
     with pytest.raises(RankFailure, match="did not finish"):
         run_ranks(sc.wait_forever, 2, timeout=8)
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 90  # killed at the 8 s deadline; the ranks would otherwise wait forever
     time.sleep(0.2)
     leftover = {p.pid for p in psutil.Process().children(recursive=True) if p.is_running()
                 and p.status() != psutil.STATUS_ZOMBIE} - before
