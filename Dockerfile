@@ -1,4 +1,4 @@
-# gpucomm on CUDA 12 GPUs: a CUDA build of torch, gpucomm with CuPy + NCCL (the cuda12 extra), and the
+# gpucomm on CUDA 13 GPUs: a CUDA build of torch, gpucomm with CuPy + NCCL (the cuda13 extra), and the
 # test suite as the default command.
 #
 #   docker build -t gpucomm .
@@ -14,14 +14,14 @@
 #
 # --ipc=host gives NCCL the shared memory it needs (or pass --shm-size=1g); --network=host for several hosts.
 #
-# Base image: CUDA 12.6.3 (the last 12.6 update), cuDNN runtime flavour, Ubuntu 24.04, whose python3 is 3.12
-# (pyproject: requires-python >= 3.10). Why 12.6: PyTorch has published cu126 wheels for every release from
-# 2.6 to 2.12, the longest run of any CUDA 12 index (2.12 has no cu128), so the cu126 index is the CUDA 12
-# index most likely to carry current torch, and its wheels' CUDA libraries match the image's 12.6. The
-# runtime flavour is enough: nothing here runs nvcc (Numba's NVRTC/NVVM come as wheels with numba-cuda[cu12]).
-# Host: an NVIDIA driver for CUDA 12.6 (R560+, or R525+ through CUDA's minor-version compatibility) and the
-# NVIDIA Container Toolkit.
-FROM nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04
+# Base image: CUDA 13.0, cuDNN runtime flavour, Ubuntu 24.04, whose python3 is 3.12 (pyproject:
+# requires-python >= 3.10). This is the stack gpucomm's users run today: Python 3.12, torch from the cu130
+# index, CuPy 14 (cupy-cuda13x), NCCL for CUDA 13, numba-cuda 0.30 and, on Python 3.12, NumPy 2.5, which
+# numba-cuda 0.30 cannot compile with on its own (gpucomm/kernels/compat.py restores what it needs). The
+# runtime flavour is enough: nothing here runs nvcc (Numba's NVRTC/NVVM come as wheels with numba-cuda[cu13]).
+# For CUDA 12 hosts build FROM a 12.x image with TORCH_INDEX_URL=.../cu126 and the cuda12 extra.
+# Host: an NVIDIA driver for CUDA 13 (R580+) and the NVIDIA Container Toolkit.
+FROM nvidia/cuda:13.0.0-cudnn-runtime-ubuntu24.04
 
 ARG DEBIAN_FRONTEND=noninteractive
 # Python from the distribution; OpenSSH (client for remote ranks, server for the ssh launcher tests) and
@@ -31,10 +31,10 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 # The README's install steps, with /opt/venv in place of .venv.
-# 1-2. A venv, then torch first: the CUDA 12.6 build instead of the README's CPU pin. Pin it to match CI with
-#      --build-arg TORCH=torch==2.13.0 once that release has cu126 wheels.
+# 1-2. A venv, then torch first: the CUDA 13.0 build instead of the README's CPU pin. Pin it to match CI with
+#      --build-arg TORCH=torch==2.13.0.
 ARG TORCH=torch
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
 RUN python3 -m venv /opt/venv && /opt/venv/bin/pip install --no-cache-dir "${TORCH}" --index-url "${TORCH_INDEX_URL}"
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1
@@ -42,9 +42,9 @@ ENV PATH=/opt/venv/bin:$PATH \
 WORKDIR /workspace
 COPY . /workspace
 
-# 3. gpucomm, editable, with its extras: cuda12 (CuPy, NCCL and Numba's NVRTC/NVVM for CUDA 12) where the
-#    README's CPU machines take cuda13, plus the test and examples extras.
-RUN /opt/venv/bin/pip install --no-cache-dir -e ".[cuda12,test,examples]"
+# 3. gpucomm, editable, with its extras: cuda13 (CuPy, NCCL and Numba's NVRTC/NVVM for CUDA 13), as on the
+#    README's machines, plus the test and examples extras.
+RUN /opt/venv/bin/pip install --no-cache-dir -e ".[cuda13,test,examples]"
 
 # 4. The README's test command (what .ci/run runs): the suite, then the kernel simulator suite in its own process.
 CMD ["/bin/sh", "-c", "/opt/venv/bin/python -m pytest -q && NUMBA_ENABLE_CUDASIM=1 /opt/venv/bin/python -m pytest -q tests/kernels/test_sim.py"]

@@ -50,8 +50,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true",
                     help=f"smoke run: batch {QUICK[0]}, {QUICK[1]} rounds of {QUICK[2]} steps, {QUICK[3]} warm-up")
     ap.add_argument("--cuda", action="store_true", help="train on this rank's GPU (DDP then uses NCCL)")
+    ap.add_argument("--fusion", choices=["kernels", "torch"], default="kernels",
+                    help="GPU buckets: pack with the Numba kernels (default), or with torch ops, the fallback used "
+                         "where the kernels cannot run (sets GPUCOMM_FUSION_KERNELS=0)")
     ap.add_argument("--json", default="optimizer_vs_ddp.json")
     args = ap.parse_args()
+    if args.fusion == "torch":
+        os.environ["GPUCOMM_FUSION_KERNELS"] = "0"
     for key, value in zip(("batch_size", "rounds", "steps_per_round", "warmup"), QUICK if args.quick else FULL):
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -61,6 +66,16 @@ def parse_args() -> argparse.Namespace:
         usage_error(f"--cuda needs a CUDA GPU, and torch.cuda.is_available() is False (torch {torch.__version__}); "
                     "leave --cuda out to run on CPU")
     return args
+
+
+def kernel_status() -> dict:
+    """How this rank packed its GPU buckets: ``kernels`` or ``torch`` ops, and why."""
+    from gpucomm.kernels import status  # noqa: PLC0415
+
+    st = status()
+    path = "torch" if os.environ.get("GPUCOMM_FUSION_KERNELS") == "0" or not st["usable"] else "kernels"
+    return {"path": path, "reason": st["reason"], "launch": st["launch"], "compiled": st["compiled"],
+            "numpy_shims": st["numpy_shims"]}
 
 
 def usage_error(message: str) -> None:
@@ -127,8 +142,12 @@ def main() -> None:
     q, span = quartiles(round_ratios), value_range(round_ratios)
     if hvd.rank() == 0:
         params = sum(p.numel() for p in base.parameters())
+        fusion = kernel_status() if args.cuda else None
         print(f"model {args.model} ({params / 1e6:.1f} M parameters), batch {args.batch_size} per rank, {hvd.size()} "
               f"ranks on {'GPU' if args.cuda else 'CPU'}; {args.rounds} interleaved rounds of {args.steps_per_round} steps")
+        if fusion is not None:
+            print(f"fusion copies: {fusion['path']} (kernel_fallbacks {hvd.stats()['kernel_fallbacks']}"
+                  f"{', reason: ' + fusion['reason'] if fusion['reason'] else ''})")
         print(f"{'':10s} {'median step (ms)':>18s}")
         for k in ("gpucomm", "ddp"):
             print(f"{k:10s} {job[k] * 1e3:18.2f}")
@@ -138,7 +157,8 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "optimizer_vs_ddp", "model": args.model, "parameters": params,
                        "ranks": hvd.size(), "device": "cuda" if args.cuda else "cpu", "batch_size": args.batch_size,
-                       "median_step_s": job, "ratio": ratio, "round_ratios": round_ratios}, f, indent=2)
+                       "median_step_s": job, "ratio": ratio, "round_ratios": round_ratios, "fusion": fusion,
+                       "kernel_fallbacks": hvd.stats()["kernel_fallbacks"]}, f, indent=2)
         print(f"wrote {args.json}")
     dist.destroy_process_group()
     del store

@@ -22,7 +22,7 @@ class Counters:
     bytes: int = 0  # bytes those collectives sent from this rank (input sizes)
     schedule_steps: int = 0  # DistributedOptimizer steps run on a fixed schedule (no control messages)
     layout_checks: int = 0  # cross-rank verifications of an optimizer's parameters and buckets
-    kernel_fallbacks: int = 0  # CUDA bucket packs/unpacks done with torch ops because the kernels were unavailable
+    kernel_fallbacks: int = 0  # times this process gave up the fusion kernels for torch ops (at most once; see gpucomm.kernels.status())
 
 
 COUNTERS = Counters()

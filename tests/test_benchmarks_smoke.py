@@ -445,5 +445,5 @@ def test_startup_and_cpu_allreduce_and_pack_bw_summaries_of_nothing(capsys):
 
     pack = _load("pack_bw")
     assert pack.targets([], {}) == dict.fromkeys(
-        ["bw_ge_85pct_d2d_for_16MiB_plus", "resnet50_pack_faster_than_cat", "resnet50_host_us_per_launch_le_30",
-         "resnet50_host_us_le_30_with_validate_false"], False)
+        ["pack_unpack_ge_85pct_d2d_64MiB_and_resnet50", "unpack_with_average_ge_85pct_d2d_resnet50",
+         "casts_ge_85pct_d2d", "tiny_1000_within_3x_d2d", "resnet50_host_us_per_launch_le_30"], False)

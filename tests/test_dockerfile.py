@@ -1,8 +1,8 @@
 """The Dockerfile against pyproject.toml and the README, without Docker (it cannot run here).
 
-Checks: an nvidia/cuda 12 base image; its distribution's Python satisfies ``requires-python`` and can
-make a venv; the extras it installs exist, include ``cuda12`` and pull no CUDA 13 wheel, and with the
-``test`` extra is among them; torch comes
+Checks: an nvidia/cuda 12 or 13 base image; its distribution's Python satisfies ``requires-python``
+and can make a venv; the extras it installs exist, include the image's ``cudaNN`` extra and pull no
+wheel of the other CUDA major, and the ``test`` extra is among them; torch comes
 from the PyTorch index of the image's CUDA version; the install steps are the README's test command
 (venv -> torch -> editable install -> the same pytest runs), all through the venv; ``.dockerignore``
 keeps ``.venv`` out and what the image needs in; the image fits ``launch/docker-run.sh``.
@@ -35,7 +35,8 @@ DISTRO_PYTHON = {"ubuntu20.04": "3.8", "ubuntu22.04": "3.10", "ubuntu24.04": "3.
                  "rockylinux8": "3.6", "rockylinux9": "3.9"}
 BASE_IMAGE = re.compile(r"^(?:docker\.io/|nvcr\.io/)?nvidia/cuda:(?P<cuda>\d+\.\d+\.\d+)-(?:cudnn\d*-)?"
                         r"(?P<flavour>base|runtime|devel)-(?P<distro>[a-z]+\d+(?:\.\d+)?)(?:@sha256:[0-9a-f]{64})?$")
-CUDA13 = re.compile(r"cu(?:da)?13")
+CUDA_MAJORS = ("12", "13")  # the cudaNN extras pyproject offers
+OTHER_MAJOR = {"12": re.compile(r"cu(?:da)?13"), "13": re.compile(r"cu(?:da)?12")}
 NEEDED_IN_IMAGE = ("pyproject.toml", "README.md", "Dockerfile", ".dockerignore", "gpucomm/__init__.py",
                    "tests/test_dockerfile.py", "launch/docker-run.sh", "benchmarks/train.py", "examples/models.py")
 
@@ -189,8 +190,8 @@ def check_base_image(dockerfile: str) -> list[str]:
     if m is None:
         return [f"FROM {one(dockerfile, 'FROM')!r} is not an official nvidia/cuda:X.Y.Z-[cudnn-]FLAVOUR-DISTRO image"]
     problems = []
-    if m["cuda"].split(".")[0] != "12":
-        problems.append(f"base image is CUDA {m['cuda']}, the cuda12 extra needs a CUDA 12 image")
+    if m["cuda"].split(".")[0] not in CUDA_MAJORS:
+        problems.append(f"base image is CUDA {m['cuda']}; gpucomm has extras for CUDA {' and '.join(CUDA_MAJORS)} only")
     if m["flavour"] == "base":
         problems.append("the 'base' flavour lacks the CUDA runtime libraries: use runtime or devel")
     return problems
@@ -225,11 +226,14 @@ def check_extras(dockerfile: str, pyproject: dict) -> list[str]:
     extras, named = editable(dockerfile)
     problems = [f"extra {e!r} is not in pyproject's optional-dependencies ({', '.join(optional)})"
                 for e in extras if e not in optional]
-    if "cuda12" not in extras:
-        problems.append(f"the editable install's extras {extras} do not include cuda12")
+    m = base_image(dockerfile)
+    major = m["cuda"].split(".")[0] if m is not None else "12"
+    if f"cuda{major}" not in extras:
+        problems.append(f"the editable install's extras {extras} do not include cuda{major} (the image is CUDA {major})")
     installed = named + [Requirement(r) for e in extras if e in optional for r in optional[e]]
-    problems += [f"{r} is a CUDA 13 package in a CUDA 12 image (from the extras or named beside them)"
-                 for r in installed if CUDA13.search(str(r))]
+    other = OTHER_MAJOR.get(major)
+    problems += [f"{r} is a package of another CUDA major in a CUDA {major} image (from the extras or named beside "
+                 f"them)" for r in installed if other is not None and other.search(str(r))]
     if "test" not in extras:
         problems.append(f"the editable install's extras {extras} do not include the test extra, which the "
                         f"image's default command (the test suite) needs")
@@ -317,16 +321,16 @@ def test_dockerfile(files, check):
 
 
 BREAKAGES = [
-    ("base_image", "dockerfile", "nvidia/cuda:12.6.3-cudnn-runtime", "nvidia/cuda:13.0.2-cudnn-runtime",
-     "CUDA 12 image"),
-    ("base_image", "dockerfile", "FROM nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04", "FROM python:3.12", "official"),
+    ("base_image", "dockerfile", "nvidia/cuda:13.0.0-cudnn-runtime", "nvidia/cuda:11.8.0-cudnn-runtime",
+     "extras for CUDA 12 and 13 only"),
+    ("base_image", "dockerfile", "FROM nvidia/cuda:13.0.0-cudnn-runtime-ubuntu24.04", "FROM python:3.12", "official"),
     ("python", "dockerfile", "-ubuntu24.04", "-ubuntu20.04", "requires-python"),
     ("python", "dockerfile", " python3-venv ", " ", "python3-venv"),
-    ("extras", "dockerfile", '".[cuda12,test,examples]"', '".[cuda12,cuda13,test,examples]"', "CUDA 13 package"),
-    ("extras", "dockerfile", '".[cuda12,test,examples]"', '".[cuda13,test,examples]"', "do not include cuda12"),
-    ("extras", "dockerfile", '".[cuda12,test,examples]"', '".[cuda12,test,exmples]"', "'exmples' is not in pyproject"),
-    ("extras", "dockerfile", '".[cuda12,test,examples]"', '".[cuda12,examples]"', "do not include the test extra"),
-    ("torch", "dockerfile", "whl/cu126", "whl/cpu", "torch must come from https://download.pytorch.org/whl/cu126"),
+    ("extras", "dockerfile", '".[cuda13,test,examples]"', '".[cuda12,cuda13,test,examples]"', "another CUDA major"),
+    ("extras", "dockerfile", '".[cuda13,test,examples]"', '".[cuda12,test,examples]"', "do not include cuda13"),
+    ("extras", "dockerfile", '".[cuda13,test,examples]"', '".[cuda13,test,exmples]"', "'exmples' is not in pyproject"),
+    ("extras", "dockerfile", '".[cuda13,test,examples]"', '".[cuda13,examples]"', "do not include the test extra"),
+    ("torch", "dockerfile", "whl/cu130", "whl/cpu", "torch must come from https://download.pytorch.org/whl/cu130"),
     ("sequence", "dockerfile", "python3 -m venv /opt/venv && ", "", "differ from the README"),
     ("sequence", "dockerfile", "RUN /opt/venv/bin/pip install --no-cache-dir -e", "RUN pip install --no-cache-dir -e",
      "not the venv's"),

@@ -244,7 +244,9 @@ def test_cpu_empty_lists_and_zero_length():
 def test_cpu_path_does_not_import_numba():
     code = ("import sys, torch; from gpucomm.dataplane import fusion; "
             "fusion.unpack_bucket(fusion.pack_bucket([torch.ones(3)], torch.empty(3), scale=2.0), [torch.empty(3)]); "
-            "fusion.plan_buckets([torch.ones(3)]); assert 'numba' not in sys.modules, 'numba was imported'")
+            "fusion.plan_buckets([torch.ones(3)]); from gpucomm.dataplane.bucket_copy import BucketCopy; "
+            "c = BucketCopy(pack_scale=2.0); f = torch.empty(3); c.pack([torch.ones(3)], f); c.unpack(f, [torch.empty(3)]); "
+            "assert 'numba' not in sys.modules, 'numba was imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
 

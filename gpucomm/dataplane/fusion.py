@@ -10,9 +10,10 @@ arguments win over the environment. Bucket indices follow the order in which buc
 ready, and every rank computes the same plan from the same parameter list, so buckets can be
 launched strictly in index order on every rank.
 
-Packing a CUDA bucket is one launch of ``gpucomm.kernels.pack`` (numba is imported only then); a
-CPU bucket uses plain torch ops (``torch.cat`` in, ``torch._foreach_copy_`` out) with the same
-contract and numerics (``gpucomm.kernels.rules``).
+Packing a CUDA bucket is one launch of ``gpucomm.kernels.pack`` (numba is imported only then), or,
+where the kernels cannot run (decided once per process, ``gpucomm.kernels.availability``), a few
+``torch._foreach_*`` launches; a CPU bucket uses plain torch ops with the same contract and
+numerics (``gpucomm.kernels.rules``). ``bucket_copy.BucketCopy`` repeats one bucket's copies.
 """
 
 from __future__ import annotations
@@ -27,9 +28,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..counters import COUNTERS
 from ..errors import KernelUnavailableError
-from ..kernels import rules
+from ..kernels import availability, rules
 
 __all__ = [
     "DEFAULT_FIRST_BUCKET_BYTES", "DEFAULT_BUCKET_CAP_BYTES", "THRESHOLD_ENV", "FIRST_BUCKET_ENV", "FusionLimits",
@@ -280,38 +280,35 @@ class FusionBuffers:
 # pack / unpack
 
 
-_fallback_warned: list[bool] = []
-
-
 def _kernels_enabled(flat: torch.Tensor) -> bool:
-    if flat.device.type != "cuda":
-        return False
-    return os.environ.get(KERNELS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    from .bucket_copy import kernels_wanted  # noqa: PLC0415
 
-
-def _warn_fallback(error: KernelUnavailableError) -> None:
-    COUNTERS.kernel_fallbacks += 1
-    if not _fallback_warned:
-        _fallback_warned.append(True)
-        log.warning("gpucomm: fusion kernels unavailable (%s); packing CUDA buckets with torch ops instead "
-                    "(more launches, same results).", error)
+    return kernels_wanted(flat) and availability.kernels_usable()
 
 
 def pack_bucket(tensors: Sequence[torch.Tensor], buffer: torch.Tensor, *, scale: float = 1.0,
                 stream: Any = None, validate: bool = True) -> torch.Tensor:
     """Copy ``tensors`` back to back into ``buffer`` (times ``scale``, cast to ``buffer.dtype``) and
     return the filled part, ``buffer[:total]``. CUDA: one kernel launch on ``stream`` (default:
-    the current stream; ``validate`` as in ``gpucomm.kernels.pack``); CPU: torch ops."""
+    the current stream; ``validate`` as in ``gpucomm.kernels.pack``), or a few torch launches if the
+    kernels cannot run here (decided once per process); CPU: torch ops. For the same bucket every
+    step, ``bucket_copy.BucketCopy`` costs less host time."""
     tensors = rules.tensor_list("pack", tensors)
     if _kernels_enabled(buffer):
-        from .. import kernels  # noqa: PLC0415 - imports numba
-
         try:
+            from .. import kernels  # noqa: PLC0415 - imports numba
+
             kernels.pack(tensors, buffer, scale=scale, stream=stream, validate=validate)
+            availability.note_success()
             return buffer[: sum(t.numel() for t in tensors)]
-        except KernelUnavailableError as e:
-            _warn_fallback(e)
-    with _on_stream(buffer, stream), torch.no_grad():
+        except (KernelUnavailableError, ImportError) as e:
+            availability.give_up(e)
+    if buffer.is_cuda:
+        from .bucket_copy import TorchCopy  # noqa: PLC0415
+
+        TorchCopy("pack", scale, lean=True)(tensors, buffer, stream)
+        return buffer[: sum(t.numel() for t in tensors)]
+    with torch.no_grad():
         return _torch_pack(tensors, buffer, float(scale))
 
 
@@ -321,14 +318,20 @@ def unpack_bucket(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], *, scal
     the reverse of ``pack_bucket``."""
     tensors = rules.tensor_list("unpack", tensors)
     if _kernels_enabled(buffer):
-        from .. import kernels  # noqa: PLC0415
-
         try:
+            from .. import kernels  # noqa: PLC0415
+
             kernels.unpack(buffer, tensors, scale=scale, stream=stream, validate=validate)
+            availability.note_success()
             return
-        except KernelUnavailableError as e:
-            _warn_fallback(e)
-    with _on_stream(buffer, stream), torch.no_grad():
+        except (KernelUnavailableError, ImportError) as e:
+            availability.give_up(e)
+    if buffer.is_cuda:
+        from .bucket_copy import TorchCopy  # noqa: PLC0415
+
+        TorchCopy("unpack", scale, lean=True)(tensors, buffer, stream)
+        return
+    with torch.no_grad():
         _torch_unpack(buffer, tensors, float(scale))
 
 

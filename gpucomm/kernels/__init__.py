@@ -5,6 +5,10 @@ driven by a cached device table of addresses (``table.py``) on torch's stream; w
 ``NUMBA_ENABLE_CUDASIM=1`` set before numba is imported, the same kernels run in Numba's
 simulator on CPU tensors (for tests). Without either they raise ``KernelUnavailableError``.
 
+``BoundCopy`` repeats one bucket's copy at the least host cost (addresses checked, nothing else).
+``status()`` says whether this process uses the kernels or settled on torch ops (and why);
+``compat.py`` holds the one NumPy 2.5 shim numba-cuda 0.30 needs.
+
 Importing this package is cheap: numba is imported on first use of a name that needs it, so the
 CPU path (``gpucomm.dataplane.fusion``) can share ``rules`` without loading Numba.
 """
@@ -16,7 +20,8 @@ from ..lazy import lazy_names
 from .rules import CASTS, FLOAT_DTYPES, INT_WIDTHS, compute_dtype, conversion, validate
 
 _LAZY = {"pack": "api", "unpack": "api", "clear_cache": "api", "cache_info": "api", "SIMULATOR": "devicefns",
-         "KERNELS": "specs", "KernelSpec": "specs", "select_kernel": "specs"}
+         "KERNELS": "specs", "KernelSpec": "specs", "select_kernel": "specs", "BoundCopy": "bound",
+         "status": "availability", "prepare_numba_cuda": "compat"}
 
 __all__ = ["KernelUnavailableError", "CASTS", "FLOAT_DTYPES", "INT_WIDTHS", "compute_dtype", "conversion",
            "validate", *_LAZY]

@@ -2,10 +2,11 @@
 
 The hot path (a layout seen before) costs four C-level passes over the tensor list (addresses and
 sizes, the cache key; contiguity and dtypes, skipped with ``validate=False``), one dictionary
-lookup and one launch. Anything unusual falls through to ``rules.validate``, which names the
-problem; device checks, kernel choice, table building and upload, and compilation happen only
-when a layout is new. The cache key holds both dtypes and whether a scale applies, so a hit also
-yields the kernel.
+lookup and one prepared launch (``launch.Launch``). A caller that copies the same bucket every
+step should hold a ``BoundCopy`` (``bound.py``) instead: it checks only the addresses. Anything
+unusual falls through to ``rules.validate``, which names the problem; device checks, kernel
+choice, table building and upload, and compilation happen only when a layout is new. The cache
+key holds both dtypes and whether a scale applies, so a hit also yields the kernel.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .rules import tensor_list, validate
 from .specs import KernelSpec, select_kernel
 from .table import CHUNK_ELEMS, Table, TableCache, chunk_rows
 
-__all__ = ["pack", "unpack", "clear_cache", "cache_info"]
+__all__ = ["pack", "unpack", "clear_cache", "cache_info", "Layout", "new_layout"]
 
 _CACHE = TableCache()
 _PTR, _NUMEL, _CONTIG = torch.Tensor.data_ptr, torch.Tensor.numel, torch.Tensor.is_contiguous
@@ -82,34 +83,49 @@ def _run(direction: str, tensors: Sequence[torch.Tensor], flat: torch.Tensor, sc
     key = (direction, tensors[0].dtype, flat.dtype, scale != 1.0, flat.data_ptr(), ptrs, numels)
     layout = _CACHE.get(key)
     if layout is None:
-        layout = _new_layout(direction, tensors, flat, scale != 1.0, ptrs, numels, stream)
+        layout = new_layout(direction, tensors, flat, scale, stream)
         _CACHE.put(key, layout)
-    spec, total, table = layout
-    if total > flat.numel():
+    if layout.total > flat.numel():
         validate(direction, tensors, flat)  # the same buffer address, now a shorter view: raises
-    if table is None:
-        return  # nothing to copy
-    device = flat.device
-    if device.type == "cuda":
-        stream = _stream_for(stream, device)
-        table.use_on(stream)
-    _launch.launch(spec, table.address, table.nrows, table.grid, scale, device, stream)
+    layout.run(scale, flat.device, stream)
 
 
-def _new_layout(direction: str, tensors: Sequence[torch.Tensor], flat: torch.Tensor, scaled: bool, ptrs: tuple,
-                numels: tuple, stream: Any) -> tuple[KernelSpec, int, Table | None]:
-    """Check a layout seen for the first time in full and build its table: ``(kernel, total, table)``."""
+class Layout:
+    """A checked layout: its kernel, its element count, and (when there is anything to copy) its
+    table and prepared launch."""
+
+    __slots__ = ("spec", "total", "table", "launch")
+
+    def __init__(self, spec: KernelSpec, total: int, table: Table | None, launch: _launch.Launch | None) -> None:
+        self.spec, self.total, self.table, self.launch = spec, total, table, launch
+
+    def run(self, scale: float, device: torch.device, stream: Any) -> None:
+        """Launch on ``stream`` (None: the current stream of ``device``)."""
+        launch = self.launch
+        if launch is None:
+            return  # nothing to copy
+        launch.set_scale(scale)
+        if device.type == "cuda":
+            stream = _stream_for(stream, device)
+            self.table.use_on(stream)
+        launch(stream)
+
+
+def new_layout(direction: str, tensors: Sequence[torch.Tensor], flat: torch.Tensor, scale: float,
+               stream: Any) -> Layout:
+    """Check a layout in full, build its table and prepare its launch (compiling the kernel if new)."""
     dtype, total = validate(direction, tensors, flat)
     src_dtype, dst_dtype = (dtype, flat.dtype) if direction == "pack" else (flat.dtype, dtype)
-    spec = select_kernel(src_dtype, dst_dtype, scaled)
+    spec = select_kernel(src_dtype, dst_dtype, scale != 1.0)
     if total == 0:
-        return spec, 0, None
+        return Layout(spec, 0, None, None)
     device = flat.device
     _check_runnable(direction, device)
     if device.type == "cuda":
         stream = _stream_for(stream, device)
+    ptrs, numels = tuple(map(_PTR, tensors)), tuple(map(_NUMEL, tensors))
     table = _build_table(direction, spec, flat.data_ptr(), flat.element_size(), ptrs, numels, device, stream)
-    return spec, total, table
+    return Layout(spec, total, table, _launch.Launch(spec, table.address, table.nrows, table.grid, scale, device))
 
 
 def _build_table(direction: str, spec: KernelSpec, flat_ptr: int, flat_itemsize: int, ptrs: tuple, numels: tuple,

@@ -1,24 +1,25 @@
-"""Compiling the kernel variants on first use and launching them on a torch stream.
+"""Compiling the kernel variants once per process, and launching them with as little host work as
+Python allows.
 
 Host cost matters: pack runs inside backward hooks. Each variant has one signature of three
-scalars, so Numba compiles it once (eagerly, for that signature) and the dispatcher needs no type
-inference per call. Two launch paths:
+scalars (table address, row count, scale), so Numba compiles it once, eagerly. A ``Launch`` is
+prepared per table: the kernel handle, the grid and the three arguments already packed as the
+``void*[]`` array the driver reads. Launching it is then one driver call. Three paths, chosen by
+``GPUCOMM_KERNEL_LAUNCH``:
 
-* ``direct`` (default): the compiled function is fetched from Numba once per device and launched
-  with ``cuda.core.launch`` on a cached ``cuda.core`` stream and launch config, with the three
-  scalars packed as ctypes values exactly as Numba packs them. This skips Numba's per-call
-  launch-config specialisation, argument marshalling loop and ``LaunchConfig`` construction.
-* ``numba``: the documented ``kernel[grid, block, stream](...)`` on a cached
-  ``numba.cuda.external_stream`` of the torch stream (the configured kernel is cached too).
+* ``driver`` (default): ``cuda.bindings.driver.cuLaunchKernel`` with the prepared parameter array's
+  address: no per-call argument marshalling at all.
+* ``core``: ``cuda.core.launch`` (what Numba itself calls), with a cached stream wrapper, launch
+  config and the prepared ctypes arguments.
+* ``numba``: the documented ``kernel[grid, block, stream](...)``.
 
-Measured on the CPU box with the driver calls stubbed out (``cuda.core.launch`` and Numba's
-context lookup replaced by no-ops), the Python work per launch was 8.4 us through Numba's
-dispatcher and 0.4 us on the direct path; both then pay for ``cuda.core.launch`` itself, and the
-Numba path also for a driver context query. Real numbers come from ``benchmarks/pack_bw.py``.
+A path that fails on its first use (a binding that differs in this cuda-python/numba-cuda
+release) is given up with one warning and the next one is used. The simulator always launches
+through Numba, with 32 threads per block and at most 4 blocks (each simulated thread is a Python
+thread).
 
-``GPUCOMM_KERNEL_LAUNCH=numba`` forces the second; the first falls back to it (with a warning) if
-Numba's internals it reaches for are missing. The simulator always launches through Numba, with
-32 threads per block and at most 4 blocks (each simulated thread is a Python thread).
+Compilation goes through ``compat.prepare_numba_cuda`` first (NumPy 2.5 support). A failed compile
+is remembered: the same ``KernelUnavailableError`` is raised again without compiling again.
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ import torch
 from numba import cuda
 
 from ..errors import KernelUnavailableError
+from . import compat
 from .devicefns import SIMULATOR
 from .specs import KernelSpec
 
-__all__ = ["BLOCK", "grid_for", "launch", "launch_mode"]
+__all__ = ["BLOCK", "Launch", "grid_for", "launch_mode", "compiled_names", "compile_kernel", "compile_ptx"]
 
 log = logging.getLogger("gpucomm.kernels")
 
@@ -47,31 +49,57 @@ BLOCK = 32 if SIMULATOR else 256  # threads per block: 8 warps on a GPU, 1 warp 
 WARPS_PER_BLOCK = BLOCK // 32
 MAX_GRID = 1 << 16
 SIM_MAX_BLOCKS = 4
+MODES = ("driver", "core", "numba")
 
 _lock = threading.Lock()
 _compiled: dict[str, Any] = {}  # spec name -> Numba dispatcher (simulator: FakeCUDAKernel)
-_direct: dict[tuple[str, int], Any] = {}  # (spec name, device index) -> cuda.core kernel
+_failed: dict[str, KernelUnavailableError] = {}  # spec name -> why it did not compile (never retried)
+_functions: dict[tuple[str, int], Any] = {}  # (spec name, device index) -> Numba's loaded function
 _core_streams: dict[int, Any] = {}
 _numba_streams: dict[int, Any] = {}
 _numba_configs: dict[tuple[str, int, int], Any] = {}  # (spec, grid, stream) -> configured kernel
 _core_configs: dict[int, Any] = {}  # grid -> cuda.core LaunchConfig
 _thread = threading.local()  # .devices: GPUs with a context made current in this thread
-_direct_broken = False
+_broken: set[str] = set()  # launch paths given up in this process
+_modes: dict[str, str] = {}  # GPUCOMM_KERNEL_LAUNCH value -> the path it resolves to now
 
-try:  # what Numba itself launches with; missing pieces only disable the direct path
+try:  # what Numba itself launches with; missing pieces only disable those paths
     from cuda.core import LaunchConfig as _LaunchConfig, Stream as _CoreStream, launch as _core_launch
 except ImportError:  # pragma: no cover - numba-cuda depends on cuda.core
     _LaunchConfig = _CoreStream = _core_launch = None
+try:
+    from cuda.bindings import driver as _driver
+except ImportError:  # pragma: no cover - numba-cuda depends on cuda-bindings
+    _driver = None
 
 
 def launch_mode() -> str:
-    """``direct`` or ``numba`` (``GPUCOMM_KERNEL_LAUNCH``; the simulator is always ``numba``)."""
+    """The launch path in use: ``GPUCOMM_KERNEL_LAUNCH`` (``driver``, ``core`` or ``numba``), or the
+    next one if it was given up; the simulator always uses ``numba``. (Cached per setting.)"""
     if SIMULATOR:
         return "numba"
-    mode = os.environ.get("GPUCOMM_KERNEL_LAUNCH", "direct").strip().lower() or "direct"
-    if mode not in ("direct", "numba"):
-        raise ValueError(f"GPUCOMM_KERNEL_LAUNCH={mode!r} is not a launch mode; use 'direct' (default) or 'numba'.")
-    return "numba" if _direct_broken else mode
+    raw = os.environ.get("GPUCOMM_KERNEL_LAUNCH", "")
+    mode = _modes.get(raw)
+    if mode is None:
+        mode = _modes[raw] = _resolve_mode(raw)
+    return mode
+
+
+def _resolve_mode(raw: str) -> str:
+    mode = raw.strip().lower() or "driver"
+    if mode == "direct":  # the name of the fast path in earlier releases
+        mode = "driver"
+    if mode not in MODES:
+        raise ValueError(f"GPUCOMM_KERNEL_LAUNCH={mode!r} is not a launch path; use 'driver' (default), 'core' or "
+                         f"'numba'.")
+    for candidate in MODES[MODES.index(mode):]:
+        if candidate not in _broken:
+            return candidate
+    return "numba"
+
+
+def compiled_names() -> list[str]:
+    return list(_compiled)
 
 
 def grid_for(nrows: int, device: torch.device) -> int:
@@ -82,59 +110,149 @@ def grid_for(nrows: int, device: torch.device) -> int:
     return max(1, min(-(-nrows // WARPS_PER_BLOCK), MAX_GRID))
 
 
-def _compile(spec: KernelSpec, device: torch.device) -> Any:
+def compile_kernel(spec: KernelSpec, device: torch.device) -> Any:
+    """``spec`` compiled for its one signature (once per process); KernelUnavailableError if it cannot be."""
     kernel = _compiled.get(spec.name)
     if kernel is not None:
         return kernel
+    failure = _failed.get(spec.name)
+    if failure is not None:
+        raise failure
     with _lock:
         kernel = _compiled.get(spec.name)
         if kernel is None:
-            if SIMULATOR:
-                kernel = cuda.jit(spec.pyfunc)
-            else:
-                from numba.cuda import types  # noqa: PLC0415
-
-                try:
-                    kernel = cuda.jit(types.void(*spec.argtypes))(spec.pyfunc)
-                except Exception as e:  # toolkit pieces missing, driver too old, ...
-                    raise KernelUnavailableError(
-                        f"compiling the pack kernel {spec.name!r} for {device} failed: {type(e).__name__}: {e}. "
-                        "Likely causes: numba-cuda cannot find NVRTC/NVVM (install 'numba-cuda[cu13]' or "
-                        "'numba-cuda[cu12]', matching the CUDA version `nvidia-smi` reports), or the driver is "
-                        "older than that toolkit. Fix the installation, or pack CPU tensors with "
-                        "gpucomm.dataplane.fusion instead.") from e
-            _compiled[spec.name] = kernel
+            if spec.name in _failed:
+                raise _failed[spec.name]
+            kernel = _compiled[spec.name] = _compile_now(spec, device)
     return kernel
 
 
-def _device_guard(device: torch.device):
-    if device.index is None or device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(device.index)
+def compile_ptx(spec: KernelSpec, cc: tuple[int, int]) -> str:
+    """PTX of ``spec`` for compute capability ``cc``, compiled as for a launch but with no GPU needed
+    (``compat`` applied first): how CI proves every variant builds on this CUDA Python stack."""
+    compat.prepare_numba_cuda()
+    ptx, _ = cuda.compile_ptx(spec.pyfunc, tuple(spec.argtypes), cc=cc)
+    return ptx
 
 
-def _scale_arg(spec: KernelSpec, scale: float):
-    return np.float64(scale) if spec.uses_float64 else np.float32(scale)
-
-
-def launch(spec: KernelSpec, table_address: int, nrows: int, grid: int, scale: float,
-           device: torch.device, stream: Any) -> None:
-    """Launch ``spec`` over a table of ``nrows`` rows at ``table_address`` on torch ``stream``."""
+def _compile_now(spec: KernelSpec, device: torch.device) -> Any:
     if SIMULATOR:
-        _compile(spec, device)[grid, BLOCK](np.uint64(table_address), np.int64(nrows), _scale_arg(spec, scale))
-        return
-    with _device_guard(device):
-        kernel = _compile(spec, device)
-        if launch_mode() == "direct":
+        return cuda.jit(spec.pyfunc)
+    from numba.cuda import types  # noqa: PLC0415
+
+    try:
+        compat.prepare_numba_cuda()
+        return cuda.jit(types.void(*spec.argtypes))(spec.pyfunc)
+    except Exception as e:  # toolkit pieces missing, driver too old, a NumPy numba-cuda does not know, ...
+        error = KernelUnavailableError(
+            f"compiling the pack kernel {spec.name!r} for {device} failed: {type(e).__name__}: {e}. Likely causes: "
+            "numba-cuda cannot find NVRTC/NVVM (install 'numba-cuda[cu13]' or 'numba-cuda[cu12]', matching the CUDA "
+            "version `nvidia-smi` reports), the driver is older than that toolkit, or numba-cuda does not support "
+            "this NumPy (see gpucomm/kernels/compat.py). Fix the installation, or set GPUCOMM_FUSION_KERNELS=0 to "
+            "pack with torch ops.")
+        error.__cause__ = e
+        _failed[spec.name] = error
+        raise error from e
+
+
+def _device_guard(index: int):
+    if index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(index)
+
+
+class Launch:
+    """One kernel over one table, ready to launch on any stream of its device: the handle, grid and
+    packed arguments are built once, so a launch is one driver call."""
+
+    __slots__ = ("spec", "grid", "nrows", "device", "index", "_kernel", "_function", "_args", "_params",
+                 "_params_address", "_np_args")
+
+    def __init__(self, spec: KernelSpec, table_address: int, nrows: int, grid: int, scale: float,
+                 device: torch.device) -> None:
+        self.spec, self.grid, self.nrows, self.device = spec, grid, nrows, device
+        self.index = -1 if SIMULATOR or device.type != "cuda" else (
+            device.index if device.index is not None else torch.cuda.current_device())
+        scale_c = ctypes.c_double(scale) if spec.uses_float64 else ctypes.c_float(scale)
+        self._args = (ctypes.c_uint64(table_address), ctypes.c_int64(nrows), scale_c)
+        self._params = (ctypes.c_void_p * 3)(*(ctypes.addressof(a) for a in self._args))
+        self._params_address = ctypes.addressof(self._params)
+        scale_np = np.float64(scale) if spec.uses_float64 else np.float32(scale)
+        self._np_args = (np.uint64(table_address), np.int64(nrows), scale_np)
+        self._kernel = compile_kernel(spec, device)
+        self._function = None
+
+    def set_scale(self, scale: float) -> None:
+        """Change the scale argument in place (the generic ``pack``/``unpack`` share one table per layout)."""
+        if self._args[2].value != scale:
+            self._args[2].value = scale
+            self._np_args = self._np_args[:2] + (type(self._np_args[2])(scale),)
+
+    def __call__(self, stream: Any) -> None:
+        """Launch on ``stream`` (a torch.cuda.Stream; ignored in the simulator)."""
+        if SIMULATOR:
+            self._kernel[self.grid, BLOCK](*self._np_args)
+            return
+        index = self.index
+        if index != torch.cuda.current_device():
+            with torch.cuda.device(index):
+                self._launch(stream, index)
+        else:
+            self._launch(stream, index)
+
+    def _launch(self, stream: Any, index: int) -> None:
+        devices = getattr(_thread, "devices", None)
+        if devices is None or index not in devices:
+            _ensure_context(index)
+        mode = launch_mode()
+        if mode == "driver":
             try:
-                _launch_direct(spec, kernel, table_address, nrows, grid, scale, device, stream)
+                function = self._function
+                if function is None:
+                    function = self._function = _loaded(self.spec, self._kernel, index).handle
+                (err,) = _driver.cuLaunchKernel(function, self.grid, 1, 1, BLOCK, 1, 1, 0, stream.cuda_stream,
+                                                self._params_address, 0)
+                if err == _driver.CUresult.CUDA_SUCCESS:
+                    return
+                raise RuntimeError(f"cuLaunchKernel returned {err}")
+            except (AttributeError, ImportError, TypeError, RuntimeError) as e:
+                _give_up("driver", e)
+                mode = launch_mode()
+        if mode == "core":
+            try:
+                _launch_core(self, stream, index)
                 return
             except (AttributeError, ImportError, TypeError, StopIteration) as e:
-                _give_up_direct(e)
-        configured = _numba_configs.get((spec.name, grid, stream.cuda_stream))
+                _give_up("core", e)
+        handle = stream.cuda_stream
+        configured = _numba_configs.get((self.spec.name, self.grid, handle))
         if configured is None:
-            configured = _configure_numba(spec, kernel, grid, stream.cuda_stream)
-        configured(np.uint64(table_address), np.int64(nrows), _scale_arg(spec, scale))
+            configured = _configure_numba(self.spec, self._kernel, self.grid, handle)
+        configured(*self._np_args)
+
+
+def _loaded(spec: KernelSpec, kernel: Any, index: int) -> Any:
+    """Numba's function object for ``kernel`` loaded on GPU ``index`` (as Numba's own launch finds it)."""
+    function = _functions.get((spec.name, index))
+    if function is None:
+        overload = next(iter(kernel.overloads.values()))
+        function = _functions[(spec.name, index)] = overload._codelibrary.get_cufunc()
+    return function
+
+
+def _launch_core(launch: Launch, stream: Any, index: int) -> None:
+    if _core_launch is None:
+        raise ImportError("cuda.core is not installed")
+    core_kernel = _loaded(launch.spec, launch._kernel, index).kernel
+    handle = stream.cuda_stream
+    core_stream = _core_streams.get(handle)
+    if core_stream is None:
+        core_stream = _core_streams[handle] = _CoreStream.from_handle(handle)
+    config = _core_configs.get(launch.grid)
+    if config is None:
+        config = _core_configs[launch.grid] = _LaunchConfig(grid=(launch.grid, 1, 1), block=(BLOCK, 1, 1),
+                                                            shmem_size=0)
+    _core_launch(core_stream, config, core_kernel, *launch._args)
 
 
 def _configure_numba(spec: KernelSpec, kernel: Any, grid: int, handle: int) -> Any:
@@ -147,38 +265,8 @@ def _configure_numba(spec: KernelSpec, kernel: Any, grid: int, handle: int) -> A
     return configured
 
 
-def _launch_direct(spec: KernelSpec, kernel: Any, table_address: int, nrows: int, grid: int, scale: float,
-                   device: torch.device, stream: Any) -> None:
-    if _core_launch is None:
-        raise ImportError("cuda.core is not installed")
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _thread_devices():
-        _ensure_context(index)
-    core_kernel = _direct.get((spec.name, index))
-    if core_kernel is None:
-        # Numba's own launch does the same: overload -> code library -> cufunc (loaded on this device)
-        overload = next(iter(kernel.overloads.values()))
-        core_kernel = _direct[(spec.name, index)] = overload._codelibrary.get_cufunc().kernel
-    handle = stream.cuda_stream
-    core_stream = _core_streams.get(handle)
-    if core_stream is None:
-        core_stream = _core_streams[handle] = _CoreStream.from_handle(handle)
-    config = _core_configs.get(grid)
-    if config is None:
-        config = _core_configs[grid] = _LaunchConfig(grid=(grid, 1, 1), block=(BLOCK, 1, 1), shmem_size=0)
-    scale_c = ctypes.c_double(scale) if spec.uses_float64 else ctypes.c_float(scale)
-    _core_launch(core_stream, config, core_kernel, ctypes.c_uint64(table_address), ctypes.c_int64(nrows), scale_c)
-
-
-def _thread_devices() -> set[int]:
-    devices = getattr(_thread, "devices", None)
-    if devices is None:
-        devices = _thread.devices = set()
-    return devices
-
-
 def _ensure_context(index: int) -> None:
-    """Make sure a CUDA context is current in this thread before the first direct launch.
+    """Make sure a CUDA context is current in this thread before the first driver-level launch.
 
     A thread that has not run CUDA work yet (a fresh hook or worker thread) may have none, and
     a driver-level launch then fails with CUDA_ERROR_INVALID_CONTEXT; CUDA's runtime (torch) and
@@ -194,11 +282,15 @@ def _ensure_context(index: int) -> None:
             (err,) = driver.cuCtxSetCurrent(primary)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise KernelUnavailableError(f"cannot make a CUDA context current for GPU {index} in this thread: {err}")
-    _thread_devices().add(index)
+    devices = getattr(_thread, "devices", None)
+    if devices is None:
+        devices = _thread.devices = set()
+    devices.add(index)
 
 
-def _give_up_direct(error: BaseException) -> None:
-    global _direct_broken
-    _direct_broken = True
-    log.warning("gpucomm: direct kernel launch unavailable with this numba-cuda/cuda-core (%s: %s); "
-                "using Numba's launch path (a few microseconds more per launch).", type(error).__name__, error)
+def _give_up(mode: str, error: BaseException) -> None:
+    _broken.add(mode)
+    _modes.clear()
+    log.warning("gpucomm: the %r kernel launch path does not work with this numba-cuda/cuda-python (%s: %s); "
+                "using the %r path (a few microseconds more per launch).", mode, type(error).__name__, error,
+                launch_mode())

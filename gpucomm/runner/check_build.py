@@ -59,8 +59,15 @@ def _numba_cuda() -> str:
         nc = f"numba-cuda {version('numba-cuda')}"
     except Exception:
         nc = "numba-cuda (version unknown)"
+    from ..kernels import KERNELS, launch  # noqa: PLC0415
+
+    launch.compile_ptx(KERNELS["scale_f32"], (9, 0))  # raises with the cause if this stack cannot build kernels
+    from ..kernels import compat  # noqa: PLC0415
+
+    shims = compat.applied_shims()
+    shimmed = f"; NumPy names restored for numba-cuda: {', '.join(shims)}" if shims else ""
     where = "GPU available" if cuda.is_available() else "no usable GPU: kernels compile but cannot run here"
-    return f"Numba {numba.__version__}, {nc}: {where}"
+    return f"Numba {numba.__version__}, {nc}: a kernel compiles to PTX{shimmed}; {where}"
 
 
 def _mpirun() -> str:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..dataplane import fusion
+from ..dataplane.bucket_copy import BucketCopy
 from ..dataplane.handles import Handle
 from ..dataplane.requests import Request
 from ..dataplane.schedule import Schedule
@@ -45,6 +46,7 @@ class BucketState:
     full: torch.Tensor | None = None  # direct: the fusion buffer (numel, + the training flag in bucket 0)
     slots: dict = field(default_factory=dict)  # direct: parameter -> its view of ``full``
     copied: set = field(default_factory=set)  # direct: parameters copied in this step
+    copy: BucketCopy | None = None  # fused, not direct: the pack and unpack of its layout
 
 
 def wire_dtype(compression: Any, dtype: torch.dtype) -> torch.dtype | None:
@@ -80,6 +82,9 @@ class GradientBuckets:
                                     f"DistributedOptimizer.bucket.{plan.index}", _direct(plan, wire),
                                     len(plan.param_indices))
                         for plan, wire in ((plan, wire_dtype(compression, plan.dtype)) for plan in plans)]
+        for bucket in self.buckets:
+            if bucket.wire_dtype is not None and not bucket.direct:
+                bucket.copy = BucketCopy(pack_scale=prescale, unpack_scale=postscale)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self._next = 0
 
@@ -154,7 +159,7 @@ class GradientBuckets:
             tracer = self._tracer()
             start = tracer.now_us() if tracer is not None else 0.0
             with torch.no_grad():
-                fusion.pack_bucket(grads, full[:numel], scale=self._prescale)
+                bucket.copy.pack(grads, full[:numel])
                 if first:
                     full[numel:].fill_(1)  # the training flag
             if tracer is not None and full.device.type == "cpu":  # GPU copies are timed by CUDA events
@@ -203,7 +208,7 @@ class GradientBuckets:
                 dests = [t if t is not None and t.is_contiguous() else torch.empty(p.shape, dtype=p.dtype,
                                                                                     device=p.device)
                          for t, p in zip(targets, bucket.params)]
-                fusion.unpack_bucket(bucket.reduced[0][:bucket.plan.numel], dests, scale=self._postscale)
+                bucket.copy.unpack(bucket.reduced[0][:bucket.plan.numel], dests)
                 for t, d in zip(targets, dests):
                     if t is not None and t is not d:
                         t.copy_(d)

@@ -1,7 +1,8 @@
 """Every kernel variant compiles to PTX for sm_90 and links to a cubin, with no GPU.
 
 Runs in the normal pytest process (not under NUMBA_ENABLE_CUDASIM, where ``compile_ptx`` does not
-exist). Needs NVRTC/NVVM/nvJitLink from ``numba-cuda[cu13]``; skips with that fix when missing.
+exist). Needs NVRTC/NVVM/nvJitLink from ``numba-cuda[cu13]``: skips with that fix only when one of
+those libraries is missing; any other compile error fails (``toolchain.py``).
 """
 
 from __future__ import annotations
@@ -23,30 +24,15 @@ from gpucomm import kernels  # noqa: E402
 if kernels.SIMULATOR:
     pytest.skip("numba is in simulator mode in this process", allow_module_level=True)
 
-from numba import cuda  # noqa: E402
-
-from gpucomm.kernels import api, table  # noqa: E402
+from gpucomm.kernels import api, launch, table  # noqa: E402
+from tests.kernels.toolchain import toolchain_missing  # noqa: E402
 
 CC = (9, 0)
 NAMES = sorted(kernels.KERNELS)
 _ptx_cache: dict[str, str] = {}
 
 
-def _toolchain_problem() -> str:
-    def probe(x):
-        x[0] = 1
-
-    from numba.cuda import types  # noqa: PLC0415
-
-    try:
-        cuda.compile_ptx(probe, (types.int32[::1],), cc=CC)
-        from cuda.bindings import nvjitlink  # noqa: F401, PLC0415
-    except Exception as e:  # DynamicLibNotFoundError (no NVRTC), NvvmSupportError, ImportError
-        return f"{type(e).__name__}: {e}"
-    return ""
-
-
-_PROBLEM = _toolchain_problem()
+_PROBLEM = toolchain_missing()  # any compile error other than a missing library fails this module
 pytestmark = pytest.mark.skipif(bool(_PROBLEM), reason=(
     f"cannot compile CUDA kernels on this machine ({_PROBLEM[:160]}); install the toolkit pieces with "
     "pip install 'numba-cuda[cu13]'"))
@@ -54,9 +40,7 @@ pytestmark = pytest.mark.skipif(bool(_PROBLEM), reason=(
 
 def ptx_of(name: str) -> str:
     if name not in _ptx_cache:
-        spec = kernels.KERNELS[name]
-        ptx, _ = cuda.compile_ptx(spec.pyfunc, spec.argtypes, cc=CC)
-        _ptx_cache[name] = ptx
+        _ptx_cache[name] = launch.compile_ptx(kernels.KERNELS[name], CC)
     return _ptx_cache[name]
 
 
@@ -133,17 +117,18 @@ def test_launch_arguments_do_not_grow_with_the_tensor_count(monkeypatch):
     calls = []
     monkeypatch.setattr(api, "_check_runnable", lambda direction, device: None)
     monkeypatch.setattr(api._launch, "grid_for", lambda nrows, device: 1)
-    monkeypatch.setattr(api._launch, "launch", lambda *args: calls.append(args))
+    monkeypatch.setattr(api._launch, "compile_kernel", lambda spec, device: None)  # PTX is checked below
+    monkeypatch.setattr(api._launch.Launch, "__call__", lambda self, stream: calls.append(self))
     kernels.clear_cache()
     for count in (2, 2000):
         srcs = [torch.ones(3) for _ in range(count)]
         kernels.pack(srcs, torch.empty(3 * count), scale=0.5)
     kernels.clear_cache()
-    (spec2, addr2, rows2, *rest2), (spec2000, addr2000, rows2000, *rest2000) = calls
-    assert spec2 is spec2000 and rest2 == rest2000
-    assert (rows2, rows2000) == (2, 2000)
-    assert isinstance(addr2, int) and isinstance(addr2000, int)
-    assert len(entry_params(ptx_of(spec2.name))) == 3
+    two, many = calls
+    assert two.spec is many.spec and two.grid == many.grid
+    assert (two.nrows, many.nrows) == (2, 2000)
+    assert [type(a) for a in two._args] == [type(a) for a in many._args] and len(two._args) == 3
+    assert len(entry_params(ptx_of(two.spec.name))) == 3
 
 
 def test_table_rows_are_int64_address_triples():

@@ -23,15 +23,17 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INTS = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
-@pytest.fixture(params=["direct", "numba"])
+@pytest.fixture(params=["driver", "core", "numba"])
 def launch_mode(request, monkeypatch):
-    """Run each test through both launch paths."""
+    """Run each test through every launch path; a path that fell back to the next one fails."""
     from gpucomm.kernels import launch  # noqa: PLC0415
 
     monkeypatch.setenv("GPUCOMM_KERNEL_LAUNCH", request.param)
-    monkeypatch.setattr(launch, "_direct_broken", False)
+    monkeypatch.setattr(launch, "_broken", set())
+    launch._modes.clear()
     yield request.param
-    assert launch.launch_mode() == request.param, "the direct launch path fell back to Numba's"
+    assert launch.launch_mode() == request.param, f"the {request.param} launch path fell back to another"
+    launch._modes.clear()
 
 
 def _layout(dtype, gen, specials=True):
@@ -144,3 +146,44 @@ def test_fusion_gpu_and_cpu_paths_agree():
         a = fusion.pack_bucket(gpu, torch.empty(total, dtype=wire_dtype, device="cuda"), scale=0.25)
         b = fusion.pack_bucket(cpu, torch.empty(total, dtype=wire_dtype), scale=0.25)
         assert_same_bits(a.cpu(), b)
+
+
+@pytest.mark.parametrize("src,wire", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                      (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16)], ids=str)
+def test_bucket_copy_kernels_and_torch_fallback_agree(launch_mode, src, wire, monkeypatch):
+    """The optimizer's per-bucket copy: bound kernels, and the torch fallback chosen by GPUCOMM_FUSION_KERNELS=0."""
+    from gpucomm.dataplane import fusion  # noqa: PLC0415
+    from gpucomm.dataplane.bucket_copy import BucketCopy  # noqa: PLC0415
+    from gpucomm.kernels import availability  # noqa: PLC0415
+
+    availability.reset()
+    gen = torch.Generator().manual_seed(8)
+    srcs = _layout(src, gen)
+    total = sum(t.numel() for t in srcs)
+    results = {}
+    for path in ("kernels", "torch"):
+        monkeypatch.setenv(fusion.KERNELS_ENV, "1" if path == "kernels" else "0")
+        copy = BucketCopy(pack_scale=0.5, unpack_scale=0.25)
+        flat = torch.empty(total, dtype=wire, device="cuda")
+        outs = [torch.empty_like(t) for t in srcs]
+        for _ in range(3):  # the later calls run on the bound layout
+            copy.pack(srcs, flat)
+            copy.unpack(flat, outs)
+        torch.cuda.synchronize()
+        results[path] = (flat.cpu(), [o.cpu() for o in outs])
+    assert_same_bits(results["kernels"][0], results["torch"][0])
+    for a, b in zip(results["kernels"][1], results["torch"][1]):
+        assert_same_bits(a, b)
+    assert availability.status()["usable"], availability.status()
+
+
+def test_bound_copy_follows_reallocated_gradients():
+    from gpucomm.kernels import BoundCopy  # noqa: PLC0415
+
+    copy = BoundCopy("pack", 2.0)
+    flat = torch.empty(6000, device="cuda")
+    for step in range(5):  # new tensors every step, as after zero_grad(set_to_none=True)
+        srcs = [torch.full((1000,), float(step), device="cuda"), torch.randn(5000, device="cuda")]
+        copy(srcs, flat)
+        torch.cuda.synchronize()
+        assert torch.equal(flat, torch.cat(srcs) * 2)

@@ -44,13 +44,13 @@ def fresh_cache():
 def launches(monkeypatch):
     """Counts kernel launches made by pack/unpack."""
     calls = []
-    real = launch.launch
+    real = launch.Launch.__call__
 
-    def counting(*args, **kwargs):
-        calls.append(args)
-        return real(*args, **kwargs)
+    def counting(self, stream):
+        calls.append((self.spec.name, self.nrows, self.grid))
+        return real(self, stream)
 
-    monkeypatch.setattr(api._launch, "launch", counting)
+    monkeypatch.setattr(launch.Launch, "__call__", counting)
     return calls
 
 
@@ -174,8 +174,8 @@ def test_one_huge_tensor_beside_many_tiny_is_split_evenly(launches):
     kernels.pack(srcs, wire)
     assert_same_bits(wire, torch.cat(srcs).bfloat16())
     assert len(launches) == 1
-    (_, _, tab), = api._CACHE.values()
-    rows = tab.rows
+    (layout,) = api._CACHE.values()
+    rows = layout.table.rows
     assert rows[:, 2].max() <= CHUNK and rows[:, 2].min() >= 1
     assert len(rows) == 120 + 41  # one row per tiny tensor, ceil(n / CHUNK) for the huge one
     assert rows[:, 2].sum() == wire.numel()
@@ -298,3 +298,47 @@ def test_empty_and_zero_length_work():
     out = torch.zeros(3)
     kernels.pack((t for t in [torch.ones(0), torch.ones(3)]), out)  # any iterable
     assert torch.equal(out, torch.ones(3))
+
+
+def test_bucket_copy_uses_the_kernels_and_matches_the_torch_fallback():
+    """BucketCopy through the kernels (bound layout) and its few-launch torch fallback agree bit for bit."""
+    from gpucomm.dataplane.bucket_copy import BucketCopy, TorchCopy
+    from gpucomm.kernels import availability
+
+    availability.reset()
+    gen = torch.Generator().manual_seed(21)
+    for src, wire_dtype in [(torch.float32, torch.float32), (torch.float64, torch.float64), *kernels.CASTS,
+                            (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)]:
+        srcs = [special_values(src), random_values(src, 45, gen), random_values(src, CHUNK + 3, gen)]
+        n = sum(t.numel() for t in srcs)
+        for scale in (1.0, 0.125):
+            copy = BucketCopy(pack_scale=scale, unpack_scale=1 / scale if scale != 1.0 else 1.0, kernels=True)
+            a, b = torch.empty(n, dtype=wire_dtype), torch.empty(n, dtype=wire_dtype)
+            for _ in range(2):  # the second call runs on the bound layout
+                copy.pack(srcs, a)
+            TorchCopy("pack", scale, lean=True)(srcs, b)
+            assert_same_bits(a, b)
+            outs_k, outs_t = [torch.empty_like(t) for t in srcs], [torch.empty_like(t) for t in srcs]
+            copy.unpack(a, outs_k)
+            TorchCopy("unpack", 1 / scale if scale != 1.0 else 1.0, lean=True)(outs_t, a)
+            for x, y in zip(outs_k, outs_t):
+                assert_same_bits(x, y)
+    status = availability.status()
+    assert status["usable"] and status["decided"] and status["fallback_copies"] == 0
+
+
+def test_bound_copy_rebuilds_only_for_new_addresses(launches):
+    from gpucomm.kernels.bound import BoundCopy
+
+    copy = BoundCopy("pack", 2.0)
+    srcs = [torch.randn(5), torch.randn(CHUNK + 1)]
+    flat = torch.empty(CHUNK + 6)
+    copy(srcs, flat)
+    copy(srcs, flat)
+    assert len(copy._layouts) == 1 and len(launches) == 2
+    srcs[0] = torch.randn(5)  # a new gradient: a new address, checked and tabled once
+    copy(srcs, flat)
+    assert len(copy._layouts) == 2
+    assert torch.equal(flat, torch.cat(srcs) * 2)
+    with pytest.raises(ValueError, match="dst holds 3 elements"):
+        copy(srcs, flat[:3])

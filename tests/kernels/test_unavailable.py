@@ -7,6 +7,8 @@ import os
 import pytest
 import torch
 
+from gpucomm.errors import KernelUnavailableError
+
 if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
     pytest.skip("checks the no-GPU error path; numba is in simulator mode here", allow_module_level=True)
 
@@ -32,3 +34,23 @@ def test_argument_errors_come_before_availability():
 
     with pytest.raises(ValueError, match="not contiguous"):
         kernels.pack([torch.ones(3, 3).t()], torch.empty(9))
+
+
+def test_a_failed_compile_is_remembered_not_retried(monkeypatch):
+    """Without a driver the eager compile fails; asking again raises the same error with no new attempt."""
+    from numba import cuda
+
+    from gpucomm.kernels import launch, specs
+
+    spec = specs.KERNELS["copy8"]
+    launch._failed.pop(spec.name, None)
+    attempts = []
+    real_jit = cuda.jit
+    monkeypatch.setattr(cuda, "jit", lambda *a, **k: (attempts.append(1), real_jit(*a, **k))[1])
+    with pytest.raises(KernelUnavailableError, match="compiling the pack kernel 'copy8'") as first:
+        launch.compile_kernel(spec, torch.device("cuda", 0))
+    with pytest.raises(KernelUnavailableError) as second:
+        launch.compile_kernel(spec, torch.device("cuda", 0))
+    assert second.value is first.value and len(attempts) == 1
+    assert "copy8" not in launch.compiled_names()
+    launch._failed.pop(spec.name, None)

@@ -1,0 +1,142 @@
+"""``BucketCopy``: one bucket's pack into its fusion buffer and unpack out of it, step after step.
+
+On CUDA each direction is one Numba kernel launch (``gpucomm.kernels.BoundCopy``: the layout is
+checked and tabled once, a call checks only addresses). Whether the kernels can run is decided
+once per process (``gpucomm.kernels.availability``): if not, one warning, one count in
+``kernel_fallbacks``, and from then on torch ops with as few launches as torch allows
+(``TorchCopy``): ``torch._foreach_copy_`` between the tensors and views of the buffer in the
+tensors' shapes, built once per buffer, so a copy is one multi-tensor launch (torch cuts long
+lists into a few) and a scale is one more. CPU buffers use ``fusion``'s one-pass torch path.
+Both paths follow ``gpucomm.kernels.rules``: products in float32 (float64 for float64), then one
+rounding to the destination dtype.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import KernelUnavailableError
+from ..kernels import availability, rules
+from . import fusion
+
+__all__ = ["BucketCopy", "TorchCopy", "kernels_wanted"]
+
+
+def kernels_wanted(flat: torch.Tensor) -> bool:
+    """Whether a copy into/out of ``flat`` should try the kernels: a CUDA buffer, unless
+    ``GPUCOMM_FUSION_KERNELS=0``."""
+    if not flat.is_cuda:
+        return False
+    return os.environ.get(fusion.KERNELS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class TorchCopy:
+    """The torch-op copy between tensors of fixed shapes and a flat buffer (``direction`` "pack":
+    tensors -> flat; "unpack": flat -> tensors), times ``scale``. ``lean`` (default: CUDA buffers)
+    uses the few-launch ``_foreach`` path; otherwise ``fusion``'s one-pass CPU path."""
+
+    __slots__ = ("direction", "scale", "lean", "_views_key", "_views")
+
+    def __init__(self, direction: str, scale: float = 1.0, *, lean: bool | None = None) -> None:
+        self.direction, self.scale, self.lean = direction, float(scale), lean
+        self._views_key: tuple | None = None
+        self._views: list[torch.Tensor] = []
+
+    def __call__(self, tensors: Sequence[torch.Tensor], flat: torch.Tensor, stream: Any = None) -> None:
+        tensors = rules.tensor_list(self.direction, tensors)
+        lean = flat.is_cuda if self.lean is None else self.lean
+        with fusion._on_stream(flat, stream), torch.no_grad():
+            if not lean:
+                if self.direction == "pack":
+                    fusion._torch_pack(tensors, flat, self.scale)
+                else:
+                    fusion._torch_unpack(flat, tensors, self.scale)
+                return
+            views = self._views_of(tensors, flat)
+            if views:
+                (_lean_pack if self.direction == "pack" else _lean_unpack)(tensors, flat, views, self.scale)
+
+    def _views_of(self, tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``flat`` shaped like ``tensors``, back to back (checked and built once per buffer)."""
+        key = (flat.data_ptr(), flat.dtype, flat.numel(), len(tensors))
+        if key != self._views_key:
+            dtype, total = rules.validate(self.direction, tensors, flat)
+            if dtype is None or total == 0:
+                return []
+            src, dst = (dtype, flat.dtype) if self.direction == "pack" else (flat.dtype, dtype)
+            rules.conversion(src, dst, self.scale != 1.0)
+            views, offset = [], 0
+            for t in tensors:
+                views.append(flat[offset : offset + t.numel()].view(t.shape))
+                offset += t.numel()
+            self._views_key, self._views = key, views
+        return self._views
+
+
+def _lean_pack(tensors: Sequence[torch.Tensor], flat: torch.Tensor, views: list[torch.Tensor], scale: float) -> None:
+    if scale == 1.0:
+        torch._foreach_copy_(views, tensors)
+    elif flat.dtype in (torch.float32, torch.float64):  # the buffer holds the compute dtype: copy, then scale it
+        torch._foreach_copy_(views, tensors)
+        total = sum(v.numel() for v in views)
+        flat[:total].mul_(scale)
+    else:  # a half buffer: multiply in float32 (torch's foreach opmath), round once into the buffer
+        torch._foreach_copy_(views, torch._foreach_mul(list(tensors), scale))
+
+
+def _lean_unpack(tensors: Sequence[torch.Tensor], flat: torch.Tensor, views: list[torch.Tensor], scale: float) -> None:
+    dtype = tensors[0].dtype
+    if scale == 1.0:
+        torch._foreach_copy_(list(tensors), views)
+    elif dtype in (torch.float32, torch.float64):  # widen exactly, then scale in the target's (compute) dtype
+        torch._foreach_copy_(list(tensors), views)
+        torch._foreach_mul_(list(tensors), scale)
+    else:  # half targets: multiply in float32, round once into them; the buffer is left as it is
+        torch._foreach_copy_(list(tensors), torch._foreach_mul(views, scale))
+
+
+class BucketCopy:
+    """A bucket's ``pack`` (scaled by ``pack_scale``) and ``unpack`` (by ``unpack_scale``), with
+    kernels on CUDA while they can run (``kernels``: None = ``kernels_wanted``; True forces a try,
+    e.g. in Numba's simulator on CPU tensors), torch ops otherwise."""
+
+    def __init__(self, *, pack_scale: float = 1.0, unpack_scale: float = 1.0, kernels: bool | None = None) -> None:
+        self._kernels = kernels
+        self._scales = {"pack": float(pack_scale), "unpack": float(unpack_scale)}
+        self._bound: dict[str, Any] = {}
+        self._torch = {d: TorchCopy(d, s) for d, s in self._scales.items()}
+
+    def pack(self, tensors: Sequence[torch.Tensor], flat: torch.Tensor, stream: Any = None) -> None:
+        """``tensors`` back to back into ``flat`` (from element 0), times ``pack_scale``."""
+        self._run("pack", tensors, flat, stream)
+
+    def unpack(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor], stream: Any = None) -> None:
+        """Consecutive pieces of ``flat`` into ``tensors``, times ``unpack_scale``."""
+        self._run("unpack", tensors, flat, stream)
+
+    def uses_kernels(self, flat: torch.Tensor) -> bool:
+        """Whether the next copy into/out of ``flat`` tries the kernels (``kernels`` is settled on the
+        first call: one environment read per bucket, not per copy)."""
+        if self._kernels is None:
+            self._kernels = kernels_wanted(flat)
+        return self._kernels and availability.kernels_usable()
+
+    def _run(self, direction: str, tensors: Sequence[torch.Tensor], flat: torch.Tensor, stream: Any) -> None:
+        if self.uses_kernels(flat):
+            try:
+                bound = self._bound.get(direction)
+                if bound is None:
+                    from ..kernels.bound import BoundCopy  # noqa: PLC0415 - imports numba
+
+                    bound = self._bound[direction] = BoundCopy(direction, self._scales[direction])
+                bound(tensors, flat, stream)
+                availability.note_success()
+                return
+            except (KernelUnavailableError, ImportError) as e:
+                availability.give_up(e)
+        if flat.is_cuda and not availability.kernels_usable():
+            availability.count_fallback_copy()
+        self._torch[direction](tensors, flat, stream)

@@ -1,0 +1,78 @@
+"""``BoundCopy``: the pack or unpack of one bucket, repeated every step at the lowest host cost.
+
+A bucket's tensors (gradients of fixed parameters) keep their shapes and dtype from step to step;
+only their addresses may change (``zero_grad(set_to_none=True)`` frees them and backward allocates
+anew, usually at the same addresses). So the layout is checked in full, its table built and
+uploaded, and its launch prepared when a set of addresses is first seen; a call then makes one
+C-level pass over the tensors (their ``data_ptr()``), compares it with the bound one and launches.
+The last few address sets are kept, so layouts that alternate are not rebuilt either.
+
+The caller's promise: the tensors passed on later calls have the shapes and dtype of the first
+call's (a new address set is checked in full again, so only a same-address, different-shape
+tensor would slip through, which a parameter's gradient cannot be).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .api import Layout, _stream_for, new_layout
+from .rules import tensor_list
+
+__all__ = ["BoundCopy"]
+
+_PTR = torch.Tensor.data_ptr
+_KEEP = 4  # address sets kept per bucket
+
+
+class BoundCopy:
+    """``pack`` (``direction="pack"``: tensors -> flat) or ``unpack`` (flat -> tensors) of one bucket,
+    times ``scale``, bound to its layout; see the module doc for the contract."""
+
+    __slots__ = ("direction", "scale", "_key", "_layout", "_layouts")
+
+    def __init__(self, direction: str, scale: float = 1.0) -> None:
+        if direction not in ("pack", "unpack"):
+            raise ValueError(f"BoundCopy direction must be 'pack' or 'unpack', got {direction!r}")
+        self.direction, self.scale = direction, float(scale)
+        self._key: tuple | None = None
+        self._layout: Layout | None = None
+        self._layouts: dict[tuple, Layout] = {}
+
+    def __call__(self, tensors: Sequence[torch.Tensor], flat: torch.Tensor, stream: Any = None) -> None:
+        """Copy between ``tensors`` and ``flat`` on ``stream`` (default: the current stream)."""
+        if not isinstance(tensors, (list, tuple)):
+            tensors = tensor_list(self.direction, tensors)
+        try:
+            key = (flat.data_ptr(), *map(_PTR, tensors))
+        except (TypeError, AttributeError):
+            key = None  # not tensors: the full check names the problem
+        layout = self._layout
+        if key != self._key or layout is None:
+            layout = self._bind(key, tensors, flat, stream)
+        if layout.total > flat.numel():
+            layout = self._bind(None, tensors, flat, stream)  # a shorter view at the same address: raises
+        launch = layout.launch
+        if launch is None:
+            return
+        if flat.is_cuda:
+            if stream is None:
+                stream = torch.cuda.current_stream(flat.device)
+            layout.table.use_on(stream)
+        launch(stream)
+
+    def _bind(self, key: tuple | None, tensors: Sequence[torch.Tensor], flat: torch.Tensor, stream: Any) -> Layout:
+        layout = self._layouts.get(key) if key is not None else None
+        if layout is None:
+            if flat.is_cuda:
+                stream = _stream_for(stream, flat.device)
+            layout = new_layout(self.direction, tensors, flat, self.scale, stream)  # checks everything
+            if key is None:
+                return layout
+            if len(self._layouts) >= _KEEP:
+                self._layouts.pop(next(iter(self._layouts)))
+            self._layouts[key] = layout
+        self._key, self._layout = key, layout
+        return layout
