@@ -6,7 +6,10 @@ After the server's hello ``b"GPCM" + version + 16-byte nonce``, every frame (bot
     MAC = HMAC-SHA256(secret, nonce | direction byte | u64 sequence number | body)
 
 The per-connection nonce and sequence numbers stop a recorded frame from being replayed; reads
-are bounded, so a broken or hostile peer cannot make a reader allocate without limit.
+are bounded, so a broken or hostile peer cannot make a reader allocate without limit: a reader may
+pass a smaller ``limit`` until the peer has authenticated (the store allows 4 KiB before the first
+good MAC), and a ``deadline`` that covers the whole frame, so a peer that trickles bytes cannot
+hold a reader longer than that.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import hmac
 import socket
 import struct
+import time
 from collections.abc import Iterable
 
 MAGIC = b"GPCM"
@@ -59,14 +63,31 @@ def mac(secret: bytes, nonce: bytes, direction: bytes, seq: int, body: bytes) ->
     return hmac.digest(secret, nonce + direction + _SEQ.pack(seq) + body, "sha256")
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """``n`` bytes from ``sock``; with a ``deadline`` (``time.monotonic()``), all of them by then
+    (FrameError otherwise; the socket's timeout is restored)."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise FrameError(f"connection closed after {got} of {n} bytes")
-        got += k
+    previous = sock.gettimeout() if deadline is not None else None
+    try:
+        while got < n:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise FrameError(f"frame not complete in time ({got} of {n} bytes)")
+                sock.settimeout(left)
+            try:
+                k = sock.recv_into(view[got:], n - got)
+            except socket.timeout:
+                if deadline is None:
+                    raise
+                raise FrameError(f"frame not complete in time ({got} of {n} bytes)") from None
+            if k == 0:
+                raise FrameError(f"connection closed after {got} of {n} bytes")
+            got += k
+    finally:
+        if deadline is not None:
+            sock.settimeout(previous)
     return bytes(buf)
 
 
@@ -85,23 +106,22 @@ class FramedChannel:
         self.send_seq += 1
         self.sock.sendall(_LEN.pack(MAC_BYTES + len(body)) + tag + body)
 
-    def recv(self, body_timeout: float | None) -> bytes:
-        header = recv_exact(self.sock, 4)
+    def recv(self, body_timeout: float | None, *, limit: int | None = None, deadline: float | None = None) -> bytes:
+        """The next frame's body. ``body_timeout``: once the header is in, the rest must arrive within
+        it; ``deadline`` (monotonic): the whole frame, header included, by then; ``limit``: the
+        largest body accepted now (default ``max_frame``), checked before anything is allocated."""
+        header = recv_exact(self.sock, 4, deadline)
         if header == DENY[:4]:
-            rest = recv_exact(self.sock, 4)
+            rest = recv_exact(self.sock, 4, deadline)
             raise FrameError("DENY" if rest == DENY[4:] else "zero-length frame")
         (length,) = _LEN.unpack(header)
-        if length < MAC_BYTES + 1 or length > self.max_frame + MAC_BYTES:
-            raise FrameError(f"frame length {length} outside [{MAC_BYTES + 1}, {self.max_frame + MAC_BYTES}]")
-        previous = self.sock.gettimeout()
-        if previous == body_timeout:
-            payload = recv_exact(self.sock, length)
-        else:
-            self.sock.settimeout(body_timeout)
-            try:
-                payload = recv_exact(self.sock, length)
-            finally:
-                self.sock.settimeout(previous)
+        cap = self.max_frame if limit is None else min(limit, self.max_frame)
+        if length < MAC_BYTES + 1 or length > cap + MAC_BYTES:
+            raise FrameError(f"frame length {length} outside [{MAC_BYTES + 1}, {cap + MAC_BYTES}]")
+        if body_timeout is not None:
+            by = time.monotonic() + body_timeout
+            deadline = by if deadline is None else min(deadline, by)
+        payload = recv_exact(self.sock, length, deadline)
         tag, body = payload[:MAC_BYTES], payload[MAC_BYTES:]
         if not hmac.compare_digest(tag, mac(self.secret, self.nonce, self.recv_dir, self.recv_seq, body)):
             raise FrameError("bad MAC")

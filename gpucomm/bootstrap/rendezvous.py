@@ -7,9 +7,16 @@ cannot make the server allocate gigabytes or hang the honest ranks), and a timeo
 ranks never arrived instead of "timed out".
 
 Frames are authenticated and sequenced (``framing.py``). A body is one opcode byte followed by
-fields, each ``u32 length | bytes``. A frame that fails any check is
-logged, answered with an unauthenticated ``DENY`` marker when the MAC is wrong, and its connection
-is closed; the store keeps serving everyone else.
+fields, each ``u32 length | bytes``. A frame that fails any check is logged (rate-limited),
+answered with an unauthenticated ``DENY`` marker when the MAC is wrong, and its connection is
+closed; the store keeps serving everyone else.
+
+Hostile or broken peers: until a connection's first frame has passed its MAC it may send at most
+``PREAUTH_MAX_FRAME`` bytes, and must do so within ``FIRST_FRAME_SECONDS`` of connecting (clients
+send a ``PING`` right after the hello); afterwards every frame must be complete within
+``FRAME_SECONDS`` of its first byte. Connections that have not authenticated live in a bounded
+pool of their own: when it is full the oldest is closed, so thousands of idle or garbage
+connections can never keep a valid rank out, and never grow the server beyond the pool.
 """
 
 from __future__ import annotations
@@ -28,12 +35,15 @@ from .framing import (DENY, HELLO_BYTES, MAGIC, NONCE_BYTES, VERSION, FrameError
 log = logging.getLogger("gpucomm.rendezvous")
 
 DEFAULT_MAX_FRAME = 64 << 20  # the NCCL id is 128 B and Gloo's addresses ~100 B; 64 MiB is generous
-BODY_READ_TIMEOUT = 30.0  # a peer that starts a frame must finish it this fast
-MAX_CONNECTIONS = 4096
+PREAUTH_MAX_FRAME = 4096  # the largest frame read from a peer that has not authenticated yet
+FIRST_FRAME_SECONDS = 5.0  # connect -> first authenticated frame
+FRAME_SECONDS = 10.0  # first byte -> last byte of any later frame
+MAX_PENDING = 512  # connections not yet authenticated; beyond it the oldest is closed
+MAX_CONNECTIONS = 4096  # authenticated connections
 
 _I64 = struct.Struct(">q")
 
-OP_SET, OP_GET, OP_ADD, OP_WAIT, OP_CHECK, OP_DELETE, OP_NUM_KEYS, OP_COMPARE_SET = range(1, 9)
+OP_SET, OP_GET, OP_ADD, OP_WAIT, OP_CHECK, OP_DELETE, OP_NUM_KEYS, OP_COMPARE_SET, OP_PING = range(1, 10)
 ST_OK, ST_TIMEOUT, ST_ERROR = 0, 1, 2
 
 
@@ -77,6 +87,30 @@ class _Table:
                 self.cond.wait(min(left, 1.0))
 
 
+class _RateLimitedLog:
+    """At most ``burst`` warnings per ``window`` seconds; the rest are counted and reported in one
+    line when the next window opens (a flood of bad peers must not flood the log)."""
+
+    def __init__(self, burst: int = 5, window: float = 60.0) -> None:
+        self.burst, self.window = burst, window
+        self._start, self._shown, self._suppressed = 0.0, 0, 0
+        self._lock = threading.Lock()
+
+    def warning(self, message: str, *args: object) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._start >= self.window:
+                if self._suppressed:
+                    log.warning("rendezvous: %d more rejected or failed connections in the last %.0f s were not "
+                                "logged one by one", self._suppressed, self.window)
+                self._start, self._shown, self._suppressed = now, 0, 0
+            if self._shown >= self.burst:
+                self._suppressed += 1
+                return
+            self._shown += 1
+        log.warning(message, *args)
+
+
 class RendezvousServer:
     """Serves the store on ``host:port`` (port 0 picks a free one) from daemon threads."""
 
@@ -88,8 +122,10 @@ class RendezvousServer:
         self._sock = socket.create_server((host, port), reuse_port=False, backlog=1024)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.host, self.port = host, self._sock.getsockname()[1]
-        self._conns: set[socket.socket] = set()
+        self._conns: set[socket.socket] = set()  # authenticated
+        self._pending: dict[socket.socket, float] = {}  # not yet authenticated -> accept time (oldest first)
         self._lock = threading.Lock()
+        self._rejections = _RateLimitedLog()
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="gpucomm-rendezvous", daemon=True)
         self._thread.start()
@@ -109,7 +145,7 @@ class RendezvousServer:
             pass
         self._sock.close()
         with self._lock:
-            conns = list(self._conns)
+            conns = list(self._conns) + list(self._pending)
         for c in conns:
             try:
                 c.shutdown(socket.SHUT_RDWR)
@@ -130,6 +166,11 @@ class RendezvousServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def connection_counts(self) -> dict[str, int]:
+        """Open connections: ``authenticated`` and ``pending`` (not yet authenticated)."""
+        with self._lock:
+            return {"authenticated": len(self._conns), "pending": len(self._pending)}
+
     def _accept_loop(self) -> None:
         while not self._closed:
             try:
@@ -137,44 +178,73 @@ class RendezvousServer:
             except OSError:
                 return
             with self._lock:
-                if len(self._conns) >= MAX_CONNECTIONS:
-                    log.warning("rendezvous: refusing %s: %d connections open", peer, len(self._conns))
-                    conn.close()
-                    continue
-                self._conns.add(conn)
+                evicted = next(iter(self._pending)) if len(self._pending) >= MAX_PENDING else None
+                self._pending[conn] = time.monotonic()
+            if evicted is not None:  # the oldest unauthenticated connection makes room; its thread then ends
+                self._rejections.warning("rendezvous: %d connections have not authenticated; closing the oldest "
+                                         "to admit %s", MAX_PENDING, peer)
+                _shut(evicted)
             threading.Thread(target=self._serve, args=(conn, peer), name="gpucomm-rendezvous-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket, peer: object) -> None:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         nonce = os.urandom(NONCE_BYTES)
         chan = FramedChannel(conn, self._secret, nonce, b"S", self._max_frame)
+        first_deadline = time.monotonic() + FIRST_FRAME_SECONDS
+        authenticated = False
         try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(FIRST_FRAME_SECONDS)
             conn.sendall(MAGIC + bytes([VERSION]) + nonce)
             while not self._closed:
                 try:
-                    body = chan.recv(BODY_READ_TIMEOUT)
+                    if authenticated:
+                        body = chan.recv(FRAME_SECONDS)
+                    else:
+                        body = chan.recv(None, limit=PREAUTH_MAX_FRAME, deadline=first_deadline)
                 except FrameError as e:
                     if str(e) == "bad MAC":
-                        log.warning("rendezvous: rejected a frame from %s: its MAC does not match the job secret "
-                                    "(a process of another job, or a wrong GPUCOMM_SECRET); closing it", peer)
+                        self._rejections.warning(
+                            "rendezvous: rejected a frame from %s: its MAC does not match the job secret (a process "
+                            "of another job, or a wrong GPUCOMM_SECRET); closing it", peer)
                         conn.sendall(DENY)
                     elif not str(e).startswith("connection closed after 0 of"):
-                        log.warning("rendezvous: closing connection from %s: %s", peer, e)
+                        self._rejections.warning("rendezvous: closing connection from %s: %s", peer, e)
                     return
+                if not authenticated:
+                    authenticated = True
+                    if not self._admit(conn, peer):
+                        chan.send(encode_fields(ST_ERROR, [b"the rendezvous store has too many connections open"]))
+                        return
                 try:
                     op, fields = decode_fields(body)
                     status, out = self._dispatch(op, fields)
                 except FrameError as e:
-                    log.warning("rendezvous: closing connection from %s: malformed request (%s)", peer, e)
+                    self._rejections.warning("rendezvous: closing connection from %s: malformed request (%s)", peer, e)
                     return
                 chan.send(encode_fields(status, out))
-        except (OSError, socket.timeout) as e:
-            if not self._closed:
-                log.warning("rendezvous: connection from %s failed: %s", peer, e)
+        except OSError as e:  # socket.timeout included
+            if not self._closed and authenticated:
+                self._rejections.warning("rendezvous: connection from %s failed: %s", peer, e)
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._pending.pop(conn, None)
             conn.close()
+
+    def _admit(self, conn: socket.socket, peer: object) -> bool:
+        """Move an authenticated connection out of the pending pool (False: too many open)."""
+        with self._lock:
+            self._pending.pop(conn, None)
+            if len(self._conns) >= MAX_CONNECTIONS:
+                full = True
+            else:
+                self._conns.add(conn)
+                full = False
+        if full:
+            log.warning("rendezvous: refusing %s: %d authenticated connections are open", peer, MAX_CONNECTIONS)
+            return False
+        conn.settimeout(None)  # idle between requests is fine once authenticated; frames have their deadline
+        return True
 
     def _dispatch(self, op: int, f: list[bytes]) -> tuple[int, list[bytes]]:
         t = self._table
@@ -211,6 +281,8 @@ class RendezvousServer:
             if op == OP_NUM_KEYS and not f:
                 with t.cond:
                     return ST_OK, [_I64.pack(len(t.data))]
+            if op == OP_PING and not f:
+                return ST_OK, []
             if op == OP_COMPARE_SET and len(f) == 3:
                 key = f[0].decode()
                 with t.cond:
@@ -223,6 +295,13 @@ class RendezvousServer:
         except (UnicodeDecodeError, ValueError, struct.error) as e:
             raise FrameError(f"bad fields for op {op}: {e}") from e
         raise FrameError(f"unknown op {op} with {len(f)} fields")
+
+
+def _shut(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,9 +339,23 @@ class RendezvousClient:
                     raise RendezvousError(
                         f"{self.host}:{self.port} is not a gpucomm rendezvous store (version {VERSION}): it answered "
                         f"{hello[:5]!r}. Another service holds that port; choose another GPUCOMM_RENDEZVOUS_PORT.")
+                chan = FramedChannel(sock, self._secret, hello[5:], b"C", self._max_frame)
+                chan.send(encode_fields(OP_PING, []))  # authenticate now: the store closes silent connections
+                status, _ = decode_fields(chan.recv(None))
                 sock.settimeout(None)
-                return FramedChannel(sock, self._secret, hello[5:], b"C", self._max_frame)
-            except (OSError, FrameError) as e:
+                if status != ST_OK:
+                    sock.close()
+                    raise OSError("the store refused the connection (too many connections open)")
+                return chan
+            except FrameError as e:
+                if str(e) == "DENY":
+                    sock.close()
+                    raise RendezvousAuthError(
+                        f"the rendezvous store at {self.host}:{self.port} rejected this process's frames: its job "
+                        f"secret differs from ours. Every rank of one job must share GPUCOMM_SECRET (gpucomm-run sets "
+                        f"it); a process from another job may be using the same address and port.") from None
+                last_error = e
+            except OSError as e:
                 last_error = e
             if time.monotonic() + delay > deadline:
                 raise RendezvousError(

@@ -1,0 +1,114 @@
+"""The rendezvous store under attack: garbage, truncated, oversized, slow and thousands of idle
+connections. The server (in its own process, so its memory can be read) must stay small, close
+what never authenticates within its deadline, and keep serving a valid rank throughout."""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from gpucomm.bootstrap.framing import HELLO_BYTES
+from gpucomm.bootstrap.rendezvous import FIRST_FRAME_SECONDS, RendezvousClient
+
+SECRET = b"fuzz-test-secret-0123456789abcdef"
+SERVER = f"""
+import sys, time
+from gpucomm.bootstrap.rendezvous import RendezvousServer
+server = RendezvousServer({SECRET!r}, host="127.0.0.1")
+print(server.port, flush=True)
+sys.stdin.read()  # serve until the test closes our stdin
+"""
+
+
+def _raise_fd_limit() -> int:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = min(hard, 8192) if hard != resource.RLIM_INFINITY else 8192
+    if soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+@pytest.fixture
+def store():
+    limit = _raise_fd_limit()  # inherited by the server process
+    proc = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=os.getcwd()), start_new_session=True)
+    try:
+        port = int(proc.stdout.readline())
+        yield proc, port, limit
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def _connect(port: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.recv(HELLO_BYTES, socket.MSG_WAITALL)
+    return s
+
+
+def _closed(s: socket.socket, timeout: float) -> bool:
+    s.settimeout(timeout)
+    try:
+        return s.recv(64) in (b"", b"\x00\x00\x00\x00DENY")
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except socket.timeout:
+        return False
+
+
+def _valid_round_trip(port: int, key: str) -> float:
+    t0 = time.monotonic()
+    client = RendezvousClient("127.0.0.1", port, SECRET, connect_timeout=20, timeout=20)
+    client.set(key, b"v")
+    assert client.get(key) == b"v"
+    client.close()
+    return time.monotonic() - t0
+
+
+def test_attacks_leave_the_store_small_and_serving(store):
+    proc, port, fd_limit = store
+    server = psutil.Process(proc.pid)
+    rss_before = server.memory_info().rss
+    attackers: list[socket.socket] = []
+    # oversized: a header claiming 64 MiB, before any authentication
+    oversized = [_connect(port) for _ in range(8)]
+    for s in oversized:
+        s.sendall(struct.pack(">I", 64 << 20) + b"x" * 100)
+    # garbage and truncated frames, and a slow one (1 byte a second)
+    for i in range(50):
+        s = _connect(port)
+        s.sendall(os.urandom(300) if i % 2 else struct.pack(">I", 200) + b"y" * 20)
+        attackers.append(s)
+    slow = _connect(port)
+    slow.sendall(b"\x00")
+    # thousands of idle connections that never send a byte
+    idle = [_connect(port) for _ in range(min(2000, fd_limit // 2 - 300))]
+    latencies = [_valid_round_trip(port, f"k{i}") for i in range(3)]  # a valid rank during the attack
+    for _ in range(7):
+        slow.sendall(b"\x00")
+        time.sleep(1.0)
+        if _closed(slow, 0.01):
+            break
+    rss_during = server.memory_info().rss
+    assert all(_closed(s, 1.0) for s in oversized), "an oversized unauthenticated frame was not refused at once"
+    assert _closed(slow, FIRST_FRAME_SECONDS + 2), "a connection trickling bytes outlived the first-frame deadline"
+    newest = idle[-50:]  # the last to connect: closed by their deadline, if not evicted before
+    assert _closed(newest[-1], FIRST_FRAME_SECONDS + 3), "an idle connection outlived the first-frame deadline"
+    assert sum(_closed(s, 1.0) for s in newest) == 50, "idle connections outlived the first-frame deadline"
+    latencies.append(_valid_round_trip(port, "after"))
+    growth = rss_during - rss_before
+    print(f"store RSS before {rss_before / 2**20:.1f} MiB, during the attack {rss_during / 2**20:.1f} MiB; "
+          f"{len(idle)} idle connections; valid rank round trips {[f'{t * 1e3:.1f} ms' for t in latencies]}")
+    assert growth < 64 << 20, f"the store grew by {growth / 2**20:.0f} MiB under attack"
+    assert max(latencies) < 15, latencies  # a hang bound only; the figures are printed above
+    for s in attackers + oversized + idle + [slow]:
+        s.close()
