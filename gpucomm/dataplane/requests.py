@@ -54,15 +54,38 @@ DTYPE_NAMES = {dt: str(dt).replace("torch.", "") for dt in MOVABLE}  # what rank
 # validation (caller's thread)
 
 
+def check_tensor_arg(kind: str, tensor: object) -> None:
+    """A single-tensor collective's argument must be a tensor; say what to pass instead."""
+    if not isinstance(tensor, torch.Tensor):
+        what = f"{type(tensor).__name__} {tensor!r}" if isinstance(tensor, (int, float, bool, type(None))) \
+            else type(tensor).__name__
+        hint = (f"for several tensors use hvd.grouped_{kind}(list)" if isinstance(tensor, (list, tuple))
+                else f"wrap a number as torch.tensor(x); for Python objects use hvd.{kind}_object"
+                if kind in ("allgather", "broadcast") else "wrap a number as torch.tensor(x)")
+        raise TypeError(f"hvd.{kind} expects a torch.Tensor, got {what}; {hint}.")
+
+
+def check_tensor_list(kind: str, tensors: object) -> list:
+    """A grouped collective's argument must be a list or tuple of tensors."""
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"hvd.grouped_{kind} expects a list or tuple of torch.Tensor, got "
+                        f"{type(tensors).__name__}; for one tensor use hvd.{kind}(tensor).")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"hvd.grouped_{kind}: element {i} is a {type(t).__name__}, not a torch.Tensor.")
+    return list(tensors)
+
+
 def check_tensors(kind: str, tensors: Sequence[torch.Tensor], *, reducing: bool) -> torch.device:
     """Validate dtype, layout and device; return the common device."""
     if not tensors:
         raise ValueError(f"{kind} needs at least one tensor")
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{kind} expects torch tensors, got {type(t).__name__}; wrap numbers as torch.tensor(x).")
     allowed = _REDUCIBLE_SET if reducing else _MOVABLE_SET
     device = tensors[0].device
     for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{kind} expects torch tensors, got {type(t).__name__}")
         if t.is_sparse:
             raise ValueError(f"{kind}: sparse tensors are not supported; densify with .to_dense() first.")
         if not t.is_contiguous():
@@ -84,7 +107,18 @@ def check_op(kind: str, op: ReduceOp) -> None:
     if op == ReduceOp.ADASUM:
         raise NotImplementedError(f"{kind} with op=Adasum is not supported by gpucomm; use hvd.Average or hvd.Sum.")
     if op not in _OPS:
-        raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, hvd.Sum, hvd.Min, hvd.Max or hvd.Product.")
+        raise ValueError(f"unknown reduction op {op!r}; {VALID_OPS}.")
+
+
+VALID_OPS = "use hvd.Average (0), hvd.Sum (1), hvd.Min (3), hvd.Max (4) or hvd.Product (5)"
+
+
+def reduce_op_of(op: object) -> ReduceOp:
+    """``op`` (a ReduceOp or Horovod's integer code) as a ReduceOp; ValueError naming the valid ones."""
+    try:
+        return ReduceOp(op)
+    except (ValueError, TypeError):
+        raise ValueError(f"op={op!r} is not a reduction op; {VALID_OPS} (hvd.Adasum (2) is not supported).") from None
 
 
 def equal_splits(rows: int, size: int, what: str) -> list[int]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
+from ..dataplane.requests import check_tensor_arg, check_tensor_list, reduce_op_of
 from ..process_sets import ProcessSet, global_process_set
-from ..reduce_op import ReduceOp
 from .compression import Compression, NoneCompressor
 from .mpi_ops import (Average, Sum, _check_root, _execute, _reduction, _set_id, alltoall_now,
                       handle_average_backwards_compatibility)
@@ -145,6 +145,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
               compression=Compression.none, op: int | None = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` over the ranks of ``process_set`` into a new tensor (default op: Average). Differentiable."""
+    check_tensor_arg("allreduce", tensor)
     rop = handle_average_backwards_compatibility(op, average)
     if compression is Compression.none or compression is NoneCompressor:
         if not (tensor.requires_grad and torch.is_grad_enabled()):
@@ -159,6 +160,7 @@ def grouped_allreduce(tensors, average: bool | None = None, name: str | None = N
                       op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Reduce several tensors in one fused operation. Differentiable."""
+    tensors = check_tensor_list("allreduce", tensors)
     rop = handle_average_backwards_compatibility(op, average)
     pairs = [compression.compress(t) for t in tensors]
     outs = _GroupedAllreduce.apply(rop, float(prescale_factor), float(postscale_factor), name, process_set,
@@ -169,6 +171,7 @@ def grouped_allreduce(tensors, average: bool | None = None, name: str | None = N
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dim 0 (which may differ per rank). Differentiable."""
+    check_tensor_arg("allgather", tensor)
     if not (tensor.requires_grad and torch.is_grad_enabled()):
         return _allgather_now([tensor], name, process_set)[0][0]
     return _Allgather.apply(tensor, name, process_set)
@@ -177,12 +180,14 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
 def grouped_allgather(tensors, name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allgather several tensors in one request (no autograd for the grouped form)."""
+    tensors = check_tensor_list("allgather", tensors)
     return _allgather_now(tensors, name, process_set)[0]
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Root's ``tensor`` as a new tensor on every rank. Differentiable."""
+    check_tensor_arg("broadcast", tensor)
     if not (tensor.requires_grad and torch.is_grad_enabled()):
         return _broadcast_now(tensor, root_rank, name, process_set)
     return _Broadcast.apply(tensor, root_rank, name, process_set)
@@ -192,6 +197,7 @@ def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None,
              process_set: ProcessSet = global_process_set):
     """Send ``splits[i]`` rows to rank i. Returns the tensor, or ``(tensor, received_splits)`` when
     ``splits`` is given (Horovod's convention). Differentiable."""
+    check_tensor_arg("alltoall", tensor)
     out, received = _Alltoall.apply(tensor, splits, name, process_set)
     return out if splits is None else (out, received)
 
@@ -200,8 +206,9 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression=Com
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce over ranks, each rank keeping its share of dim 0. Differentiable."""
+    check_tensor_arg("reducescatter", tensor)
     compressed, cctx = compression.compress(tensor)
-    out = _Reducescatter.apply(compressed, ReduceOp(op), float(prescale_factor), float(postscale_factor), name,
+    out = _Reducescatter.apply(compressed, reduce_op_of(op), float(prescale_factor), float(postscale_factor), name,
                                process_set)
     return compression.decompress(out, cctx)
 
@@ -209,7 +216,8 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression=Com
 def grouped_reducescatter(tensors, name: str | None = None, compression=Compression.none, op: int = Average,
                           process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    tensors = check_tensor_list("reducescatter", tensors)
     pairs = [compression.compress(t) for t in tensors]
-    outs = _GroupedReducescatter.apply(ReduceOp(op), float(prescale_factor), float(postscale_factor), name,
+    outs = _GroupedReducescatter.apply(reduce_op_of(op), float(prescale_factor), float(postscale_factor), name,
                                        process_set, *[p[0] for p in pairs])
     return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs)]

@@ -1,9 +1,16 @@
-"""Rank-0 checkpoints written atomically: a crash mid-write never leaves a torn file behind."""
+"""Rank-0 checkpoints written atomically: a crash mid-write never leaves a torn file behind.
+
+The bytes go to ``.<name>.<host>.<pid>.<random>.tmp`` beside the target. A writer killed mid-write
+leaves that file; the next ``save_checkpoint`` of the same path on the same host removes every
+such file whose process is gone (files of live writers, and of other hosts sharing the directory,
+are left alone).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -23,7 +30,8 @@ def save_checkpoint(obj: Any, path: str | os.PathLike, *, root_rank: int = 0) ->
         return False
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    sweep_stale_temporaries(path)
+    fd, tmp = tempfile.mkstemp(prefix=f"{_temp_prefix(path)}{os.getpid()}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
@@ -42,4 +50,39 @@ def save_checkpoint(obj: Any, path: str | os.PathLike, *, root_rank: int = 0) ->
     return True
 
 
-__all__ = ["save_checkpoint"]
+def _temp_prefix(path: Path) -> str:
+    host = socket.gethostname().replace(".", "_") or "host"
+    return f".{path.name}.{host}."
+
+
+def sweep_stale_temporaries(path: str | os.PathLike) -> list[Path]:
+    """Remove the temporary files of ``path`` left by writers on this host that no longer run;
+    returns what was removed."""
+    path = Path(path)
+    prefix = _temp_prefix(path)
+    removed = []
+    for candidate in path.parent.glob(f"{glob_escape(prefix)}*.tmp"):
+        pid_text = candidate.name[len(prefix):].split(".", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == os.getpid() or _alive(int(pid_text)):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            candidate.unlink()
+            removed.append(candidate)
+    return removed
+
+
+def glob_escape(text: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+__all__ = ["save_checkpoint", "sweep_stale_temporaries"]

@@ -29,10 +29,11 @@ def broadcast_parameters(params, root_rank: int) -> None:
         raise ValueError(f"broadcast_parameters: invalid params of type {type(params).__name__}; pass a dict "
                          f"(e.g. model.state_dict()) or a list of tensors or (name, tensor) tuples.")
     handles = []
-    for name, p in items:
-        if not isinstance(p, torch.Tensor):
-            raise ValueError(f"broadcast_parameters: entry {name!r} is a {type(p).__name__}, not a tensor.")
-        handles.append(broadcast_async_(p, root_rank, name))
+    with torch.no_grad():  # overwriting parameters on purpose, as an optimizer step does
+        for name, p in items:
+            if not isinstance(p, torch.Tensor):
+                raise ValueError(f"broadcast_parameters: entry {name!r} is a {type(p).__name__}, not a tensor.")
+            handles.append(broadcast_async_(p, root_rank, name))
     for h in handles:
         synchronize(h)
 

@@ -16,7 +16,7 @@ import torch
 
 from .. import runtime
 from ..control.config import Send
-from ..dataplane.requests import Request, check_op, check_tensors, equal_splits
+from ..dataplane.requests import Request, check_op, check_tensors, equal_splits, reduce_op_of
 from ..process_sets import ProcessSet, check_members, global_process_set
 from ..reduce_op import ReduceOp
 
@@ -37,8 +37,8 @@ def handle_average_backwards_compatibility(op: int | None, average: bool | None)
         return Average if average else Sum
     if op is None:
         return Average
-    rop = _OPS.get(op)
-    return rop if rop is not None else ReduceOp(op)  # ReduceOp(...) raises the usual ValueError
+    rop = _OPS.get(op) if isinstance(op, int) else None
+    return rop if rop is not None else reduce_op_of(op)
 
 
 def _set_id(process_set: ProcessSet | None) -> int:
@@ -68,9 +68,27 @@ def _request(job: Any, kind: str, tensors: Sequence[torch.Tensor], name: str | N
     if "op" in fields:
         check_op(kind, fields["op"])
     set_id = _set_id(process_set)
-    detached = [t.detach() if t.requires_grad else t for t in tensors]  # in-place targets may be leaves
+    if in_place:
+        _mark_written(kind, tensors)
+    detached = [t.detach() if t.requires_grad else t for t in tensors]
     return Request(kind, f"{kind}.{name}" if name else f"{kind}.noname.{next(job.unnamed)}", detached,
                    outputs=detached if in_place else None, device=device, set_id=set_id, **fields)
+
+
+def _mark_written(kind: str, tensors: Sequence[torch.Tensor]) -> None:
+    """An in-place collective writes its tensors as torch's in-place ops do: a leaf that requires
+    grad is refused while grad mode is on (torch's rule and message), and every tensor's version
+    counter is bumped, so autograd raises if one was saved for backward."""
+    grad_mode = torch.is_grad_enabled()
+    for t in tensors:
+        if grad_mode and t.requires_grad and t.is_leaf:
+            raise RuntimeError(
+                f"a leaf Variable that requires grad is being used in an in-place operation. ({kind}_ writes its "
+                f"result into the tensor.) Fix: use the out-of-place hvd.{kind}(), or write under torch.no_grad() "
+                f"(or into p.data) when changing parameters on purpose, as broadcast_parameters does.")
+    with torch.no_grad():
+        for t in tensors:
+            t.as_strided_(t.size(), t.stride(), t.storage_offset())  # no data touched: bumps _version
 
 
 def _submit(kind: str, tensors: Sequence[torch.Tensor], name: str | None, convert: Callable[[Any], Any],
