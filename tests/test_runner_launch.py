@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
 import textwrap
+import time
+import uuid
 
-from tests.harness import PYTHON, ROOT, launcher_cmd, run, write_script
+from tests.harness import PYTHON, ROOT, base_env, launcher_cmd, marked_processes, run, write_script
 
 # A rank that starts a helper which leaves the rank's process group and ignores SIGTERM: only a
 # SIGKILL found through the process tree (or the launcher's subreaper sweep) stops it.
@@ -229,3 +232,54 @@ def test_second_ctrl_c_kills_at_once(tmp_path):
     assert proc.returncode == 130, err
     assert "second signal: killing all ranks now." in err
     assert collect_leftovers(mark) == []
+
+
+def test_a_killed_rank_is_blamed_not_the_ranks_that_noticed(tmp_path):
+    """3 ranks, rank 2 SIGKILLed mid-step: ranks 0 and 1 then fail their collective and report it; the
+    summary still names rank 2, the rank that died first."""
+    script = write_script(tmp_path, "killed.py", textwrap.dedent("""
+        import os, signal, time
+        import torch
+        import gpucomm.torch as hvd
+        hvd.init()
+        hvd.allreduce(torch.ones(2))
+        if hvd.rank() == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        for _ in range(100):
+            hvd.allreduce(torch.ones(2))
+            time.sleep(0.1)
+    """))
+    r = run(launcher_cmd("-np", "3", "--stop-grace", "3", PYTHON, str(script)), timeout=120)
+    last = r.stderr.strip().splitlines()[-1]
+    assert "job failed: rank 2 on localhost was killed by SIGKILL" in last, r.stderr
+    assert "failed first" not in r.stderr, r.stderr
+    assert r.returncode == 128 + 9 and r.leftovers == []
+
+
+def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
+    """SIGKILL to the launcher alone (it cannot stop anything): its ranks still end, within seconds."""
+    script = write_script(tmp_path, "sleepy.py", textwrap.dedent("""
+        import time
+        print("up", flush=True)
+        time.sleep(600)
+    """))
+    mark = uuid.uuid4().hex
+    launcher = subprocess.Popen(launcher_cmd("-np", "2", PYTHON, str(script)), stdout=subprocess.PIPE, text=True,
+                                env=base_env(mark), start_new_session=True)
+    try:
+        for _ in range(2):
+            assert "up" in launcher.stdout.readline()
+        ranks = [p for p in marked_processes(mark) if p.pid != launcher.pid]
+        assert len(ranks) >= 2
+        launcher.kill()
+        launcher.wait(timeout=30)
+        t0 = time.monotonic()
+        while marked_processes(mark) and time.monotonic() - t0 < 60:
+            time.sleep(0.05)
+        gone_after = time.monotonic() - t0
+        left = marked_processes(mark)
+        assert not left, [p.pid for p in left]
+        print(f"ranks gone {gone_after:.2f} s after the launcher's SIGKILL")
+    finally:
+        for p in marked_processes(mark):
+            p.kill()

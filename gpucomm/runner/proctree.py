@@ -17,6 +17,7 @@ import time
 import psutil
 
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_PDEATHSIG = 1
 
 
 def become_subreaper() -> bool:
@@ -28,6 +29,29 @@ def become_subreaper() -> bool:
         return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def die_with_parent_hook(sig: int = signal.SIGKILL):
+    """A ``preexec_fn`` that makes the child receive ``sig`` when the launcher dies (Linux
+    ``PR_SET_PDEATHSIG``), so a SIGKILLed launcher leaves no ranks behind; None elsewhere.
+
+    The kernel sends it when the *thread* that forked exits, so spawn from a thread that lives as
+    long as the job (the supervisor's). The hook only calls a function pointer resolved here, in the
+    parent: a forked child of a threaded process must not allocate or take locks."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before the line above took effect
+            os._exit(1)
+
+    return hook
 
 
 def descendants(pid: int) -> list[psutil.Process]:

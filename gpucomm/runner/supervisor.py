@@ -82,6 +82,7 @@ class Supervisor:
         self._signal: int | None = None
         self._signals_seen = 0
         self._first_failure: tuple[int, int] | None = None  # (rank, returncode)
+        self._die_with_launcher = proctree.die_with_parent_hook()  # a SIGKILLed launcher takes its ranks along
 
     # ------------------------------------------------------------------ public
 
@@ -115,7 +116,7 @@ class Supervisor:
         rank = launch.slot.rank
         try:
             r.proc = subprocess.Popen(
-                launch.argv, env=launch.env, start_new_session=True,
+                launch.argv, env=launch.env, start_new_session=True, preexec_fn=self._die_with_launcher,
                 stdin=subprocess.PIPE if launch.stdin_payload is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         except OSError as e:
@@ -245,6 +246,10 @@ class Supervisor:
         rank, code = self._first_failure
         reported = self._reported_failures()
         root = reported[0] if reported else None
+        if code < 0 and not any(f.rank == rank for f in reported):
+            # killed by a signal before the launcher stopped anyone, and it reported nothing itself: the
+            # errors the others reported (a peer lost, a collective broken) are echoes of this death
+            root = None
         lines = []
         if root is not None and 0 <= root.rank < len(self._ranks) and root.rank != rank:
             # the first rank to exit only echoed another rank's failure: report the cause first
