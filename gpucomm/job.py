@@ -42,6 +42,7 @@ from .timeline.tracing import Tracer
 log = logging.getLogger("gpucomm")
 
 SHUTDOWN_GRACE = 10.0  # rank 0 keeps serving the store this long for ranks still shutting down
+FAILED_SHUTDOWN_GRACE = 1.0  # ... and this long once the job has failed (a stalled or dead rank will not come)
 
 
 @dataclass
@@ -235,10 +236,11 @@ class Job:
     # -- shutdown --------------------------------------------------------------------------------
     def close(self) -> None:
         controller = self.controller
+        grace = FAILED_SHUTDOWN_GRACE if self.failure() is not None else SHUTDOWN_GRACE
         if controller is not None:
             controller.stop()
             if self.world.rank == 0:
-                controller.wait_workers_gone(SHUTDOWN_GRACE)
+                controller.wait_workers_gone(grace)
         else:
             self.plane.close()
         for schedule in self._schedules:
@@ -251,7 +253,7 @@ class Job:
         try:
             self.client.add(f"{self.prefix}shutdown", 1)
             if self.server is not None:
-                self._wait_for_others_to_leave()
+                self._wait_for_others_to_leave(grace)
         except RendezvousError as e:
             log.debug("shutdown: store already gone: %s", e)
         if controller is not None:
@@ -261,14 +263,15 @@ class Job:
         if self.server is not None:
             self.server.close()
 
-    def _wait_for_others_to_leave(self) -> None:
-        deadline = time.monotonic() + SHUTDOWN_GRACE
+    def _wait_for_others_to_leave(self, grace: float) -> None:
+        deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             if self.client.add(f"{self.prefix}shutdown", 0) >= self.world.size:
                 return
             time.sleep(0.01)
-        log.warning("gpucomm shutdown: not every rank shut down within %.0f s; closing the rendezvous store anyway",
-                    SHUTDOWN_GRACE)
+        if grace == SHUTDOWN_GRACE:  # after a failure the missing ranks are expected: the failure was reported
+            log.warning("gpucomm shutdown: not every rank shut down within %.0f s; closing the rendezvous store "
+                        "anyway", grace)
 
 
 __all__ = ["Job", "SHUTDOWN_GRACE"]

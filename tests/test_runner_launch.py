@@ -283,3 +283,31 @@ def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
     finally:
         for p in marked_processes(mark):
             p.kill()
+
+
+def test_after_a_stall_shutdown_the_job_ends_at_once_and_says_so_once(tmp_path):
+    script = write_script(tmp_path, "stall.py", textwrap.dedent("""
+        import time
+        import torch
+        import gpucomm.torch as hvd
+        hvd.init()
+        if hvd.rank() == 1:
+            time.sleep(600)  # never submits: rank 0's allreduce stalls
+        try:
+            hvd.allreduce(torch.ones(2), name="forgotten")
+        except Exception:
+            print("RAISED", flush=True)
+            t0 = time.monotonic()
+            hvd.shutdown()
+            print(f"SHUTDOWN_S {time.monotonic() - t0:.2f}", flush=True)
+            raise
+    """))
+    env = {"GPUCOMM_STALL_CHECK_TIME_SECONDS": "1", "GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS": "3"}
+    r = run(launcher_cmd("-np", "2", "--stop-grace", "2", PYTHON, str(script)), timeout=120, env=env)
+    assert "RAISED" in r.stdout, r.stdout + r.stderr
+    shutdown_s = float(re.search(r"SHUTDOWN_S (\S+)", r.stdout).group(1))
+    assert shutdown_s < 8.0, f"shutdown waited {shutdown_s} s for the stalled rank"  # a hang bound: ~0.1 s expected
+    after = r.stderr.split("stall inspector stopped the job", 1)[1]
+    assert "The job stops with an error after" not in after, "stall warnings went on after the shutdown"
+    assert r.stderr.count("gpucomm: the stall inspector stopped the job") == 1, r.stderr
+    assert r.leftovers == []

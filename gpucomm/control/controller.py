@@ -350,8 +350,8 @@ class Controller:
         self._standins.prune()
         if self._watchdog:
             self._watchdog.check()
-        if self._hub is not None and self._hub.stalls is not None:
-            self._hub.stalls.check()
+        if self._hub is not None and self._hub.stalls is not None and self._failure is None:
+            self._hub.stalls.check()  # once the job has failed, a stall is no news: say nothing more
 
     # ------------------------------------------------------------------ background thread
 

@@ -43,11 +43,12 @@ class StallInspector:
             over = [s for s in stalled if s[2] >= self.shutdown]
             if over:
                 self._abort(f"the stall inspector stopped the job after {self.shutdown:g} s "
-                            f"(GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS). " + stall_report(over, self.warning, self.shutdown))
+                            f"(GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS). " + stall_report(over, self.warning, None, stopped=True))
 
 
-def stall_report(stalled: Stalled, warning: float, shutdown: float | None) -> str:
-    """Horovod-style stall warning: which ranks are missing which operations."""
+def stall_report(stalled: Stalled, warning: float, shutdown: float | None, *, stopped: bool = False) -> str:
+    """Horovod-style stall warning: which ranks are missing which operations (``stopped``: for the
+    error that ends the job, without the warning's advice on what happens next)."""
     by_rank: dict[int, list[str]] = {}
     lines = []
     for set_id, name, age, missing in sorted(stalled, key=lambda s: -s[2]):
@@ -55,7 +56,8 @@ def stall_report(stalled: Stalled, warning: float, shutdown: float | None) -> st
         lines.append(f"  {name}{where}: waiting {age:.0f} s for ranks {missing}")
         for r in missing:
             by_rank.setdefault(r, []).append(name)
-    tail = (f" The job stops with an error after {shutdown:g} s (GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS)."
+    tail = ("" if stopped else
+            f" The job stops with an error after {shutdown:g} s (GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS)."
             if shutdown else " Set GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS to turn a stall into an error.")
     return ("One or more operations were submitted by a subset of ranks and have waited for the remaining ranks "
             f"for more than {warning:g} s. The ranks are not running the same collectives: a rank skipped one or "
