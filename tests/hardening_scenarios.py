@@ -53,3 +53,29 @@ def check_bad_arguments_name_what_is_accepted() -> None:
         hvd.reducescatter(torch.ones(2 * hvd.size()), op=9)
     assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(hvd.size())))  # still works
     hvd.shutdown()
+
+
+def collective_type_clash(ranks_that_gather: tuple[int, ...]) -> dict:
+    """Under one name, the ranks in ``ranks_that_gather`` call allgather and the others allreduce."""
+    import time
+
+    hvd.init()
+    t0 = time.monotonic()
+    call = hvd.allgather if hvd.rank() in ranks_that_gather else hvd.allreduce
+    try:
+        call(torch.ones(2), name="m")
+        outcome = "ran"
+    except Exception as e:  # noqa: BLE001 - the message is what the test checks
+        outcome = f"{type(e).__name__}: {e}"
+    elapsed = time.monotonic() - t0
+    # the same name for both types, asynchronously and in crossed orders, is legal and completes
+    first, second = (hvd.allreduce_async, hvd.allgather_async) if hvd.rank() % 2 else \
+        (hvd.allgather_async, hvd.allreduce_async)
+    handles = [first(torch.ones(2), name="both"), second(torch.ones(2), name="both")]
+    crossed = [tuple(hvd.synchronize(h).shape) for h in handles]
+    with pytest.raises(TypeError, match="name must be a str"):
+        hvd.allreduce(torch.ones(1), name=7)
+    with pytest.raises(ValueError, match="default repr"):
+        hvd.allreduce(torch.ones(1), name=str(object()))
+    hvd.shutdown()
+    return {"outcome": outcome, "elapsed": elapsed, "crossed": crossed}

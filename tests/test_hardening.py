@@ -50,3 +50,17 @@ def test_save_checkpoint_sweeps_temporaries_of_killed_writers(tmp_path):
     assert save_checkpoint({"v": 1}, target)
     assert sorted(tmp_path.glob(".ckpt.pt.*.tmp")) == [foreign]
     assert torch.load(target) == {"v": 1}
+
+
+def test_a_collective_type_mismatch_under_one_name_raises_on_every_rank():
+    for size, gatherers in ((2, (1,)), (3, (1,))):
+        results = run_ranks(scenarios.collective_type_clash, size, args=(gatherers,), timeout=120,
+                            env={"GPUCOMM_TIMEOUT": "120"})
+        print(f"{size} ranks: mismatch raised after {[round(r['elapsed'], 2) for r in results]} s")
+        for rank, r in enumerate(results):
+            assert r["outcome"].startswith("CollectiveError") or "Mismatched collective types" in r["outcome"], r
+            assert "Mismatched collective types under the name 'm'" in r["outcome"], (rank, r["outcome"])
+            assert "called allreduce" in r["outcome"] and "rank 1 called allgather" in r["outcome"], r["outcome"]
+            assert r["elapsed"] < 60, r  # a hang bound (GPUCOMM_TIMEOUT is 120 s); about 1-2 s expected
+            size_rows = 2 * size
+            assert sorted(r["crossed"]) == sorted([(2,), (size_rows,)]), r["crossed"]

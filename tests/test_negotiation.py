@@ -779,3 +779,28 @@ def test_coordinator_inline_average_counts_joined_ranks_as_zeros():
     c.submit(0, [req("allreduce.x", d, inline_payload(requests[0], 1024))])
     [(dest, resp)] = c.submit(2, [req("allreduce.x", d, inline_payload(requests[1], 1024))])
     assert dest == (0, 1, 2) and write_inline(requests[0], resp[5])[0].tolist() == [3.0, 3.0]  # (3+0+6)/3
+
+
+def test_two_collective_types_under_one_name_fail_after_the_grace_and_crossed_orders_do_not():
+    now = [0.0]
+    c = Coordinator(3, clock=lambda: now[0])
+    reduce_, gather = Descriptor("allreduce", 0, ("float32",), ((2,),)), Descriptor("allgather", 0, ("float32",), ((2,),))
+    # crossed asynchronous orders: both types pending for a moment, then both complete
+    assert c.submit(0, [req("allreduce.x", reduce_), req("allgather.x", gather)]) == []
+    c.submit(1, [req("allgather.x", gather), req("allreduce.x", reduce_)])
+    done = c.submit(2, [req("allreduce.x", reduce_), req("allgather.x", gather)])
+    assert [resp[0] for _, resp in done] == ["run", "run"]
+    now[0] = 5.0
+    assert c.expire_clashes(1.0) == []
+    # a real mismatch: ranks 0 and 2 allreduce 'm', rank 1 allgathers it
+    c.submit(0, [req("allreduce.m", reduce_)])
+    c.submit(1, [req("allgather.m", gather)])
+    assert c.expire_clashes(1.0) == []  # within the grace: could still be a crossed order
+    now[0] = 6.5
+    errors = c.expire_clashes(1.0)
+    assert {ranks: resp[2] for ranks, resp in errors} == {(0,): "allreduce.m", (1,): "allgather.m"}
+    message = errors[0][1][3]
+    assert "under the name 'm': rank 0 called allreduce; rank 1 called allgather" in message
+    late = c.submit(2, [req("allreduce.m", reduce_)])  # rank 2 hears the same error when it arrives
+    assert late == [((2,), ("error", 0, "allreduce.m", message))]
+    assert c.submit(2, [req("allreduce.m", reduce_)]) == []  # heard once: the name is usable again

@@ -344,14 +344,16 @@ class Controller:
     # ------------------------------------------------------------------ housekeeping
 
     def _stall_tick(self) -> float:
-        return 0.25 if self._hub is not None and self._hub.stalls is not None else 1.0
+        return 0.25 if self._hub is not None else 1.0
 
     def _housekeeping(self) -> None:
         self._standins.prune()
         if self._watchdog:
             self._watchdog.check()
-        if self._hub is not None and self._hub.stalls is not None and self._failure is None:
-            self._hub.stalls.check()  # once the job has failed, a stall is no news: say nothing more
+        if self._hub is not None and self._failure is None:
+            self._hub.check_clashes()
+            if self._hub.stalls is not None:
+                self._hub.stalls.check()  # once the job has failed, a stall is no news: say nothing more
 
     # ------------------------------------------------------------------ background thread
 

@@ -76,17 +76,25 @@ class Coordinator:
         self._reduce_inline = reduce_inline  # (descriptor, payloads in rank order, set size) -> result bytes
         self.observer = observer  # the timeline (rank 0): negotiate_start / negotiate_rank_ready / negotiate_end
         self.responses = 0  # how many responses were emitted (benchmarks read it)
+        self._by_base: dict[tuple[int, str], dict[str, Key]] = {}  # (set, name w/o kind prefix) -> kind -> key
+        self._clash_since: dict[tuple[int, str], float] = {}  # names with two collective types pending
+        self._poisoned: dict[tuple[int, str], tuple[str, set[int]]] = {}  # -> (error, members yet to hear it)
 
     # ------------------------------------------------------------------ submissions
 
     def submit(self, rank: int, items: Sequence[tuple]) -> list[Outgoing]:
         """Record ``rank``'s new submissions; return the responses that became possible, in order."""
         touched: list[Key] = []
+        early: list[Outgoing] = []
         for item in _expand_bits(items):
             key, descriptor, hit = self._resolve(rank, item)
             payload = item[-1] if item[0] in ("req", "hit") else None
             pending = self._pending.get(key)
             if pending is None:
+                clash = self._kind_clash(rank, key, descriptor)
+                if clash is not None:
+                    early.extend(clash)
+                    continue
                 pending = self._pending[key] = _Pending(descriptor.kind, self._clock())
                 if self.observer is not None:
                     self.observer.negotiate_start(key[1], descriptor.kind)
@@ -103,7 +111,57 @@ class Coordinator:
                 touched.extend(self._pending)  # a join can complete anything pending
             else:
                 touched.append(key)
-        return _coalesce(self._complete(dict.fromkeys(touched)))
+        return _coalesce(early + self._complete(dict.fromkeys(touched)))
+
+    def _kind_clash(self, rank: int, key: Key, descriptor: Descriptor) -> list[Outgoing] | None:
+        """Register ``key`` under its user name (``allreduce.m`` -> ``m``). A member that already
+        heard of a clash under that name gets the error at once; a clash with another collective type
+        pending under the same name is noted, and becomes an error if it is still there after
+        ``clash_grace`` (``expire_clashes``): ranks that run both types asynchronously in different
+        orders resolve it within microseconds, ranks that disagree never do."""
+        base = _base_name(key)
+        if base is None or descriptor.kind in CONTROL_KINDS:
+            return None
+        poisoned = self._poisoned.get(base)
+        if poisoned is not None and rank in poisoned[1]:
+            message, unheard = poisoned
+            unheard.discard(rank)
+            if not unheard:
+                del self._poisoned[base]
+            return [((rank,), ("error", key[0], key[1], message))]
+        kinds = self._by_base.setdefault(base, {})
+        kinds[descriptor.kind] = key
+        if len(kinds) > 1:
+            self._clash_since.setdefault(base, self._clock())
+        return None
+
+    def expire_clashes(self, grace: float) -> list[Outgoing]:
+        """Errors for every name under which different collective types have been pending for more
+        than ``grace`` seconds, to the ranks that submitted them (the others hear it when they do)."""
+        now, out = self._clock(), []
+        for base, since in list(self._clash_since.items()):
+            kinds = {k: key for k, key in self._by_base.get(base, {}).items() if key in self._pending}
+            if len(kinds) < 2:
+                del self._clash_since[base]
+                continue
+            if now - since < grace:
+                continue
+            del self._clash_since[base]
+            sides = "; ".join(f"{_ranks(sorted(self._pending[key].descriptors))} called {kind}"
+                              for kind, key in kinds.items())
+            message = (f"Mismatched collective types under the name '{base[1]}': {sides}. Every rank must run the "
+                       f"same collective under one name; ranks calling hvd.{' / hvd.'.join(kinds)} with name="
+                       f"'{base[1]}' cannot meet.")
+            heard: set[int] = set()
+            for key in kinds.values():
+                ranks = tuple(sorted(self._pending[key].descriptors))
+                heard.update(ranks)
+                self._finish(key)
+                out.append((ranks, ("error", key[0], key[1], message)))
+            unheard = {r for r in self._members(base[0]) if r not in heard}
+            if unheard:
+                self._poisoned[base] = (message, unheard)
+        return _coalesce(out)
 
     def _resolve(self, rank: int, item: tuple) -> tuple[Key, Descriptor, bool]:
         if item[0] == "hit":
@@ -163,6 +221,14 @@ class Coordinator:
 
     def _finish(self, key: Key) -> None:
         self._pending.pop(key, None)
+        base = _base_name(key)
+        kinds = self._by_base.get(base) if base is not None else None
+        if kinds is not None:
+            for kind, registered in list(kinds.items()):
+                if registered == key:
+                    del kinds[kind]
+            if not kinds:
+                del self._by_base[base]
         self.responses += 1
         if self.observer is not None:
             self.observer.negotiate_end(key[1])
@@ -319,6 +385,20 @@ def _coalesce(outgoing: list[Outgoing]) -> list[Outgoing]:
         else:
             out.append((ranks, response))
     return out
+
+
+def _base_name(key: Key) -> tuple[int, str] | None:
+    """``(set, name)`` without the collective's kind prefix (``allreduce.m`` -> ``m``), or None for
+    names gpucomm did not prefix (control operations, the optimizer's fixed schedule)."""
+    kind, dot, rest = key[1].partition(".")
+    return (key[0], rest) if dot and kind in _PREFIXED_KINDS else None
+
+
+_PREFIXED_KINDS = frozenset({"allreduce", "allgather", "broadcast", "alltoall", "reducescatter"})
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _unnamed(name: str) -> bool:

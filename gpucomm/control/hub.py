@@ -16,6 +16,9 @@ from .stalls import StallInspector
 log = logging.getLogger("gpucomm.control")
 
 
+CLASH_GRACE = 1.0  # s two collective types may stay pending under one name before it is an error
+
+
 class CoordinatorHub:
     """``apply(response)`` runs one of rank 0's own responses; ``stopping()`` is true once rank 0
     shuts down (a lost rank is then no failure); ``failed()`` once the job has failed."""
@@ -100,6 +103,10 @@ class CoordinatorHub:
                 self.lost(r, f"sending to it failed: {e}")
         for response in mine:
             self._apply(response)
+
+    def check_clashes(self) -> None:
+        """Fail operations that have met another collective type under their name for a second."""
+        self.dispatch(self.coordinator.expire_clashes(CLASH_GRACE))
 
     def abort_all(self, reason: str) -> None:
         """End the job's collectives everywhere with ``reason`` (the first reason wins)."""

@@ -64,6 +64,7 @@ def _request(job: Any, kind: str, tensors: Sequence[torch.Tensor], name: str | N
              reducing: bool = False, process_set: ProcessSet | None = None, **fields: Any) -> Request:
     """Validate the arguments (on the caller's thread, so bad input raises here) and build the request.
     Unnamed requests are numbered per job, so every rank names them alike."""
+    check_name(kind, name)
     device = check_tensors(kind, tensors, reducing=reducing)
     if "op" in fields:
         check_op(kind, fields["op"])
@@ -73,6 +74,21 @@ def _request(job: Any, kind: str, tensors: Sequence[torch.Tensor], name: str | N
     detached = [t.detach() if t.requires_grad else t for t in tensors]
     return Request(kind, f"{kind}.{name}" if name else f"{kind}.noname.{next(job.unnamed)}", detached,
                    outputs=detached if in_place else None, device=device, set_id=set_id, **fields)
+
+
+def check_name(kind: str, name: object) -> None:
+    """A collective's name must be a string every rank spells alike (it is how ranks find each
+    other's requests): not another type, and not an object's default repr, whose address differs
+    from process to process."""
+    if name is None:
+        return
+    if not isinstance(name, str):
+        raise TypeError(f"{kind}: name must be a str (the same on every rank) or None, got {type(name).__name__} "
+                        f"{name!r}. Pass a string such as name='layer3.weight', or leave it out.")
+    if " object at 0x" in name:
+        raise ValueError(f"{kind}: name {name!r} contains an object's default repr, whose address differs on every "
+                         f"rank, so the ranks' requests would never meet. Use a stable string (e.g. the parameter's "
+                         f"name).")
 
 
 def _mark_written(kind: str, tensors: Sequence[torch.Tensor]) -> None:
