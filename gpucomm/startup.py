@@ -110,9 +110,9 @@ def _connect_control(client: RendezvousClient, prefix: str, world: World, secret
         return ControlLinks()
     key = f"{prefix}control"
     if world.rank == 0:
-        listener = ControlListener(secret, "127.0.0.1" if one_host else "0.0.0.0")
         host = "127.0.0.1" if one_host else (_interface_address(iface) if iface else
                                              address_towards(world.rendezvous_addr or "8.8.8.8"))
+        listener = ControlListener(secret, host)  # only the address the other ranks are told
         client.set(key, json.dumps({"host": host, "port": listener.port}).encode())
         return ControlLinks(workers=listener.accept(list(range(1, world.size)), start_timeout))
     where = json.loads(client.get(key, start_timeout))

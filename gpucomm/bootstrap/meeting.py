@@ -9,16 +9,20 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import socket
 
 from ..errors import GpucommError
+from .key_exchange import KeyPair, SealError, seal, unseal
 from .netaddr import address_towards
 from .rendezvous import RendezvousClient, RendezvousServer, wait_for_ranks
 from .world import World
 
 
 def torch_store_rendezvous(world: World, gen: int, start_timeout: float):
-    """Under torchrun: rank 0 serves our store on a free port and publishes it, with a fresh secret,
-    through torchrun's own TCPStore at MASTER_ADDR:MASTER_PORT."""
+    """Under torchrun: rank 0 serves our store on a free port and publishes where through
+    torchrun's own TCPStore at MASTER_ADDR:MASTER_PORT. That store is unauthenticated, so the job
+    secret is never put there: ranks share ``GPUCOMM_SECRET`` from their environment, or rank 0
+    hands a fresh one to each rank sealed under a Diffie-Hellman key (``key_exchange.py``)."""
     import datetime
 
     import torch.distributed as dist
@@ -27,15 +31,61 @@ def torch_store_rendezvous(world: World, gen: int, start_timeout: float):
     store = dist.TCPStore(world.rendezvous_addr, world.rendezvous_port, world.size,
                           is_master=(world.rank == 0 and not agent_store),
                           timeout=datetime.timedelta(seconds=start_timeout), wait_for_workers=False)
-    key = f"gpucomm/{world.run_id}/g{gen}/rendezvous"
+    base = f"gpucomm/{world.run_id}/g{gen}"
     server = None
     if world.rank == 0:
         secret = world.secret or secrets.token_bytes(32)
-        server = RendezvousServer(secret, "0.0.0.0", 0)
         host = address_towards(world.rendezvous_addr, world.rendezvous_port)
-        store.set(key, json.dumps({"host": host, "port": server.port, "secret": secret.hex()}))
-    info = json.loads(store.get(key))
-    return server, info["host"], info["port"], bytes.fromhex(info["secret"])
+        server = RendezvousServer(secret, host, 0)  # only the interface the other ranks reach us on
+        info = {"host": host, "port": server.port}
+        if world.secret is None:
+            mine = KeyPair()
+            info["public"] = mine.public_hex()
+            for r in range(1, world.size):  # each rank's sealed copy, under the key only it and we derive
+                theirs = store.get(f"{base}/public/{r}").decode()
+                store.set(f"{base}/sealed/{r}", seal(secret, mine.shared_key(theirs, _context(base, r))))
+        store.set(f"{base}/rendezvous", json.dumps(info))
+        return server, host, server.port, secret
+    mine = KeyPair() if world.secret is None else None
+    if mine is not None:
+        store.set(f"{base}/public/{world.rank}", mine.public_hex())
+    info = json.loads(store.get(f"{base}/rendezvous"))
+    if mine is None:
+        return None, info["host"], info["port"], world.secret
+    if "public" not in info:
+        raise GpucommError("rank 0 has GPUCOMM_SECRET set and this rank does not; export the same GPUCOMM_SECRET "
+                           "to every rank, or to none.")
+    try:
+        secret = unseal(store.get(f"{base}/sealed/{world.rank}").decode(),
+                        mine.shared_key(info["public"], _context(base, world.rank)))
+    except SealError as e:
+        raise GpucommError(f"could not receive the job secret from rank 0 through torchrun's store: {e}. Another "
+                           f"process may be writing to MASTER_ADDR:MASTER_PORT; export the same GPUCOMM_SECRET to "
+                           f"every rank to avoid the exchange.") from None
+    return None, info["host"], info["port"], secret
+
+
+def _bind_address(addr: str) -> str:
+    """Where rank 0's store listens: the local address ``addr`` (GPUCOMM_RENDEZVOUS_ADDR /
+    MASTER_ADDR) resolves to, so the store is not reachable on other interfaces. A loopback
+    resolution (a hostname mapped to 127.0.1.1) says nothing about what other hosts use, and an
+    address not on this host cannot be bound: both keep the wildcard."""
+    try:
+        ip = socket.gethostbyname(addr)
+    except OSError:
+        return "0.0.0.0"
+    if ip.startswith("127."):
+        return "0.0.0.0"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((ip, 0))
+    except OSError:
+        return "0.0.0.0"
+    return ip
+
+
+def _context(base: str, rank: int) -> bytes:
+    return f"{base}/rank{rank}".encode()
 
 
 def open_store(world: World, gen: int, start_timeout: float, timeout: float):
@@ -55,7 +105,7 @@ def open_store(world: World, gen: int, start_timeout: float, timeout: float):
         server = None
         if world.rank == 0 and not world.rendezvous_hosted:
             try:
-                server = RendezvousServer(secret, "0.0.0.0", port)
+                server = RendezvousServer(secret, _bind_address(host), port)
             except OSError as e:
                 raise GpucommError(
                     f"rank 0 could not serve the rendezvous store on port {port}: {e}. Another process holds the "

@@ -196,12 +196,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = dict(os.environ)
     tunables = tunables_env(args, env)
     remote_hosts = [s.host for s in slots if not is_local(s.host)]
+    # the store listens only on the address the ranks are told to use (it holds the job's keys)
     if args.nics:
-        bind, addr = "0.0.0.0", interface_address(tunables["GPUCOMM_GLOO_IFACE"])
+        addr = interface_address(tunables["GPUCOMM_GLOO_IFACE"])
     elif remote_hosts:
-        bind, addr = "0.0.0.0", address_towards(split_user(remote_hosts[0])[1].strip("[]"))
+        addr = address_towards(split_user(remote_hosts[0])[1].strip("[]"))
     else:
-        bind, addr = "127.0.0.1", "127.0.0.1"
+        addr = "127.0.0.1"
+    bind = addr
     secret = secrets.token_bytes(32)
     run_id = secrets.token_hex(8)
     start_timeout = float(tunables["GPUCOMM_START_TIMEOUT"])

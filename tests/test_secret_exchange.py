@@ -1,0 +1,75 @@
+"""The job secret never reaches torchrun's unauthenticated store, and stores bind one interface."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from gpucomm.bootstrap.key_exchange import KeyPair, SealError, seal, unseal
+from tests.harness import PYTHON, ROOT, launcher_cmd, run, write_script
+from tests.test_launchers import _torchrun
+
+
+def test_sealed_secret_opens_only_under_the_pair_key():
+    rank0, rank1, intruder = KeyPair(), KeyPair(), KeyPair()
+    secret = bytes(range(32))
+    sealed = seal(secret, rank0.shared_key(rank1.public_hex(), b"job/rank1"))
+    assert secret.hex() not in sealed
+    assert unseal(sealed, rank1.shared_key(rank0.public_hex(), b"job/rank1")) == secret
+    for wrong in (intruder.shared_key(rank0.public_hex(), b"job/rank1"),
+                  rank1.shared_key(rank0.public_hex(), b"job/rank2")):
+        with pytest.raises(SealError):
+            unseal(sealed, wrong)
+    with pytest.raises(SealError, match="out of range"):
+        rank1.shared_key("1", b"x")
+
+
+SNOOP = textwrap.dedent("""
+    import datetime, os
+    import psutil
+    import torch
+    import torch.distributed as dist
+    import gpucomm.torch as hvd
+    from gpucomm import runtime
+
+    hvd.init()
+    secret = runtime.current().client.secret
+    if hvd.rank() == 1:  # read every key gpucomm wrote into torchrun's store, as any local process could
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=30))
+        run_id = os.environ['TORCHELASTIC_RUN_ID']
+        base = next(f"gpucomm/{run_id}/g{g}" for g in range(8) if store.check([f"gpucomm/{run_id}/g{g}/rendezvous"]))
+        keys = [f"{base}/rendezvous", f"{base}/public/1", f"{base}/sealed/1"]
+        values = [store.get(k) for k in keys if store.check([k])]
+        assert len(values) == 3, keys
+        assert not any(secret.hex().encode() in v or secret in v for v in values), "the secret is in torchrun's store"
+        print("SNOOPED", len(values), "keys; no secret", flush=True)
+    if hvd.rank() == 0:
+        bound = {c.laddr.ip for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        assert "0.0.0.0" not in bound and "::" not in bound, bound
+        print("LISTENING ON", sorted(bound), flush=True)
+    hvd.allreduce(torch.ones(1))
+    hvd.shutdown()
+""")
+
+
+def test_torchrun_store_never_holds_the_secret_and_rank0_binds_one_address(tmp_path):
+    script = write_script(tmp_path, "snoop.py", SNOOP)
+    r = run(_torchrun() + ["--standalone", "--nproc-per-node", "2", str(script)], timeout=180, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SNOOPED 3 keys; no secret" in r.stdout and "LISTENING ON" in r.stdout, r.stdout
+    assert r.leftovers == []
+
+
+def test_launcher_store_binds_the_interface_it_was_given(tmp_path):
+    script = write_script(tmp_path, "where.py", textwrap.dedent("""
+        import os, psutil
+        launcher = psutil.Process(os.getppid())
+        bound = {c.laddr.ip for c in launcher.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        print("LAUNCHER LISTENS ON", sorted(bound), flush=True)
+        assert bound == {"127.0.0.1"}, bound
+    """))
+    r = run(launcher_cmd("-np", "1", "--network-interface", "lo", PYTHON, str(script)), timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "LAUNCHER LISTENS ON ['127.0.0.1']" in r.stdout
