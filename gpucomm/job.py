@@ -245,11 +245,12 @@ class Job:
             self.plane.close()
         for schedule in self._schedules:
             schedule.close()
+        failed = self.failure() is not None
         for group in list(self.groups.values())[1:]:
-            group.close()
+            group.close(abort=failed)
         if self._nccl is not None:
             self._nccl.close()
-        self.gloo.close()
+        self.gloo.close(abort=failed)
         try:
             self.client.add(f"{self.prefix}shutdown", 1)
             if self.server is not None:

@@ -64,3 +64,63 @@ def test_a_collective_type_mismatch_under_one_name_raises_on_every_rank():
             assert r["elapsed"] < 60, r  # a hang bound (GPUCOMM_TIMEOUT is 120 s); about 1-2 s expected
             size_rows = 2 * size
             assert sorted(r["crossed"]) == sorted([(2,), (size_rows,)]), r["crossed"]
+
+
+HUNG = textwrap.dedent("""
+    import os, sys, time
+    import torch
+    import gpucomm.torch as hvd
+    hvd.init()
+    print(f"PID {hvd.rank()} {os.getpid()}", flush=True)
+    big = torch.ones(8 << 20)  # 32 MiB: most of each step is the data transfer
+    try:
+        for step in range(100000):
+            hvd.allreduce(big, name="big", op=hvd.Sum)
+            print(f"STEP {hvd.rank()} {step}", flush=True)
+    except Exception as e:
+        print(f"ERROR {hvd.rank()} {time.time():.3f} {e}", flush=True)
+        sys.exit(3)
+""")
+
+
+def test_a_stopped_rank_is_named_on_every_other_rank(tmp_path):
+    """SIGSTOP one of 3 ranks while they move data: the others fail naming it (liveness heartbeats),
+    instead of waiting for GPUCOMM_TIMEOUT with no name."""
+    import re
+    import uuid
+
+    from tests.harness import PYTHON, base_env, launcher_cmd, marked_processes, write_script
+
+    script = write_script(tmp_path, "hung.py", HUNG)
+    mark = uuid.uuid4().hex
+    env = base_env(mark, GPUCOMM_LIVENESS_TIMEOUT="5", GPUCOMM_TIMEOUT="600")
+    proc = subprocess.Popen(launcher_cmd("-np", "3", "--stop-grace", "2", PYTHON, str(script)), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    lines: list[str] = []
+    try:
+        pids, steps = {}, 0
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (len(pids) < 3 or steps < 6):
+            line = proc.stdout.readline()
+            lines.append(line)
+            if m := re.search(r"PID (\d) (\d+)", line):
+                pids[int(m.group(1))] = int(m.group(2))
+            steps += "STEP" in line
+        os.kill(pids[2], signal.SIGSTOP)
+        stopped_at = time.time()
+        out, _ = proc.communicate(timeout=120)
+        lines.append(out)
+    finally:
+        for p in marked_processes(mark):
+            p.kill()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = "".join(lines)
+    errors = {int(r): (float(t), msg) for r, t, msg in re.findall(r"ERROR (\d) ([\d.]+) (.*)", text)}
+    assert set(errors) >= {0, 1}, text[-3000:]
+    for rank in (0, 1):
+        assert "rank 2 stopped responding" in errors[rank][1], errors[rank][1]
+        assert re.search(r"it was last told to run allreduce\.big|wait for it in allreduce\.big", errors[rank][1])
+    named_after = max(errors[r][0] for r in (0, 1)) - stopped_at
+    print(f"SIGSTOP -> named error on ranks 0 and 1 after {named_after:.1f} s (liveness timeout 5 s)")
+    assert named_after < 60, named_after  # a hang bound; GPUCOMM_TIMEOUT is 600 s

@@ -8,7 +8,7 @@ either completes work on the host (Gloo: returns a ``Work``) or in stream order 
 from __future__ import annotations
 
 import enum
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -27,8 +27,9 @@ class Work(Protocol):
     def done(self) -> bool:
         """True once the operation has finished (successfully or not)."""
 
-    def wait(self, timeout: float) -> None:
-        """Block until finished; raise on failure or after ``timeout`` seconds."""
+    def wait(self, timeout: float, failed: Callable[[], object] | None = None) -> None:
+        """Block until finished; raise on failure, after ``timeout`` seconds, or (where the backend
+        can tell) as soon as ``failed()`` reports that the job failed elsewhere."""
 
 
 class Backend(Protocol):

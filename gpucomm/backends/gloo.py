@@ -6,13 +6,16 @@ process groups (or DDP) can live beside it.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
-from typing import Sequence
+import threading
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..bootstrap.rendezvous import RendezvousClient, RendezvousTimeout
+from ..errors import CollectiveError
 from .base import WireOp
 
 _GLOO_OPS = {
@@ -77,10 +80,26 @@ class GlooWork:
     def done(self) -> bool:
         return self._work.is_completed()
 
-    def wait(self, timeout: float) -> None:
-        # The process group's own timeout (set at construction to the same value) applies;
-        # passing one here takes a slower path in torch.
-        self._work.wait()
+    def wait(self, timeout: float, failed: Callable[[], object] | None = None) -> None:
+        """Block until done. The process group's own timeout (set at construction to the same value)
+        applies; passing one here takes a slower path in torch. With ``failed``, a wait that does
+        not finish at once also ends as soon as ``failed()`` is truthy (the job failed elsewhere, e.g.
+        a peer stopped responding): Gloo cannot be interrupted, so the caller is released instead."""
+        work = self._work
+        if failed is None or work.is_completed():
+            work.wait()
+            return
+        try:
+            future = work.get_future()
+        except RuntimeError:
+            work.wait()
+            return
+        finished = threading.Event()
+        future.add_done_callback(lambda _f: finished.set())
+        while not finished.wait(0.2):
+            if failed():
+                raise CollectiveError("the job failed while this rank waited for the data transfer")
+        work.wait()  # raises the transfer's own error, if it had one
 
     def future(self):
         """A ``torch.futures.Future`` completed with the work (the timeline times ops with it)."""
@@ -149,12 +168,26 @@ class GlooBackend:
     def barrier(self) -> GlooWork:
         return GlooWork(self.pg.barrier(dist.BarrierOptions()))
 
-    def close(self) -> None:
+    def close(self, *, abort: bool = False) -> None:
+        """Release the group. ``abort`` (the job failed): break off transfers still in flight (a
+        peer that stopped would otherwise hold a graceful shutdown until Gloo's timeout)."""
+        pg, self.pg = self.pg, None  # type: ignore[assignment]
+        if pg is None:
+            return
+        if abort:
+            # Gloo cannot interrupt a transfer, and both shutdown() and the group's destructor join its
+            # worker threads, which wait for a peer that may never answer (until Gloo's timeout). Keep
+            # the group alive for the rest of the process instead: its threads end with the process.
+            _abandoned.append(pg)
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))  # never destroyed, not even at interpreter exit
+            return
         try:
-            self.pg.shutdown()
+            pg.shutdown()
         except RuntimeError:
             pass
-        self.pg = None  # type: ignore[assignment]
+
+
+_abandoned: list = []  # Gloo groups left behind by failed jobs (see GlooBackend.close)
 
 
 def gloo_iface(env) -> str | None:

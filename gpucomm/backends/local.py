@@ -39,7 +39,7 @@ class SelfBackend:
     def barrier(self) -> None:
         return None
 
-    def close(self) -> None:
+    def close(self, *, abort: bool = False) -> None:
         return None
 
 

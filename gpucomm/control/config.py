@@ -36,6 +36,7 @@ class ControlConfig:
     stall_warning: float | None = 60.0  # None: the stall inspector is off
     stall_shutdown: float | None = None  # None: stalls only warn
     inline_bytes: int = DEFAULT_INLINE_BYTES  # CPU allreduces up to this size are reduced by the coordinator
+    liveness_timeout: float | None = 30.0  # s of control-channel silence before a rank is declared stopped
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], timeout: float) -> "ControlConfig":
@@ -51,9 +52,10 @@ class ControlConfig:
                              f"({warning:g} s): a stall is reported first, then turned into an error. Raise "
                              f"GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS or lower GPUCOMM_STALL_CHECK_TIME_SECONDS.")
         inline = env_number(env, ("GPUCOMM_INLINE_BYTES",), DEFAULT_INLINE_BYTES, allow_zero=True)
+        liveness = env_number(env, ("GPUCOMM_LIVENESS_TIMEOUT",), 30.0, allow_zero=True)
         return cls(timeout=timeout, cycle_time=cycle_ms / 1000.0, cache_capacity=int(capacity),
                    stall_warning=None if disabled else warning, stall_shutdown=(shutdown or None) if not disabled else None,
-                   inline_bytes=int(inline))
+                   inline_bytes=int(inline), liveness_timeout=liveness or None)
 
 
 __all__ = ["ControlConfig", "ControlLinks", "DEFAULT_CACHE_CAPACITY", "Send"]

@@ -28,6 +28,7 @@ from ..dataplane.watchdog import NcclWatchdog
 from ..errors import CollectiveError, ShutdownError
 from .config import ControlConfig, ControlLinks, Send
 from .cache import ResponseCache, with_bits
+from .liveness import Liveness
 from .coordinator import Coordinator, set_bits
 from .hub import CoordinatorHub
 from .negotiation import Descriptor, descriptor_of
@@ -71,6 +72,8 @@ class Controller:
         self._tracer = tracer
         self._watchdog = NcclWatchdog(rank, config.timeout, nccl_health,
                                       lambda why: self.report_failure(why, locked=True))
+        self._liveness = (Liveness([0], config.liveness_timeout)  # other ranks: is rank 0 still there?
+                          if self._link is not None and config.liveness_timeout else None)
         self._lock = threading.Lock()  # held by the thread driving progress
         self._cv = threading.Condition()  # guards the fields below; notified when a handle becomes ready
         self._inflight: dict[Key, _Local] = {}
@@ -213,6 +216,8 @@ class Controller:
         if self._hub is not None:
             self._hub.submit_own(items)
         else:
+            if self._liveness is not None:
+                self._liveness.sent()
             try:
                 wire.send(self._link, items)
             except OSError as e:
@@ -242,6 +247,8 @@ class Controller:
             self._link = None
             return
         self.frames_received += 1
+        if self._liveness is not None:
+            self._liveness.heard(0)
         for response in responses:
             self._apply(response)
 
@@ -254,6 +261,8 @@ class Controller:
             return
         if tag == "stall":
             self._stall_info = response[1]
+            return
+        if tag == "hb":
             return
         if tag == "bits":  # cached operations whose answer is unchanged: run them in cache-id order
             for cache_id in set_bits(response[1]):
@@ -350,10 +359,27 @@ class Controller:
         self._standins.prune()
         if self._watchdog:
             self._watchdog.check()
+        if self._liveness is not None and self._failure is None:
+            self._beat_to_root()
         if self._hub is not None and self._failure is None:
+            self._hub.check_liveness()
             self._hub.check_clashes()
             if self._hub.stalls is not None:
                 self._hub.stalls.check()  # once the job has failed, a stall is no news: say nothing more
+
+    def _beat_to_root(self) -> None:
+        """Other ranks: beat to rank 0 when due; fail if rank 0 has fallen silent."""
+        liveness = self._liveness
+        if liveness.beat_due() and self._link is not None:
+            liveness.sent()
+            try:
+                wire.send(self._link, [("hb",)])
+            except OSError:
+                pass  # the receive side reports the broken connection
+        for _, seconds in liveness.silent():
+            self._fail(f"rank 0 (the coordinator) stopped responding: nothing heard from it for {seconds:.0f} s. "
+                       f"Likely causes: rank 0 was stopped (SIGSTOP, a debugger), its host froze or lost the "
+                       f"network. GPUCOMM_LIVENESS_TIMEOUT sets this limit (0 turns the check off).")
 
     # ------------------------------------------------------------------ background thread
 
@@ -377,7 +403,8 @@ class Controller:
                 self._waker.drain()
             with self._cv:
                 due = bool(self._unsent) and time.monotonic() >= self._unsent_since + self.config.cycle_time
-            if not (due or len(ready) > (self._waker.fd in ready) or self._hub is not None or self._watchdog):
+            if not (due or len(ready) > (self._waker.fd in ready) or self._hub is not None or self._watchdog
+                    or self._liveness is not None):
                 continue
             if not self._lock.acquire(timeout=self._stall_tick()):
                 continue

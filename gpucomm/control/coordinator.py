@@ -344,6 +344,10 @@ class Coordinator:
                 out.append((set_id, name, age, missing))
         return out
 
+    def cached_name(self, cache_id: int) -> str:
+        entry = self._cache.get(cache_id)
+        return entry.key[1] if entry is not None else f"cached operation {cache_id}"
+
     def pending_names(self) -> list[Key]:
         return list(self._pending)
 

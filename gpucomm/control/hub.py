@@ -10,7 +10,8 @@ from typing import Any, Callable, Mapping
 
 from . import channel as wire
 from .config import ControlConfig
-from .coordinator import Coordinator, Outgoing
+from .coordinator import Coordinator, Outgoing, set_bits
+from .liveness import Liveness
 from .stalls import StallInspector
 
 log = logging.getLogger("gpucomm.control")
@@ -33,6 +34,8 @@ class CoordinatorHub:
         self.left: set[int] = set()  # ranks whose connections ended
         self._failed_reports: dict[int, str] = {}  # ranks that reported a failure before leaving
         self.frames_received = 0
+        self.liveness = Liveness(self._workers, config.liveness_timeout) if config.liveness_timeout else None
+        self._last_sent: dict[int, list] = {}  # rank -> the responses last sent to it (what it was told to run)
         self.stalls = None
         if config.stall_warning is not None:
             self.stalls = StallInspector(coordinator, config.stall_warning, config.stall_shutdown,
@@ -59,10 +62,16 @@ class CoordinatorHub:
             self.lost(rank, f"its control connection closed ({e or 'end of stream'})")
             return
         self.frames_received += 1
+        if self.liveness is not None:
+            self.liveness.heard(rank)
         requests = []
         for item in items:
+            if item[0] == "hb":
+                continue
             if item[0] == "bye":
                 self.left.add(rank)
+                if self.liveness is not None:
+                    self.liveness.forget(rank)
                 self.dispatch(self.coordinator.rank_left(rank, f"rank {rank} has shut gpucomm down"))
             elif item[0] == "fail":
                 self._failed_reports.setdefault(rank, item[1])
@@ -97,12 +106,48 @@ class CoordinatorHub:
                 elif r not in self.left:
                     frames.setdefault(r, []).append(response)
         for r, responses in frames.items():
+            self._last_sent[r] = responses
             try:
                 wire.send(self._workers[r], responses)
             except OSError as e:
                 self.lost(r, f"sending to it failed: {e}")
         for response in mine:
             self._apply(response)
+
+    def check_liveness(self) -> None:
+        """Beat to every rank when due; end the job if a rank has been silent for too long."""
+        liveness = self.liveness
+        if liveness is None:
+            return
+        if liveness.beat_due():
+            liveness.sent()
+            for r, chan in self._workers.items():
+                if r not in self.left:
+                    try:
+                        wire.send(chan, [("hb",)])
+                    except OSError as e:
+                        self.lost(r, f"sending to it failed: {e}")
+        silent = [(r, s) for r, s in liveness.silent() if r not in self.left]
+        if silent:
+            rank, seconds = silent[0]
+            liveness.forget(rank)
+            self.abort_all(f"rank {rank} stopped responding: nothing heard from it for {seconds:.0f} s "
+                           f"({self._where(rank)}). Likely causes: the process was stopped (SIGSTOP, a debugger), "
+                           f"its host froze or lost the network, or it hangs in a call that holds the GIL. "
+                           f"GPUCOMM_LIVENESS_TIMEOUT sets this limit (0 turns the check off).")
+
+    def _where(self, rank: int) -> str:
+        """The collective ``rank`` was in: one the others wait for it to submit, or the last it was told to run."""
+        waiting = [name for _, name, _, missing in self.coordinator.stalled(0.0) if rank in missing]
+        if waiting:
+            return f"the other ranks wait for it in {', '.join(waiting[:3])}"
+        names = []
+        for response in self._last_sent.get(rank, ()):
+            if response[0] == "run":
+                names.append(response[2])
+            elif response[0] == "bits":
+                names += [self.coordinator.cached_name(i) for i in set_bits(response[1])]
+        return f"it was last told to run {', '.join(names[-3:])}" if names else "before its first collective"
 
     def check_clashes(self) -> None:
         """Fail operations that have met another collective type under their name for a second."""

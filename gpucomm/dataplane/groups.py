@@ -41,11 +41,13 @@ class Group:
         """The NCCL backend if a collective has created it (the watchdog must not create one)."""
         return self._nccl
 
-    def close(self) -> None:
+    def close(self, *, abort: bool = False) -> None:
+        """Release the backends (``abort``: the job failed; do not wait for transfers in flight)."""
         with self._lock:
-            for backend in (self._nccl, self._gloo):
-                if backend is not None:
-                    backend.close()
+            if self._nccl is not None:
+                self._nccl.close()
+            if self._gloo is not None:
+                self._gloo.close(abort=abort)
             self._gloo = self._nccl = None
 
 

@@ -64,7 +64,7 @@ class Handle:
         issued = self._issued
         try:
             for w in issued.works:
-                w.wait(self._owner.timeout)
+                w.wait(self._owner.timeout, self._owner.failure)
             if issued.done_event is not None:
                 stream = self._waiting_stream()
                 stream.wait_event(issued.done_event)
