@@ -52,7 +52,8 @@ class ControlConfig:
                              f"({warning:g} s): a stall is reported first, then turned into an error. Raise "
                              f"GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS or lower GPUCOMM_STALL_CHECK_TIME_SECONDS.")
         inline = env_number(env, ("GPUCOMM_INLINE_BYTES",), DEFAULT_INLINE_BYTES, allow_zero=True)
-        liveness = env_number(env, ("GPUCOMM_LIVENESS_TIMEOUT",), 30.0, allow_zero=True)
+        # by default well inside the collective timeout, so a stopped rank is named before a transfer times out
+        liveness = env_number(env, ("GPUCOMM_LIVENESS_TIMEOUT",), min(30.0, max(5.0, timeout / 2)), allow_zero=True)
         return cls(timeout=timeout, cycle_time=cycle_ms / 1000.0, cache_capacity=int(capacity),
                    stall_warning=None if disabled else warning, stall_shutdown=(shutdown or None) if not disabled else None,
                    inline_bytes=int(inline), liveness_timeout=liveness or None)

@@ -353,7 +353,10 @@ class Controller:
     # ------------------------------------------------------------------ housekeeping
 
     def _stall_tick(self) -> float:
-        return 0.25 if self._hub is not None else 1.0
+        tick = 0.25 if self._hub is not None else 1.0
+        if self._liveness is not None:
+            tick = min(tick, self._liveness.interval / 2)  # beats go out on time
+        return tick
 
     def _housekeeping(self) -> None:
         self._standins.prune()
