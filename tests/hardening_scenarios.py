@@ -79,3 +79,26 @@ def collective_type_clash(ranks_that_gather: tuple[int, ...]) -> dict:
         hvd.allreduce(torch.ones(1), name=str(object()))
     hvd.shutdown()
     return {"outcome": outcome, "elapsed": elapsed, "crossed": crossed}
+
+
+def per_rank_names() -> dict:
+    """Each rank names its allreduce after itself (as an object's id or a rank-dependent counter would)."""
+    import time
+
+    hvd.init()
+    t0 = time.monotonic()
+    try:
+        hvd.allreduce(torch.ones(2), name=f"grad.{hvd.rank() * 7919}")
+        outcome = "ran"
+    except Exception as e:  # noqa: BLE001
+        outcome = f"{type(e).__name__}: {e}"
+    elapsed = time.monotonic() - t0
+    # legal: a late rank (only the others are blocked) and asynchronous ops in different orders
+    if hvd.rank() == 1:
+        time.sleep(2.0)
+    late = hvd.allreduce(torch.ones(1), name="late", op=hvd.Sum).item()
+    names = ["a", "b"] if hvd.rank() % 2 else ["b", "a"]
+    handles = {n: hvd.allreduce_async(torch.ones(1), name=n, op=hvd.Sum) for n in names}
+    orders = sorted(hvd.synchronize(handles[n]).item() for n in names)
+    hvd.shutdown()
+    return {"outcome": outcome, "elapsed": elapsed, "late": late, "orders": orders}

@@ -124,3 +124,15 @@ def test_a_stopped_rank_is_named_on_every_other_rank(tmp_path):
     named_after = max(errors[r][0] for r in (0, 1)) - stopped_at
     print(f"SIGSTOP -> named error on ranks 0 and 1 after {named_after:.1f} s (liveness timeout 5 s)")
     assert named_after < 60, named_after  # a hang bound; GPUCOMM_TIMEOUT is 600 s
+
+
+def test_names_that_differ_per_rank_raise_on_every_rank():
+    for size in (2, 3):
+        results = run_ranks(scenarios.per_rank_names, size, timeout=120, env={"GPUCOMM_TIMEOUT": "120"})
+        print(f"{size} ranks: differing names raised after {[round(r['elapsed'], 2) for r in results]} s")
+        for rank, r in enumerate(results):
+            assert "The ranks wait for collectives that can never complete" in r["outcome"], (rank, r["outcome"])
+            assert "rank 0 waits in 'allreduce.grad.0' (submitted by rank 0)" in r["outcome"], r["outcome"]
+            assert "rank 1 waits in 'allreduce.grad.7919' (submitted by rank 1)" in r["outcome"], r["outcome"]
+            assert r["elapsed"] < 60, r  # a hang bound (GPUCOMM_TIMEOUT is 120 s); about 1 s expected
+            assert r["late"] == size and r["orders"] == [size, size], r

@@ -40,6 +40,8 @@ log = logging.getLogger("gpucomm.control")
 Key = tuple[int, str]
 Execute = Callable[[Request, dict], Issued]
 
+BLOCKED_NOTE_AFTER = 0.5  # s a caller waits on an unfinished negotiation before rank 0 hears of it
+
 
 @dataclass
 class _Local:
@@ -74,6 +76,8 @@ class Controller:
                                       lambda why: self.report_failure(why, locked=True))
         self._liveness = (Liveness([0], config.liveness_timeout)  # other ranks: is rank 0 still there?
                           if self._link is not None and config.liveness_timeout else None)
+        self._blocked_since: dict[Key, float] = {}  # operations a caller waits on, since when
+        self._blocked_told: set[Key] = set()  # ... of which rank 0 has been told
         self._lock = threading.Lock()  # held by the thread driving progress
         self._cv = threading.Condition()  # guards the fields below; notified when a handle becomes ready
         self._inflight: dict[Key, _Local] = {}
@@ -139,8 +143,10 @@ class Controller:
     def wait_ready(self, handle: Handle, timeout: float) -> None:
         """Drive progress until ``handle`` has been issued or failed; raise after ``timeout`` s."""
         deadline = time.monotonic() + timeout
+        key = (handle.request.set_id, handle.request.name)
         with self._cv:
             self._waiting += 1  # the background thread stays out of the way meanwhile
+            self._blocked_since.setdefault(key, time.monotonic())
         try:
             while not handle._ready():
                 remaining = deadline - time.monotonic()
@@ -157,6 +163,8 @@ class Controller:
         finally:
             with self._cv:
                 self._waiting -= 1
+                self._blocked_since.pop(key, None)
+                self._blocked_told.discard(key)
                 if not self._waiting:
                     self._cv.notify_all()
 
@@ -364,11 +372,30 @@ class Controller:
             self._watchdog.check()
         if self._liveness is not None and self._failure is None:
             self._beat_to_root()
+        if self._blocked_since and self._failure is None:
+            self._tell_blocked()
         if self._hub is not None and self._failure is None:
             self._hub.check_liveness()
             self._hub.check_clashes()
             if self._hub.stalls is not None:
                 self._hub.stalls.check()  # once the job has failed, a stall is no news: say nothing more
+
+    def _tell_blocked(self) -> None:
+        """Tell rank 0 which operations a caller has been blocked on for a while, so it can see a
+        deadlock (every member blocked on an operation that lacks another member)."""
+        now = time.monotonic()
+        with self._cv:
+            due = [k for k, t in self._blocked_since.items() if now - t >= BLOCKED_NOTE_AFTER
+                   and k not in self._blocked_told and k in self._inflight]
+            self._blocked_told.update(due)
+        for set_id, name in due:
+            if self._hub is not None:
+                self._hub.coordinator.note_blocked(0, (set_id, name))
+            elif self._link is not None:
+                try:
+                    wire.send(self._link, [("blocked", set_id, name)])
+                except OSError:
+                    pass  # the receive side reports the broken connection
 
     def _beat_to_root(self) -> None:
         """Other ranks: beat to rank 0 when due; fail if rank 0 has fallen silent."""

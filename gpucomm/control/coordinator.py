@@ -79,6 +79,7 @@ class Coordinator:
         self._by_base: dict[tuple[int, str], dict[str, Key]] = {}  # (set, name w/o kind prefix) -> kind -> key
         self._clash_since: dict[tuple[int, str], float] = {}  # names with two collective types pending
         self._poisoned: dict[tuple[int, str], tuple[str, set[int]]] = {}  # -> (error, members yet to hear it)
+        self._blocked: dict[int, Key] = {}  # rank -> the pending operation its caller has been blocked on
 
     # ------------------------------------------------------------------ submissions
 
@@ -86,6 +87,7 @@ class Coordinator:
         """Record ``rank``'s new submissions; return the responses that became possible, in order."""
         touched: list[Key] = []
         early: list[Outgoing] = []
+        self._blocked.pop(rank, None)  # it submits again: its caller is no longer blocked
         for item in _expand_bits(items):
             key, descriptor, hit = self._resolve(rank, item)
             payload = item[-1] if item[0] in ("req", "hit") else None
@@ -134,6 +136,39 @@ class Coordinator:
         if len(kinds) > 1:
             self._clash_since.setdefault(base, self._clock())
         return None
+
+    def note_blocked(self, rank: int, key: Key) -> None:
+        """``rank``'s caller has been waiting on ``key`` for a while (it submits nothing meanwhile)."""
+        pending = self._pending.get(key)
+        if pending is not None and rank in pending.descriptors:
+            self._blocked[rank] = key
+
+    def deadlocks(self) -> list[Outgoing]:
+        """Errors for every process set whose members all wait on operations that lack some member:
+        no member can submit what the others wait for, so nothing will ever complete (different names
+        per rank, or ranks waiting in different orders). Each waiting rank gets the error for its own
+        operation, naming what every member waits in."""
+        out: list[Outgoing] = []
+        self._blocked = {r: k for r, k in self._blocked.items() if k in self._pending}
+        by_set: dict[int, dict[int, Key]] = {}
+        for rank, key in self._blocked.items():
+            by_set.setdefault(key[0], {})[rank] = key
+        for set_id, waits in by_set.items():
+            members = [r for r in self.sets.get(set_id, ()) if r not in self._joined]
+            if len(members) < 2 or any(r not in waits for r in members):
+                continue
+            sides = "; ".join(f"rank {r} waits in '{waits[r][1]}' (submitted by "
+                              f"{_ranks(sorted(self._pending[waits[r]].descriptors))})" for r in members)
+            message = (f"The ranks wait for collectives that can never complete: {sides}. Every rank must run the "
+                       f"same collectives under the same names; a name built from per-rank data (an object's repr, "
+                       f"a rank-dependent counter) or a different order of blocking calls on different ranks "
+                       f"deadlocks. Name collectives with stable strings, in the same order on every rank.")
+            for key in dict.fromkeys(waits[r] for r in members):
+                out.append((tuple(sorted(self._pending[key].descriptors)), ("error", key[0], key[1], message)))
+                self._finish(key)
+            for r in members:
+                self._blocked.pop(r, None)
+        return _coalesce(out)
 
     def expire_clashes(self, grace: float) -> list[Outgoing]:
         """Errors for every name under which different collective types have been pending for more

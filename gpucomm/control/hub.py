@@ -68,6 +68,9 @@ class CoordinatorHub:
         for item in items:
             if item[0] == "hb":
                 continue
+            if item[0] == "blocked":
+                self.coordinator.note_blocked(rank, (item[1], item[2]))
+                continue
             if item[0] == "bye":
                 self.left.add(rank)
                 if self.liveness is not None:
@@ -150,8 +153,10 @@ class CoordinatorHub:
         return f"it was last told to run {', '.join(names[-3:])}" if names else "before its first collective"
 
     def check_clashes(self) -> None:
-        """Fail operations that have met another collective type under their name for a second."""
+        """Fail operations that have met another collective type under their name for a second, and
+        operations every member is blocked on while none can complete."""
         self.dispatch(self.coordinator.expire_clashes(CLASH_GRACE))
+        self.dispatch(self.coordinator.deadlocks())
 
     def abort_all(self, reason: str) -> None:
         """End the job's collectives everywhere with ``reason`` (the first reason wins)."""
