@@ -38,8 +38,8 @@ SNOOP = textwrap.dedent("""
     if hvd.rank() == 1:  # read every key gpucomm wrote into torchrun's store, as any local process could
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=datetime.timedelta(seconds=30))
-        run_id = os.environ['TORCHELASTIC_RUN_ID']
-        base = next(f"gpucomm/{run_id}/g{g}" for g in range(8) if store.check([f"gpucomm/{run_id}/g{g}/rendezvous"]))
+        prefix = f"gpucomm/{os.environ['TORCHELASTIC_RUN_ID']}/r{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        base = next(f"{prefix}/g{g}" for g in range(8) if store.check([f"{prefix}/g{g}/rendezvous"]))
         keys = [f"{base}/rendezvous", f"{base}/public/1", f"{base}/sealed/1"]
         values = [store.get(k) for k in keys if store.check([k])]
         assert len(values) == 3, keys
@@ -73,3 +73,22 @@ def test_launcher_store_binds_the_interface_it_was_given(tmp_path):
     r = run(launcher_cmd("-np", "1", "--network-interface", "lo", PYTHON, str(script)), timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "LAUNCHER LISTENS ON ['127.0.0.1']" in r.stdout
+
+
+def test_a_secret_on_some_ranks_only_is_an_error_not_a_hang(tmp_path):
+    script = write_script(tmp_path, "half.py", textwrap.dedent("""
+        import os
+        if os.environ["RANK"] == "1":
+            os.environ["GPUCOMM_SECRET"] = "ab" * 32
+        import gpucomm.torch as hvd
+        try:
+            hvd.init()
+        except Exception as e:
+            print(f"RANK {os.environ['RANK']} ERROR {e}", flush=True)
+            raise SystemExit(3)
+    """))
+    r = run(_torchrun() + ["--standalone", "--nproc-per-node", "2", str(script)], timeout=180, cwd=ROOT,
+            env={"GPUCOMM_START_TIMEOUT": "120"})
+    assert "RANK 1 ERROR rank 1 has GPUCOMM_SECRET set and rank 0 does not" in r.stdout, r.stdout + r.stderr
+    assert "RANK 0 ERROR rank 1 has GPUCOMM_SECRET set and rank 0 does not" in r.stdout, r.stdout + r.stderr
+    assert r.leftovers == []

@@ -177,7 +177,9 @@ class GlooBackend:
         if abort:
             # Gloo cannot interrupt a transfer, and both shutdown() and the group's destructor join its
             # worker threads, which wait for a peer that may never answer (until Gloo's timeout). Keep
-            # the group alive for the rest of the process instead: its threads end with the process.
+            # the group alive for the rest of the process instead: its threads end with the process. (If
+            # the peer resumes, such a transfer may still finish and write into the failed collective's
+            # tensors: after a failure their contents are undefined.)
             _abandoned.append(pg)
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))  # never destroyed, not even at interpreter exit
             return

@@ -17,11 +17,12 @@ from __future__ import annotations
 import hmac
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterable
 
 MAGIC = b"GPCM"
-VERSION = 1
+VERSION = 2  # 2: clients authenticate with a first frame at once (the store closes silent connections)
 NONCE_BYTES = 16
 MAC_BYTES = 32
 HELLO_BYTES = len(MAGIC) + 1 + NONCE_BYTES
@@ -100,11 +101,13 @@ class FramedChannel:
         self.recv_dir = b"S" if send_dir == b"C" else b"C"
         self.max_frame = max_frame
         self.send_seq = self.recv_seq = 0
+        self._send_lock = threading.Lock()  # frames from several threads (e.g. heartbeats) never interleave
 
     def send(self, body: bytes) -> None:
-        tag = mac(self.secret, self.nonce, self.send_dir, self.send_seq, body)
-        self.send_seq += 1
-        self.sock.sendall(_LEN.pack(MAC_BYTES + len(body)) + tag + body)
+        with self._send_lock:
+            tag = mac(self.secret, self.nonce, self.send_dir, self.send_seq, body)
+            self.send_seq += 1
+            self.sock.sendall(_LEN.pack(MAC_BYTES + len(body)) + tag + body)
 
     def recv(self, body_timeout: float | None, *, limit: int | None = None, deadline: float | None = None) -> bytes:
         """The next frame's body. ``body_timeout``: once the header is in, the rest must arrive within

@@ -31,7 +31,8 @@ def torch_store_rendezvous(world: World, gen: int, start_timeout: float):
     store = dist.TCPStore(world.rendezvous_addr, world.rendezvous_port, world.size,
                           is_master=(world.rank == 0 and not agent_store),
                           timeout=datetime.timedelta(seconds=start_timeout), wait_for_workers=False)
-    base = f"gpucomm/{world.run_id}/g{gen}"
+    # a restarted torchrun keeps its run id and store: the restart count keeps attempts apart
+    base = f"gpucomm/{world.run_id}/r{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/g{gen}"
     server = None
     if world.rank == 0:
         secret = world.secret or secrets.token_bytes(32)
@@ -43,18 +44,24 @@ def torch_store_rendezvous(world: World, gen: int, start_timeout: float):
             info["public"] = mine.public_hex()
             for r in range(1, world.size):  # each rank's sealed copy, under the key only it and we derive
                 theirs = store.get(f"{base}/public/{r}").decode()
+                if theirs == _FROM_ENV:
+                    store.set(f"{base}/rendezvous", json.dumps({"error": f"rank {r} has GPUCOMM_SECRET set"}))
+                    server.close()
+                    raise GpucommError(_secret_mismatch(f"rank {r} has GPUCOMM_SECRET set and rank 0 does not"))
                 store.set(f"{base}/sealed/{r}", seal(secret, mine.shared_key(theirs, _context(base, r))))
         store.set(f"{base}/rendezvous", json.dumps(info))
         return server, host, server.port, secret
     mine = KeyPair() if world.secret is None else None
-    if mine is not None:
-        store.set(f"{base}/public/{world.rank}", mine.public_hex())
+    store.set(f"{base}/public/{world.rank}", mine.public_hex() if mine is not None else _FROM_ENV)
     info = json.loads(store.get(f"{base}/rendezvous"))
+    if "error" in info:
+        raise GpucommError(_secret_mismatch(f"{info['error']} and rank 0 does not"))
     if mine is None:
+        if "public" in info:
+            raise GpucommError(_secret_mismatch("this rank has GPUCOMM_SECRET set and rank 0 does not"))
         return None, info["host"], info["port"], world.secret
     if "public" not in info:
-        raise GpucommError("rank 0 has GPUCOMM_SECRET set and this rank does not; export the same GPUCOMM_SECRET "
-                           "to every rank, or to none.")
+        raise GpucommError(_secret_mismatch("rank 0 has GPUCOMM_SECRET set and this rank does not"))
     try:
         secret = unseal(store.get(f"{base}/sealed/{world.rank}").decode(),
                         mine.shared_key(info["public"], _context(base, world.rank)))
@@ -82,6 +89,13 @@ def _bind_address(addr: str) -> str:
     except OSError:
         return "0.0.0.0"
     return ip
+
+
+_FROM_ENV = "env"  # published instead of a public value by a rank whose secret comes from GPUCOMM_SECRET
+
+
+def _secret_mismatch(what: str) -> str:
+    return f"{what}. Export the same GPUCOMM_SECRET to every rank, or to none (then rank 0 makes one)."
 
 
 def _context(base: str, rank: int) -> bytes:

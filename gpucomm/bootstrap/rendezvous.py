@@ -37,7 +37,7 @@ log = logging.getLogger("gpucomm.rendezvous")
 DEFAULT_MAX_FRAME = 64 << 20  # the NCCL id is 128 B and Gloo's addresses ~100 B; 64 MiB is generous
 PREAUTH_MAX_FRAME = 4096  # the largest frame read from a peer that has not authenticated yet
 FIRST_FRAME_SECONDS = 5.0  # connect -> first authenticated frame
-FRAME_SECONDS = 10.0  # first byte -> last byte of any later frame
+FRAME_SECONDS = 30.0  # first byte -> last byte of any later frame
 MAX_PENDING = 512  # connections not yet authenticated; beyond it the oldest is closed
 MAX_CONNECTIONS = 4096  # authenticated connections
 
@@ -178,7 +178,10 @@ class RendezvousServer:
             except OSError:
                 return
             with self._lock:
-                evicted = next(iter(self._pending)) if len(self._pending) >= MAX_PENDING else None
+                evicted = None
+                if len(self._pending) >= MAX_PENDING:  # out of the pool now, so the next accept picks another
+                    evicted = next(iter(self._pending))
+                    del self._pending[evicted]
                 self._pending[conn] = time.monotonic()
             if evicted is not None:  # the oldest unauthenticated connection makes room; its thread then ends
                 self._rejections.warning("rendezvous: %d connections have not authenticated; closing the oldest "
@@ -234,7 +237,8 @@ class RendezvousServer:
     def _admit(self, conn: socket.socket, peer: object) -> bool:
         """Move an authenticated connection out of the pending pool (False: too many open)."""
         with self._lock:
-            self._pending.pop(conn, None)
+            if self._pending.pop(conn, None) is None:
+                return False  # evicted meanwhile (its socket is being shut): it must reconnect
             if len(self._conns) >= MAX_CONNECTIONS:
                 full = True
             else:

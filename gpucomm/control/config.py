@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple
 
 from ..dataplane.inline import DEFAULT_INLINE_BYTES
-from ..settings import env_flag, env_number
+from ..settings import env_flag, env_flag_default_on, env_number
 from .coordinator import DEFAULT_CACHE_CAPACITY
 
 
@@ -37,6 +37,7 @@ class ControlConfig:
     stall_shutdown: float | None = None  # None: stalls only warn
     inline_bytes: int = DEFAULT_INLINE_BYTES  # CPU allreduces up to this size are reduced by the coordinator
     liveness_timeout: float | None = 30.0  # s of control-channel silence before a rank is declared stopped
+    deadlock_check: bool = True  # error when every member of a set is blocked on operations that lack another
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], timeout: float) -> "ControlConfig":
@@ -56,7 +57,8 @@ class ControlConfig:
         liveness = env_number(env, ("GPUCOMM_LIVENESS_TIMEOUT",), min(30.0, max(5.0, timeout / 2)), allow_zero=True)
         return cls(timeout=timeout, cycle_time=cycle_ms / 1000.0, cache_capacity=int(capacity),
                    stall_warning=None if disabled else warning, stall_shutdown=(shutdown or None) if not disabled else None,
-                   inline_bytes=int(inline), liveness_timeout=liveness or None)
+                   inline_bytes=int(inline), liveness_timeout=liveness or None,
+                   deadlock_check=env_flag_default_on("GPUCOMM_DEADLOCK_CHECK", env))
 
 
 __all__ = ["ControlConfig", "ControlLinks", "DEFAULT_CACHE_CAPACITY", "Send"]

@@ -28,7 +28,7 @@ from ..dataplane.watchdog import NcclWatchdog
 from ..errors import CollectiveError, ShutdownError
 from .config import ControlConfig, ControlLinks, Send
 from .cache import ResponseCache, with_bits
-from .liveness import Liveness
+from .liveness import Liveness, start_beating
 from .coordinator import Coordinator, set_bits
 from .hub import CoordinatorHub
 from .negotiation import Descriptor, descriptor_of
@@ -86,6 +86,9 @@ class Controller:
         self._cache = ResponseCache()
         self._failure: CollectiveError | None = None
         self._closed = False
+        beats = self._liveness or (self._hub.liveness if self._hub is not None and links.workers else None)
+        self._stop_beating = (start_beating(beats.interval, self._beat, f"gpucomm-heartbeat-{rank}")
+                              if beats is not None else None)
         self._waiting = 0  # threads inside wait_ready
         self._standins = StandIns(execute, self._zeros_device, events or EventPool())
         self._stall_info: dict[Key, list[int]] = {}
@@ -224,8 +227,6 @@ class Controller:
         if self._hub is not None:
             self._hub.submit_own(items)
         else:
-            if self._liveness is not None:
-                self._liveness.sent()
             try:
                 wire.send(self._link, items)
             except OSError as e:
@@ -345,6 +346,8 @@ class Controller:
 
     def _fail(self, reason: str) -> None:
         """Stop this rank's collectives: every pending and later operation raises ``reason``."""
+        if self._stop_beating is not None:
+            self._stop_beating.set()
         with self._cv:
             if self._failure is None:
                 self._failure = CollectiveError(reason)
@@ -397,16 +400,16 @@ class Controller:
                 except OSError:
                     pass  # the receive side reports the broken connection
 
+    def _beat(self) -> None:
+        """One heartbeat (the beating thread: no control lock needed; channels serialise sends)."""
+        if self._hub is not None:
+            self._hub.beat()
+        elif self._link is not None:
+            wire.send(self._link, [("hb",)])
+
     def _beat_to_root(self) -> None:
-        """Other ranks: beat to rank 0 when due; fail if rank 0 has fallen silent."""
-        liveness = self._liveness
-        if liveness.beat_due() and self._link is not None:
-            liveness.sent()
-            try:
-                wire.send(self._link, [("hb",)])
-            except OSError:
-                pass  # the receive side reports the broken connection
-        for _, seconds in liveness.silent():
+        """Other ranks: fail if rank 0 has fallen silent."""
+        for _, seconds in self._liveness.silent():
             self._fail(f"rank 0 (the coordinator) stopped responding: nothing heard from it for {seconds:.0f} s. "
                        f"Likely causes: rank 0 was stopped (SIGSTOP, a debugger), its host froze or lost the "
                        f"network. GPUCOMM_LIVENESS_TIMEOUT sets this limit (0 turns the check off).")
@@ -502,6 +505,8 @@ class Controller:
         """Stop the thread and close every connection."""
         self.stop()
         self._closed = True
+        if self._stop_beating is not None:
+            self._stop_beating.set()
         self._waker.wake()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)

@@ -78,25 +78,21 @@ class Coordinator:
         self.responses = 0  # how many responses were emitted (benchmarks read it)
         self._by_base: dict[tuple[int, str], dict[str, Key]] = {}  # (set, name w/o kind prefix) -> kind -> key
         self._clash_since: dict[tuple[int, str], float] = {}  # names with two collective types pending
-        self._poisoned: dict[tuple[int, str], tuple[str, set[int]]] = {}  # -> (error, members yet to hear it)
         self._blocked: dict[int, Key] = {}  # rank -> the pending operation its caller has been blocked on
+        self._deadlocked_since: dict[int, float] = {}  # process set -> when all its members were last seen blocked
 
     # ------------------------------------------------------------------ submissions
 
     def submit(self, rank: int, items: Sequence[tuple]) -> list[Outgoing]:
         """Record ``rank``'s new submissions; return the responses that became possible, in order."""
         touched: list[Key] = []
-        early: list[Outgoing] = []
         self._blocked.pop(rank, None)  # it submits again: its caller is no longer blocked
         for item in _expand_bits(items):
             key, descriptor, hit = self._resolve(rank, item)
             payload = item[-1] if item[0] in ("req", "hit") else None
             pending = self._pending.get(key)
             if pending is None:
-                clash = self._kind_clash(rank, key, descriptor)
-                if clash is not None:
-                    early.extend(clash)
-                    continue
+                self._kind_clash(rank, key, descriptor)
                 pending = self._pending[key] = _Pending(descriptor.kind, self._clock())
                 if self.observer is not None:
                     self.observer.negotiate_start(key[1], descriptor.kind)
@@ -113,29 +109,18 @@ class Coordinator:
                 touched.extend(self._pending)  # a join can complete anything pending
             else:
                 touched.append(key)
-        return _coalesce(early + self._complete(dict.fromkeys(touched)))
+        return _coalesce(self._complete(dict.fromkeys(touched)))
 
-    def _kind_clash(self, rank: int, key: Key, descriptor: Descriptor) -> list[Outgoing] | None:
-        """Register ``key`` under its user name (``allreduce.m`` -> ``m``). A member that already
-        heard of a clash under that name gets the error at once; a clash with another collective type
-        pending under the same name is noted, and becomes an error if it is still there after
-        ``clash_grace`` (``expire_clashes``): ranks that run both types asynchronously in different
-        orders resolve it within microseconds, ranks that disagree never do."""
+    def _kind_clash(self, rank: int, key: Key, descriptor: Descriptor) -> None:
+        """Register ``key`` under its user name (``allreduce.m`` -> ``m``); note when another
+        collective type is pending under the same name (``expire_clashes`` decides)."""
         base = _base_name(key)
         if base is None or descriptor.kind in CONTROL_KINDS:
-            return None
-        poisoned = self._poisoned.get(base)
-        if poisoned is not None and rank in poisoned[1]:
-            message, unheard = poisoned
-            unheard.discard(rank)
-            if not unheard:
-                del self._poisoned[base]
-            return [((rank,), ("error", key[0], key[1], message))]
+            return
         kinds = self._by_base.setdefault(base, {})
         kinds[descriptor.kind] = key
         if len(kinds) > 1:
             self._clash_since.setdefault(base, self._clock())
-        return None
 
     def note_blocked(self, rank: int, key: Key) -> None:
         """``rank``'s caller has been waiting on ``key`` for a while (it submits nothing meanwhile)."""
@@ -143,7 +128,7 @@ class Coordinator:
         if pending is not None and rank in pending.descriptors:
             self._blocked[rank] = key
 
-    def deadlocks(self) -> list[Outgoing]:
+    def deadlocks(self, grace: float = 0.5) -> list[Outgoing]:
         """Errors for every process set whose members all wait on operations that lack some member:
         no member can submit what the others wait for, so nothing will ever complete (different names
         per rank, or ranks waiting in different orders). Each waiting rank gets the error for its own
@@ -153,10 +138,18 @@ class Coordinator:
         by_set: dict[int, dict[int, Key]] = {}
         for rank, key in self._blocked.items():
             by_set.setdefault(key[0], {})[rank] = key
+        now = self._clock()
+        for set_id in list(self._deadlocked_since):
+            if set_id not in by_set:
+                del self._deadlocked_since[set_id]
         for set_id, waits in by_set.items():
             members = [r for r in self.sets.get(set_id, ()) if r not in self._joined]
             if len(members) < 2 or any(r not in waits for r in members):
+                self._deadlocked_since.pop(set_id, None)
                 continue
+            if now - self._deadlocked_since.setdefault(set_id, now) < grace:
+                continue  # every member blocked: still so after ``grace`` s means nobody will submit
+            del self._deadlocked_since[set_id]
             sides = "; ".join(f"rank {r} waits in '{waits[r][1]}' (submitted by "
                               f"{_ranks(sorted(self._pending[waits[r]].descriptors))})" for r in members)
             message = (f"The ranks wait for collectives that can never complete: {sides}. Every rank must run the "
@@ -171,8 +164,10 @@ class Coordinator:
         return _coalesce(out)
 
     def expire_clashes(self, grace: float) -> list[Outgoing]:
-        """Errors for every name under which different collective types have been pending for more
-        than ``grace`` seconds, to the ranks that submitted them (the others hear it when they do)."""
+        """Errors for every name under which the members split between collective types: each member
+        submitted exactly one of them, every member submitted one, and it has lasted ``grace`` s. A
+        rank that submitted several types under one name (asynchronous ops, legal) or a member that
+        has not arrived yet (it may be late) keeps the operations waiting."""
         now, out = self._clock(), []
         for base, since in list(self._clash_since.items()):
             kinds = {k: key for k, key in self._by_base.get(base, {}).items() if key in self._pending}
@@ -181,21 +176,21 @@ class Coordinator:
                 continue
             if now - since < grace:
                 continue
+            submitters = [set(self._pending[key].descriptors) for key in kinds.values()]
+            everyone = set().union(*submitters)
+            members = {r for r in self._members(base[0]) if r not in self._joined}
+            if sum(map(len, submitters)) != len(everyone) or not members <= everyone:
+                continue  # a rank used two types, or a member is still to come: not (yet) a mismatch
             del self._clash_since[base]
             sides = "; ".join(f"{_ranks(sorted(self._pending[key].descriptors))} called {kind}"
                               for kind, key in kinds.items())
             message = (f"Mismatched collective types under the name '{base[1]}': {sides}. Every rank must run the "
                        f"same collective under one name; ranks calling hvd.{' / hvd.'.join(kinds)} with name="
                        f"'{base[1]}' cannot meet.")
-            heard: set[int] = set()
             for key in kinds.values():
                 ranks = tuple(sorted(self._pending[key].descriptors))
-                heard.update(ranks)
                 self._finish(key)
                 out.append((ranks, ("error", key[0], key[1], message)))
-            unheard = {r for r in self._members(base[0]) if r not in heard}
-            if unheard:
-                self._poisoned[base] = (message, unheard)
         return _coalesce(out)
 
     def _resolve(self, rank: int, item: tuple) -> tuple[Key, Descriptor, bool]:

@@ -35,6 +35,7 @@ class CoordinatorHub:
         self._failed_reports: dict[int, str] = {}  # ranks that reported a failure before leaving
         self.frames_received = 0
         self.liveness = Liveness(self._workers, config.liveness_timeout) if config.liveness_timeout else None
+        self._deadlock_check = config.deadlock_check
         self._last_sent: dict[int, list] = {}  # rank -> the responses last sent to it (what it was told to run)
         self.stalls = None
         if config.stall_warning is not None:
@@ -117,19 +118,20 @@ class CoordinatorHub:
         for response in mine:
             self._apply(response)
 
+    def beat(self) -> None:
+        """One heartbeat to every rank still here (from the beating thread; needs no control lock)."""
+        for r, chan in list(self._workers.items()):
+            if r not in self.left:
+                try:
+                    wire.send(chan, [("hb",)])
+                except OSError:
+                    pass  # reading from it reports the broken connection
+
     def check_liveness(self) -> None:
-        """Beat to every rank when due; end the job if a rank has been silent for too long."""
+        """End the job if a rank has been silent for too long."""
         liveness = self.liveness
         if liveness is None:
             return
-        if liveness.beat_due():
-            liveness.sent()
-            for r, chan in self._workers.items():
-                if r not in self.left:
-                    try:
-                        wire.send(chan, [("hb",)])
-                    except OSError as e:
-                        self.lost(r, f"sending to it failed: {e}")
         silent = [(r, s) for r, s in liveness.silent() if r not in self.left]
         if silent:
             rank, seconds = silent[0]
@@ -156,7 +158,8 @@ class CoordinatorHub:
         """Fail operations that have met another collective type under their name for a second, and
         operations every member is blocked on while none can complete."""
         self.dispatch(self.coordinator.expire_clashes(CLASH_GRACE))
-        self.dispatch(self.coordinator.deadlocks())
+        if self._deadlock_check:
+            self.dispatch(self.coordinator.deadlocks())
 
     def abort_all(self, reason: str) -> None:
         """End the job's collectives everywhere with ``reason`` (the first reason wins)."""

@@ -6,7 +6,7 @@ lookup and one prepared launch (``launch.Launch``). A caller that copies the sam
 step should hold a ``BoundCopy`` (``bound.py``) instead: it checks only the addresses. Anything
 unusual falls through to ``rules.validate``, which names the problem; device checks, kernel
 choice, table building and upload, and compilation happen only when a layout is new. The cache
-key holds both dtypes and whether a scale applies, so a hit also yields the kernel.
+key holds both dtypes and the scale, so a hit also yields the kernel and its prepared arguments.
 """
 
 from __future__ import annotations
@@ -80,14 +80,14 @@ def _run(direction: str, tensors: Sequence[torch.Tensor], flat: torch.Tensor, sc
     if check and (not all(map(_CONTIG, tensors)) or len(set(map(_DTYPE, tensors))) != 1):
         validate(direction, tensors, flat)  # raises with the reason
     scale = float(scale)
-    key = (direction, tensors[0].dtype, flat.dtype, scale != 1.0, flat.data_ptr(), ptrs, numels)
+    key = (direction, tensors[0].dtype, flat.dtype, scale, flat.data_ptr(), ptrs, numels)  # a launch holds its scale
     layout = _CACHE.get(key)
     if layout is None:
         layout = new_layout(direction, tensors, flat, scale, stream)
         _CACHE.put(key, layout)
     if layout.total > flat.numel():
         validate(direction, tensors, flat)  # the same buffer address, now a shorter view: raises
-    layout.run(scale, flat.device, stream)
+    layout.run(flat.device, stream)
 
 
 class Layout:
@@ -99,12 +99,11 @@ class Layout:
     def __init__(self, spec: KernelSpec, total: int, table: Table | None, launch: _launch.Launch | None) -> None:
         self.spec, self.total, self.table, self.launch = spec, total, table, launch
 
-    def run(self, scale: float, device: torch.device, stream: Any) -> None:
+    def run(self, device: torch.device, stream: Any) -> None:
         """Launch on ``stream`` (None: the current stream of ``device``)."""
         launch = self.launch
         if launch is None:
             return  # nothing to copy
-        launch.set_scale(scale)
         if device.type == "cuda":
             stream = _stream_for(stream, device)
             self.table.use_on(stream)

@@ -182,12 +182,6 @@ class Launch:
         self._kernel = compile_kernel(spec, device)
         self._function = None
 
-    def set_scale(self, scale: float) -> None:
-        """Change the scale argument in place (the generic ``pack``/``unpack`` share one table per layout)."""
-        if self._args[2].value != scale:
-            self._args[2].value = scale
-            self._np_args = self._np_args[:2] + (type(self._np_args[2])(scale),)
-
     def __call__(self, stream: Any) -> None:
         """Launch on ``stream`` (a torch.cuda.Stream; ignored in the simulator)."""
         if SIMULATOR:
@@ -212,12 +206,13 @@ class Launch:
                     function = self._function = _loaded(self.spec, self._kernel, index).handle
                 (err,) = _driver.cuLaunchKernel(function, self.grid, 1, 1, BLOCK, 1, 1, 0, stream.cuda_stream,
                                                 self._params_address, 0)
-                if err == _driver.CUresult.CUDA_SUCCESS:
-                    return
-                raise RuntimeError(f"cuLaunchKernel returned {err}")
-            except (AttributeError, ImportError, TypeError, RuntimeError) as e:
+            except (AttributeError, ImportError, TypeError) as e:  # these bindings differ: use the next path
                 _give_up("driver", e)
                 mode = launch_mode()
+            else:
+                if err != _driver.CUresult.CUDA_SUCCESS:  # a CUDA error (maybe an earlier kernel's): report it
+                    raise RuntimeError(f"CUDA error launching the {self.spec.name} pack kernel: {err}")
+                return
         if mode == "core":
             try:
                 _launch_core(self, stream, index)
