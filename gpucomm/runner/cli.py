@@ -50,6 +50,28 @@ def _non_negative(kind: type):
     return _number(kind, allow_zero=True)
 
 
+_REFUSED_FLAGS = {
+    "--mpi": "gpucomm-run does not start jobs through MPI; run `mpirun ... python train.py` with the recipe in "
+             "launch/mpirun.sh (gpucomm reads Open MPI's variables), or leave --mpi out",
+    "--autotune": "gpucomm has no autotuner; set --fusion-threshold-mb and --cycle-time-ms yourself "
+                  "(benchmarks/optimizer_vs_ddp.py compares settings)",
+    "--hierarchical-allreduce": "gpucomm has no hierarchical allreduce; NCCL chooses ring or tree across nodes by "
+                                "itself, so leave the flag out",
+    "--hierarchical-allgather": "gpucomm has no hierarchical allgather; leave the flag out",
+}
+
+
+class _Refused(argparse.Action):
+    """A horovodrun flag gpucomm does not offer: exit with what to do instead (not 'unrecognized')."""
+
+    def __init__(self, *args, advice: str = "", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.advice = advice
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.exit(2, f"gpucomm-run: {option_string}: {self.advice}.\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
@@ -83,9 +105,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="print the slot plan and each rank's start and exit")
     p.add_argument("-cb", "--check-build", action="store_true",
                    help="print what this installation can do (NCCL, Gloo, GPUs, Numba CUDA) and exit")
+    p.add_argument("--prefix-output-with-timestamp", action="store_true",
+                   help="start every output line with the time it was printed (horovodrun's flag)")
+    compat = p.add_argument_group("horovodrun flags that gpucomm accepts or explains")
+    compat.add_argument("--gloo", action="store_true",
+                        help="accepted: gpucomm's own controller always runs the job (Gloo on CPU, NCCL on GPU)")
+    compat.add_argument("--tcp", action="store_true", help="use TCP, not InfiniBand/RDMA, for NCCL (NCCL_IB_DISABLE=1)")
+    compat.add_argument("--disable-cache", action="store_true",
+                        help="turn the response cache off (GPUCOMM_CACHE_CAPACITY=0)")
+    for flag, advice in _REFUSED_FLAGS.items():
+        compat.add_argument(flag, action=_Refused, nargs="?", const=None, advice=advice, help=f"not offered: {advice}")
     tune = p.add_argument_group("tunables (exported to every rank)")
-    tune.add_argument("--fusion-threshold-mb", type=_positive(float),
-                      help="fusion buffer (bucket) cap in MiB (GPUCOMM_FUSION_THRESHOLD, HOROVOD_FUSION_THRESHOLD)")
+    tune.add_argument("--fusion-threshold-mb", type=_non_negative(float),
+                      help="fusion buffer (bucket) cap in MiB; 0 turns fusion off (GPUCOMM_FUSION_THRESHOLD, "
+                           "HOROVOD_FUSION_THRESHOLD)")
     tune.add_argument("--timeline-filename", help="write a Chrome-trace timeline to this file (rank 0)")
     tune.add_argument("--timeline-mark-cycles", action="store_true",
                       help="mark each control-plane cycle in the timeline (GPUCOMM_TIMELINE_MARK_CYCLES)")
@@ -122,8 +155,12 @@ def tunables_env(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str
     out["GPUCOMM_START_TIMEOUT"] = out["HOROVOD_START_TIMEOUT"] = f"{start:g}"
     if args.timeout:
         out["GPUCOMM_TIMEOUT"] = out["HOROVOD_GLOO_TIMEOUT_SECONDS"] = f"{args.timeout:g}"
-    if args.fusion_threshold_mb:
+    if args.fusion_threshold_mb is not None:
         out["GPUCOMM_FUSION_THRESHOLD"] = out["HOROVOD_FUSION_THRESHOLD"] = str(int(args.fusion_threshold_mb * 2**20))
+    if getattr(args, "disable_cache", False):
+        out["GPUCOMM_CACHE_CAPACITY"] = out["HOROVOD_CACHE_CAPACITY"] = "0"
+    if getattr(args, "tcp", False):
+        out["NCCL_IB_DISABLE"] = "1"
     if args.timeline_filename:
         out["GPUCOMM_TIMELINE"] = out["HOROVOD_TIMELINE"] = os.path.abspath(args.timeline_filename)
     if args.timeline_mark_cycles:
@@ -153,6 +190,14 @@ def tunables_env(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str
         out["NCCL_SOCKET_IFNAME"] = ",".join(nics)
         out["GPUCOMM_GLOO_IFACE"] = out["HOROVOD_GLOO_IFACE"] = nics[0]
     return out
+
+
+def omp_threads(env: dict[str, str], slots: Sequence, remote_hosts: Sequence[str]) -> int | None:
+    """Threads per rank when the user left OMP_NUM_THREADS unset and every rank runs on this host:
+    cores / local ranks (at least 1); None otherwise (the user's value, or other hosts' cores unknown)."""
+    if env.get("OMP_NUM_THREADS", "").strip() or remote_hosts or not slots:
+        return None
+    return max(1, (os.cpu_count() or 1) // max(s.local_size for s in slots))
 
 
 def interface_address(nic: str) -> str:
@@ -207,7 +252,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     secret = secrets.token_bytes(32)
     run_id = secrets.token_hex(8)
     start_timeout = float(tunables["GPUCOMM_START_TIMEOUT"])
-    sink = OutputSink(args.np, args.output_filename)
+    sink = OutputSink(args.np, args.output_filename, timestamps=args.prefix_output_with_timestamp)
+    threads = omp_threads(env, slots, remote_hosts)
+    if threads is not None:
+        tunables["OMP_NUM_THREADS"] = str(threads)
+        sink.say(f"OMP_NUM_THREADS is not set: each rank gets {threads} (this host's {os.cpu_count()} cores / "
+                 f"{max(s.local_size for s in slots)} local ranks), as torchrun's default of 1 would leave cores "
+                 f"idle on CPU and the library default would oversubscribe them; export OMP_NUM_THREADS to choose.")
     with RendezvousServer(secret, bind, 0) as server:
         if args.verbose:
             sink.say(f"job {run_id}: {args.np} rank(s); rendezvous store at {addr}:{server.port}")
@@ -229,4 +280,4 @@ def console_main() -> None:
     sys.exit(main())
 
 
-__all__ = ["build_parser", "console_main", "interface_address", "main", "tunables_env"]
+__all__ = ["build_parser", "console_main", "interface_address", "main", "omp_threads", "tunables_env"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
@@ -18,7 +19,8 @@ class OutputSink:
     """Writes the ranks' lines to the launcher's stdout/stderr, whole lines at a time."""
 
     def __init__(self, size: int, output_dir: str | Path | None = None,
-                 stdout: TextIO | None = None, stderr: TextIO | None = None) -> None:
+                 stdout: TextIO | None = None, stderr: TextIO | None = None, *, timestamps: bool = False) -> None:
+        self._timestamps = timestamps  # horovodrun's --prefix-output-with-timestamp: "<asctime>[rank]<stream>:"
         self._out = stdout or sys.stdout
         self._err = stderr or sys.stderr
         self._lock = threading.Lock()
@@ -51,8 +53,9 @@ class OutputSink:
                     line += "\n"
                 if stream == "stderr":
                     self.stderr_tails[rank].append(line.rstrip("\n"))
+                stamp = time.asctime() if self._timestamps else ""
                 with self._lock:
-                    target.write(prefix + line)
+                    target.write(stamp + prefix + line)
                     target.flush()
                 if copy is not None:
                     copy.write(line)

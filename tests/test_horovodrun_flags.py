@@ -1,0 +1,64 @@
+"""horovodrun flags that job files carry: each works in gpucomm-run or exits saying what to use instead."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+
+import pytest
+
+from gpucomm.runner.cli import build_parser, omp_threads, tunables_env
+from gpucomm.runner.hosts import assign_slots, parse_hosts
+from tests.harness import PYTHON, launcher_cmd, run, write_script
+
+
+def _tunables(*flags: str) -> dict[str, str]:
+    args = build_parser().parse_args([*flags, "-np", "1", "python", "x.py"])
+    return tunables_env(args, {})
+
+
+def test_accepted_flags_map_to_the_settings_they_mean():
+    assert "GPUCOMM_CACHE_CAPACITY" not in _tunables("--gloo")
+    assert _tunables("--disable-cache")["GPUCOMM_CACHE_CAPACITY"] == "0"
+    assert _tunables("--tcp")["NCCL_IB_DISABLE"] == "1"
+    zero = _tunables("--fusion-threshold-mb", "0")  # as HOROVOD_FUSION_THRESHOLD=0: fusion off
+    assert zero["GPUCOMM_FUSION_THRESHOLD"] == zero["HOROVOD_FUSION_THRESHOLD"] == "0"
+    assert _tunables("--fusion-threshold-mb", "2")["GPUCOMM_FUSION_THRESHOLD"] == str(2 << 20)
+
+
+@pytest.mark.parametrize("flag,advice", [("--mpi", "launch/mpirun.sh"), ("--autotune", "--fusion-threshold-mb"),
+                                         ("--hierarchical-allreduce", "NCCL chooses"),
+                                         ("--hierarchical-allgather", "leave the flag out")])
+def test_refused_flags_say_what_to_do_instead(flag, advice, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([flag, "-np", "2", "python", "x.py"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gpucomm-run: {flag}: ") and advice in err and "unrecognized" not in err
+
+
+def test_omp_threads_default_is_cores_per_local_rank_and_never_overrides_the_user(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    slots = assign_slots(parse_hosts("localhost:4"), 4)
+    assert omp_threads({}, slots, []) == 4
+    assert omp_threads({"OMP_NUM_THREADS": "3"}, slots, []) is None
+    assert omp_threads({}, slots, ["node2"]) is None  # other hosts' cores are unknown here
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert omp_threads({}, assign_slots(parse_hosts("localhost:8"), 8), []) == 1
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_job_with_horovodrun_flags_runs_with_timestamps_and_threads(tmp_path, size):
+    script = write_script(tmp_path, "show.py", textwrap.dedent("""
+        import os
+        print("OMP", os.environ["OMP_NUM_THREADS"], "CACHE", os.environ["HOROVOD_CACHE_CAPACITY"], flush=True)
+    """))
+    env = {"OMP_NUM_THREADS": ""}  # unset for the launcher: it chooses
+    r = run(launcher_cmd("-np", str(size), "--gloo", "--tcp", "--disable-cache", "--prefix-output-with-timestamp",
+                         "--fusion-threshold-mb", "0", PYTHON, str(script)), timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if "<stdout>:OMP" in line]
+    assert len(lines) == size
+    for line in lines:  # asctime, then horovodrun's rank prefix
+        assert re.match(r"^\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}\[\d\]<stdout>:OMP \d+ CACHE 0$", line), line
+    assert r.stderr.count("OMP_NUM_THREADS is not set") == 1
