@@ -108,6 +108,14 @@ def cross_rank() -> int:
     return _world().cross_rank
 
 
+def is_homogeneous() -> bool:
+    """True when every host runs the same number of ranks (Horovod's ``is_homogeneous``)."""
+    counts: dict[str, int] = {}
+    for host in _world().hosts:
+        counts[host] = counts.get(host, 0) + 1
+    return len(set(counts.values())) == 1
+
+
 def nccl_built() -> int:
     """NCCL's version code (e.g. 23203), or 0 when CuPy's NCCL cannot be loaded. Callable before init."""
     return _nccl_version()
