@@ -237,6 +237,9 @@ class Job:
     def close(self) -> None:
         controller = self.controller
         grace = FAILED_SHUTDOWN_GRACE if self.failure() is not None else SHUTDOWN_GRACE
+        if grace == FAILED_SHUTDOWN_GRACE and self.world.rank == 0 and self.world.size > 1:
+            log.warning("gpucomm: shutting down after a failure: waiting at most %g s for the other ranks to leave "
+                        "(a stalled or dead rank will not)", grace)
         if controller is not None:
             controller.stop()
             if self.world.rank == 0:

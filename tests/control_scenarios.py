@@ -238,8 +238,8 @@ def stall_timeout_names_missing_rank() -> str | None:
         got = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="late")  # rank 1's request is still pending
         assert got.tolist() == [2.0, 2.0]
     else:
-        elapsed, message = _raises(RuntimeError, lambda: hvd.allreduce(torch.ones(2), op=hvd.Sum, name="late"))
-        assert elapsed < 30.0, elapsed  # the 3 s GPUCOMM_TIMEOUT fired (the message says so), not a hang
+        _, message = _raises(RuntimeError, lambda: hvd.allreduce(torch.ones(2), op=hvd.Sum, name="late"))
+        assert "within 3 s" in message, message  # the 3 s GPUCOMM_TIMEOUT fired, not another limit
     _sum_check("after")  # rank 1's 'late' completes in the background once rank 0 submits it
     hvd.shutdown()
     return message

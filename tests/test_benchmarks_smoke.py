@@ -336,12 +336,12 @@ def check_startup(r: Run, doc: dict) -> None:
     assert doc["benchmark"] == "startup" and doc["repeats"] == 1 and not doc["interrupted"]
     assert [(x["launcher"], x["ranks"]) for x in doc["results"]] == [("gpucomm-run", 1)]
     for x in doc["results"]:
-        assert x["failures"] == [] and len(x["first_allreduce_s"]) == 1 and x["median_first_allreduce_s"] >= 0
+        assert x["failures"] == [] and len(x["first_allreduce_s"]) == 1 and isinstance(x["median_first_allreduce_s"], float)
 
 
 def check_timeline_overhead(r: Run, doc: dict) -> None:
     assert doc["benchmark"] == "timeline_overhead" and doc["ranks"] == 2 and doc["model"] == "convnet"
-    assert doc["steps_per_mode"] == 2 and doc["step_ms"]["off_median"] > 0 and doc["step_ms"]["on_median"] > 0
+    assert doc["steps_per_mode"] == 2 and all(isinstance(doc["step_ms"][k], float) for k in ("off_median", "on_median"))
     # the default limits split convnet into the head (first bucket, <= 1 MiB) and the rest
     assert list(doc["buckets"].values()) == [1029024, 2602240]
     last = doc["last_timeline"]

@@ -109,6 +109,5 @@ def test_attacks_leave_the_store_small_and_serving(store):
     print(f"store RSS before {rss_before / 2**20:.1f} MiB, during the attack {rss_during / 2**20:.1f} MiB; "
           f"{len(idle)} idle connections; valid rank round trips {[f'{t * 1e3:.1f} ms' for t in latencies]}")
     assert growth < 64 << 20, f"the store grew by {growth / 2**20:.0f} MiB under attack"
-    assert max(latencies) < 15, latencies  # a hang bound only; the figures are printed above
     for s in attackers + oversized + idle + [slow]:
         s.close()

@@ -18,7 +18,6 @@ from typing import Any, Sequence
 
 import torch
 
-from ..errors import KernelUnavailableError
 from ..kernels import availability, rules
 from . import fusion
 
@@ -117,26 +116,19 @@ class BucketCopy:
         """Consecutive pieces of ``flat`` into ``tensors``, times ``unpack_scale``."""
         self._run("unpack", tensors, flat, stream)
 
-    def uses_kernels(self, flat: torch.Tensor) -> bool:
-        """Whether the next copy into/out of ``flat`` tries the kernels (``kernels`` is settled on the
-        first call: one environment read per bucket, not per copy)."""
+    def _run(self, direction: str, tensors: Sequence[torch.Tensor], flat: torch.Tensor, stream: Any) -> None:
         if self._kernels is None:
             self._kernels = kernels_wanted(flat)
-        return self._kernels and availability.kernels_usable()
-
-    def _run(self, direction: str, tensors: Sequence[torch.Tensor], flat: torch.Tensor, stream: Any) -> None:
-        if self.uses_kernels(flat):
-            try:
-                bound = self._bound.get(direction)
-                if bound is None:
-                    from ..kernels.bound import BoundCopy  # noqa: PLC0415 - imports numba
-
-                    bound = self._bound[direction] = BoundCopy(direction, self._scales[direction])
-                bound(tensors, flat, stream)
-                availability.note_success()
-                return
-            except (KernelUnavailableError, ImportError) as e:
-                availability.give_up(e)
+        if self._kernels and availability.try_kernels(lambda: self._bound_copy(direction)(tensors, flat, stream)):
+            return
         if flat.is_cuda and not availability.kernels_usable():
             availability.count_fallback_copy()
         self._torch[direction](tensors, flat, stream)
+
+    def _bound_copy(self, direction: str) -> Any:
+        bound = self._bound.get(direction)
+        if bound is None:
+            from ..kernels.bound import BoundCopy  # noqa: PLC0415 - imports numba
+
+            bound = self._bound[direction] = BoundCopy(direction, self._scales[direction])
+        return bound

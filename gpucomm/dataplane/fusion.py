@@ -28,7 +28,6 @@ from typing import Any, Sequence
 
 import torch
 
-from ..errors import KernelUnavailableError
 from ..kernels import availability, rules
 
 __all__ = [
@@ -280,12 +279,6 @@ class FusionBuffers:
 # pack / unpack
 
 
-def _kernels_enabled(flat: torch.Tensor) -> bool:
-    from .bucket_copy import kernels_wanted  # noqa: PLC0415
-
-    return kernels_wanted(flat) and availability.kernels_usable()
-
-
 def pack_bucket(tensors: Sequence[torch.Tensor], buffer: torch.Tensor, *, scale: float = 1.0,
                 stream: Any = None, validate: bool = True) -> torch.Tensor:
     """Copy ``tensors`` back to back into ``buffer`` (times ``scale``, cast to ``buffer.dtype``) and
@@ -294,45 +287,32 @@ def pack_bucket(tensors: Sequence[torch.Tensor], buffer: torch.Tensor, *, scale:
     kernels cannot run here (decided once per process); CPU: torch ops. For the same bucket every
     step, ``bucket_copy.BucketCopy`` costs less host time."""
     tensors = rules.tensor_list("pack", tensors)
-    if _kernels_enabled(buffer):
-        try:
-            from .. import kernels  # noqa: PLC0415 - imports numba
-
-            kernels.pack(tensors, buffer, scale=scale, stream=stream, validate=validate)
-            availability.note_success()
-            return buffer[: sum(t.numel() for t in tensors)]
-        except (KernelUnavailableError, ImportError) as e:
-            availability.give_up(e)
-    if buffer.is_cuda:
-        from .bucket_copy import TorchCopy  # noqa: PLC0415
-
-        TorchCopy("pack", scale, lean=True)(tensors, buffer, stream)
-        return buffer[: sum(t.numel() for t in tensors)]
-    with torch.no_grad():
-        return _torch_pack(tensors, buffer, float(scale))
+    _copy("pack", tensors, buffer, scale, stream, validate)
+    return buffer[: sum(t.numel() for t in tensors)]
 
 
 def unpack_bucket(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], *, scale: float = 1.0,
                   stream: Any = None, validate: bool = True) -> None:
     """Copy consecutive pieces of ``buffer`` into ``tensors`` (times ``scale``, cast to their dtype):
     the reverse of ``pack_bucket``."""
-    tensors = rules.tensor_list("unpack", tensors)
-    if _kernels_enabled(buffer):
-        try:
-            from .. import kernels  # noqa: PLC0415
+    _copy("unpack", rules.tensor_list("unpack", tensors), buffer, scale, stream, validate)
 
+
+def _copy(direction: str, tensors: Sequence[torch.Tensor], buffer: torch.Tensor, scale: float, stream: Any,
+          validate: bool) -> None:
+    from .bucket_copy import TorchCopy, kernels_wanted  # noqa: PLC0415
+
+    def with_kernels() -> None:
+        from .. import kernels  # noqa: PLC0415 - imports numba
+
+        if direction == "pack":
+            kernels.pack(tensors, buffer, scale=scale, stream=stream, validate=validate)
+        else:
             kernels.unpack(buffer, tensors, scale=scale, stream=stream, validate=validate)
-            availability.note_success()
-            return
-        except (KernelUnavailableError, ImportError) as e:
-            availability.give_up(e)
-    if buffer.is_cuda:
-        from .bucket_copy import TorchCopy  # noqa: PLC0415
 
-        TorchCopy("unpack", scale, lean=True)(tensors, buffer, stream)
+    if kernels_wanted(buffer) and availability.try_kernels(with_kernels):
         return
-    with torch.no_grad():
-        _torch_unpack(buffer, tensors, float(scale))
+    TorchCopy(direction, scale)(tensors, buffer, stream)  # CUDA: few launches; CPU: one pass
 
 
 def _on_stream(buffer: torch.Tensor, stream: Any):

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from ..counters import COUNTERS
+from ..errors import KernelUnavailableError
 
-__all__ = ["kernels_usable", "give_up", "status", "note_success", "reset"]
+__all__ = ["kernels_usable", "give_up", "status", "note_success", "reset", "try_kernels"]
 
 log = logging.getLogger("gpucomm.kernels")
 
@@ -53,6 +54,21 @@ def reset() -> None:
     process whose CUDA installation was repaired; kernels that failed to compile stay failed)."""
     with _lock:
         _state.update(usable=True, decided=False, reason="", fallback_copies=0)
+
+
+def try_kernels(copy: Callable[[], None]) -> bool:
+    """Run ``copy`` (a kernel copy) unless the kernels were given up; False means: use torch ops.
+    The first ``KernelUnavailableError`` (or a numba-cuda that does not import) gives them up for
+    the process; argument errors propagate."""
+    if not _state["usable"]:
+        return False
+    try:
+        copy()
+    except (KernelUnavailableError, ImportError) as e:
+        give_up(e)
+        return False
+    note_success()
+    return True
 
 
 def count_fallback_copy() -> None:
