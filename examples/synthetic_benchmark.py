@@ -3,6 +3,13 @@
 
     gpucomm-run -np 2 python examples/synthetic_benchmark.py --model cnn --no-cuda
     gpucomm-run -np 4 python examples/synthetic_benchmark.py --model resnet50
+
+``--ddp`` runs the same loop with PyTorch DDP instead (start it with torchrun), for comparison:
+
+    torchrun --nproc-per-node 2 examples/synthetic_benchmark.py --model cnn --no-cuda --ddp
+
+Like Horovod's script it leaves the thread count to the launcher: gpucomm-run sets OMP_NUM_THREADS
+to cores / local ranks when it is unset (torchrun sets 1).
 """
 
 from __future__ import annotations
@@ -33,26 +40,49 @@ def main() -> None:
     parser.add_argument("--num-iters", type=int, default=10, help="number of benchmark iterations")
     parser.add_argument("--no-cuda", action="store_true", default=False, help="disables CUDA training")
     parser.add_argument("--use-adasum", action="store_true", default=False, help="use adasum algorithm to do reduction")
+    parser.add_argument("--ddp", action="store_true", default=False,
+                        help="train with torch DistributedDataParallel instead (launch with torchrun)")
     args = parser.parse_args()
     args.cuda = not args.no_cuda and torch.cuda.is_available()
-    if args.use_adasum:
-        parser.error("--use-adasum: Adasum is not supported by gpucomm")
+    if args.ddp:
+        return run_ddp(args)
 
     hvd.init()
     if args.cuda:
         torch.cuda.set_device(torch.cuda.current_device())  # init() pinned this rank's GPU by PCI bus id
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
 
     model, sample = models.build(args.model)
-    lr_scaler = hvd.size()
+    lr_scaler = hvd.size() if not args.use_adasum else 1  # Horovod's rule: Adasum does not scale the rate
     if args.cuda:
         model.cuda()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * lr_scaler)
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=compression)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=compression,
+                                         op=hvd.Adasum if args.use_adasum else hvd.Average)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    run_loop(args, model, optimizer, sample, hvd.rank(), hvd.size())
+    hvd.shutdown()
+
+
+def run_ddp(args) -> None:
+    """The same benchmark on torch.distributed + DDP (torchrun's environment)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    dist.init_process_group("nccl" if args.cuda else "gloo")
+    if args.cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    model, sample = models.build(args.model)
+    if args.cuda:
+        model.cuda()
+    model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * dist.get_world_size())
+    run_loop(args, model, optimizer, sample, dist.get_rank(), dist.get_world_size())
+    dist.destroy_process_group()
+
+
+def run_loop(args, model, optimizer, sample, rank: int, size: int) -> None:
+    """Horovod's timing loop and report (rank 0 prints)."""
 
     data = torch.randn(args.batch_size, *sample)
     target = torch.LongTensor(args.batch_size).random_() % 1000
@@ -67,7 +97,7 @@ def main() -> None:
         optimizer.step()
 
     def log(s: str, nl: bool = True) -> None:
-        if hvd.rank() != 0:
+        if rank != 0:
             return
         print(s, end="\n" if nl else "", flush=True)
 
@@ -78,7 +108,7 @@ def main() -> None:
     log(f"Model: {args.model}")
     log(f"Batch size: {args.batch_size}")
     device = "GPU" if args.cuda else "CPU"
-    log(f"Number of {device}s: {hvd.size()}")
+    log(f"Number of {device}s: {size}")
 
     log("Running warmup...")
     timeit.timeit(lambda: (benchmark_step(), sync()), number=args.num_warmup_batches)
@@ -94,8 +124,7 @@ def main() -> None:
     img_sec_mean = np.mean(img_secs)
     img_sec_conf = 1.96 * np.std(img_secs)
     log(f"Img/sec per {device}: {img_sec_mean:.1f} +-{img_sec_conf:.1f}")
-    log(f"Total img/sec on {hvd.size()} {device}(s): {hvd.size() * img_sec_mean:.1f} +-{hvd.size() * img_sec_conf:.1f}")
-    hvd.shutdown()
+    log(f"Total img/sec on {size} {device}(s): {size * img_sec_mean:.1f} +-{size * img_sec_conf:.1f}")
 
 
 if __name__ == "__main__":

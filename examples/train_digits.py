@@ -36,6 +36,14 @@ class DigitsNet(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
+def digits_split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 8x8 digits as (x_train, x_test, y_train, y_test): 75 % / 25 %, stratified, the same on every rank."""
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(digits.target)
+    return train_test_split(x, y, test_size=0.25, random_state=0, stratify=y)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--epochs", type=int, default=12)
@@ -49,10 +57,7 @@ def main() -> None:
     torch.manual_seed(1234)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
-    digits = load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(digits.target)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=0, stratify=y)
+    x_train, x_test, y_train, y_test = digits_split()
     # each rank trains on its own shard and evaluates its own share of the test set
     x_train, y_train = x_train[hvd.rank()::hvd.size()], y_train[hvd.rank()::hvd.size()]
     x_test, y_test = x_test[hvd.rank()::hvd.size()].to(device), y_test[hvd.rank()::hvd.size()].to(device)

@@ -22,6 +22,7 @@ class Counters:
     bytes: int = 0  # bytes those collectives sent from this rank (input sizes)
     schedule_steps: int = 0  # DistributedOptimizer steps run on a fixed schedule (no control messages)
     layout_checks: int = 0  # cross-rank verifications of an optimizer's parameters and buckets
+    elastic_resets: int = 0  # times hvd.elastic.run left a job and joined the launcher's next round
     kernel_fallbacks: int = 0  # times this process gave up the fusion kernels for torch ops (at most once; see gpucomm.kernels.status())
 
 

@@ -24,3 +24,14 @@ class ShutdownError(CollectiveError):
 
 class KernelUnavailableError(GpucommError):
     """gpucomm's Numba CUDA kernels cannot run in this process (no GPU, driver or toolkit)."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Elastic training: the launcher's host set changed; ``hvd.elastic.run`` re-forms the job.
+
+    ``skip_sync`` is True when hosts were only removed: every remaining rank already holds the
+    committed state, so the state need not be broadcast again (Horovod's attribute)."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("the set of hosts changed; re-forming the job (elastic mode)")
+        self.skip_sync = skip_sync

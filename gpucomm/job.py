@@ -63,11 +63,12 @@ class Job:
     links: ControlLinks = field(default_factory=ControlLinks)
     static_sets: list[tuple[int, ...]] = field(default_factory=list)
     dynamic_sets: bool = False
+    elastic_round: int = 0  # the launcher's round this job is (elastic mode), else 0
     plane: Controller | LocalPlane = field(init=False)
     groups: dict[int, Group] = field(init=False)
     events: EventPool = field(default_factory=EventPool)
     join_device: int = -1  # hvd.join(device=...): the GPU for zero stand-ins; -1: this rank's GPU
-    unnamed: Any = field(default_factory=itertools.count)  # numbers unnamed ops alike on every rank
+    unnamed: dict = field(default_factory=dict)  # process set id -> counter numbering its unnamed ops
     tracer: Tracer | None = None  # rank 0's timeline while one is recording
     _nccl: Any = None
     _nccl_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -94,6 +95,18 @@ class Job:
         self.plane = Controller(rank, size, execute, self.control, coordinator=self._coordinator, links=self.links,
                                 on_done=self._on_done, zeros_device=self._zeros_device, tracer=self._current_tracer,
                                 nccl_health=self._nccl_health, events=self.events)
+
+    def unnamed_name(self, kind: str, set_id: int) -> str:
+        """The name of an unnamed operation: numbered per process set, so that operations only a
+        set's members run do not shift the numbering of the others' (every member counts alike)."""
+        counter = self.unnamed.get(set_id)
+        if counter is None:
+            counter = self.unnamed[set_id] = itertools.count()
+        return f"{kind}.noname.{next(counter)}" if set_id == 0 else f"{kind}.noname.ps{set_id}.{next(counter)}"
+
+    @property
+    def elastic(self) -> bool:
+        return self.elastic_round > 0
 
     @property
     def controller(self) -> Controller | None:

@@ -9,13 +9,15 @@ from typing import Any, Callable, Mapping
 
 def lazy_names(package: str, names: Mapping[str, str], namespace: dict) -> Callable[[str], Any]:
     """A module ``__getattr__`` for ``package``: ``names`` maps an exported name to the submodule
-    (relative to ``package``) that defines it; the value is cached in ``namespace`` once loaded."""
+    (relative to ``package``) that defines it, or a submodule's name to itself; the value is cached
+    in ``namespace`` once loaded."""
 
     def __getattr__(name: str) -> Any:
         module = names.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(f".{module}", package), name)
+        loaded = importlib.import_module(f".{module}", package)
+        value = loaded if module == name and not hasattr(loaded, name) else getattr(loaded, name)  # a submodule
         namespace[name] = value
         return value
 

@@ -15,6 +15,8 @@ class ProcessSet:
     """A subset of the job's ranks. Registered at ``init(process_sets=[...])`` or with
     ``add_process_set``; until then ``process_set_id`` is None."""
 
+    mpi_comm: Any = None  # Horovod's attribute, for sets built from an MPI communicator: never, in gpucomm
+
     def __init__(self, ranks_or_comm: Sequence[int] | Any) -> None:
         if hasattr(ranks_or_comm, "Get_rank"):
             raise NotImplementedError("ProcessSet(mpi4py communicator) is not supported: gpucomm does not use MPI. "

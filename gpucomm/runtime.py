@@ -78,7 +78,13 @@ def shutdown() -> None:
         job, _job = _job, None
     failures.set_reporter(None)
     if job is not None:
-        job.close()
+        try:
+            job.close()
+        finally:
+            if job.elastic:
+                from .elastic.worker import left_round  # noqa: PLC0415
+
+                left_round()
 
 
 atexit.register(shutdown)

@@ -18,6 +18,7 @@ from .bootstrap.rendezvous import RendezvousClient, RendezvousError, wait_for_ra
 from .bootstrap.world import World, detect_world
 from .control.channel import ControlListener, connect as connect_control
 from .control.controller import ControlConfig, ControlLinks
+from .elastic.worker import PLACEMENT_VARS, is_elastic_worker, join_round, round_superseded
 from .errors import GpucommError
 from .job import SHUTDOWN_GRACE, Job
 from .logs import SetupSteps, configure_logging
@@ -31,7 +32,12 @@ DEFAULT_START_TIMEOUT = 120.0  # seconds all ranks have to reach init()
 
 
 def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None) -> Job:
-    """Join the job ``env`` describes; ``generation`` keeps a re-init's store keys apart from the last one's."""
+    """Join the job ``env`` describes; ``generation`` keeps a re-init's store keys apart from the last one's.
+    An elastic worker first waits for the launcher's next round, which says where it sits now."""
+    elastic_round = 0
+    if is_elastic_worker(env):
+        env, elastic_round = join_round(env)
+        os.environ.update({k: env[k] for k in PLACEMENT_VARS})  # what the script reads matches the job
     world = detect_world(env)
     configure_logging(env, world.rank)
     steps = SetupSteps()
@@ -43,13 +49,14 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None)
     t0 = time.monotonic()
     server, client = open_store(world, generation, start_timeout, timeout)
     steps.done(f"rendezvous store at {client.host}:{client.port} reached (launcher: {world.launcher})")
-    prefix = f"{world.run_id}/g{generation}/"
+    prefix = f"{world.run_id}/e{elastic_round}/" if elastic_round else f"{world.run_id}/g{generation}/"
+    abandon = (lambda: round_superseded(client, world.run_id)) if elastic_round else None
     try:
         record: dict[str, Any] = {"host": world.hostname, "local_rank": world.local_rank, "pid": os.getpid()}
         single_gpu = devices.single_gpu_test_enabled(env)
         pinned = _pin_gpu(client, server, prefix, world, record, single_gpu, start_timeout)
         steps.done(f"device chosen: {pinned or 'CPU'}")
-        records = arrive(client, prefix, world, record, start_timeout)
+        records = arrive(client, prefix, world, record, start_timeout, abandon)
         steps.done(f"all {world.size} ranks arrived")
         gpus = [(r, rec["host"], rec["bus_id"]) for r, rec in enumerate(records) if rec.get("bus_id")]
         devices.check_unique_assignment(gpus, single_gpu_test=single_gpu)
@@ -77,7 +84,7 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None)
     log.info("init: rank %d of %d ready in %.2f s (device %s)", world.rank, world.size, time.monotonic() - t0,
              pinned or "CPU")
     return Job(world, client, server, prefix, timeout, gloo, pinned, hosts, cross_rank, cross_size, control,
-               links, static_sets, dynamic_sets)
+               links, static_sets, dynamic_sets, elastic_round)
 
 
 def _pin_gpu(client: RendezvousClient, server, prefix: str, world: World, record: dict, single_gpu: bool,

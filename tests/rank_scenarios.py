@@ -60,7 +60,7 @@ def bad_arguments() -> list[str]:
     cases = [
         lambda: hvd.allreduce(torch.ones(4, 4).t()),
         lambda: hvd.allreduce(torch.ones(3, dtype=torch.int16)),
-        lambda: hvd.allreduce(torch.ones(3), op=hvd.Adasum),
+        lambda: hvd.allreduce(torch.ones(3, dtype=torch.int32), op=hvd.Adasum),
         lambda: hvd.allreduce(torch.ones(3), op=hvd.Sum, average=True),
         lambda: hvd.broadcast(torch.ones(3), root_rank=hvd.size()),
         lambda: hvd.alltoall(torch.ones(5)),

@@ -192,7 +192,7 @@ def test_static_process_sets_and_optimizer_on_a_subset():
     for rank in (0, 2):
         assert "root_rank=1 is not a member of the process set [0, 2]" in results[rank]["root_not_member"]
     assert all("add_process_set needs dynamic process sets" in r["add_static"] for r in results)
-    assert "Rank 0 is not a member of the provided process set [1, 2]" in results[0]["optimizer_non_member"]
+    assert results[0]["optimizer_non_member"] == "SGD"  # outside the set: a plain local optimizer
     want = sc.reference_training({1: 3, 2: 3}, 3, members=[1, 2])
     for rank in (1, 2):
         for got, expected in zip(results[rank]["params"], want):

@@ -160,6 +160,12 @@ class RendezvousServer:
         with self._table.cond:
             return {k: v for k, v in self._table.data.items() if k.startswith(prefix)}
 
+    def put(self, key: str, value: bytes) -> None:
+        """Set ``key`` from this process (the launcher publishing to its ranks), waking waiters."""
+        with self._table.cond:
+            self._table.data[key] = value
+            self._table.cond.notify_all()
+
     def __enter__(self) -> "RendezvousServer":
         return self
 

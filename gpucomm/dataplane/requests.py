@@ -104,8 +104,12 @@ _OPS = frozenset(ReduceOp)
 
 
 def check_op(kind: str, op: ReduceOp) -> None:
-    if op == ReduceOp.ADASUM:
-        raise NotImplementedError(f"{kind} with op=Adasum is not supported by gpucomm; use hvd.Average or hvd.Sum.")
+    if op == ReduceOp.ADASUM:  # hvd.allreduce routes Adasum to gpucomm/torch/adasum.py before building a request
+        raise NotImplementedError(
+            "gpucomm.Communicator.allreduce does not support op=Adasum; use gpucomm.torch's "
+            "hvd.allreduce(op=hvd.Adasum)." if kind == "allreduce" else
+            f"{kind} does not support op=Adasum (nor does Horovod): Adasum combines whole tensors pairwise; use "
+            f"hvd.Average or hvd.Sum.")
     if op not in _OPS:
         raise ValueError(f"unknown reduction op {op!r}; {VALID_OPS}.")
 
@@ -118,7 +122,7 @@ def reduce_op_of(op: object) -> ReduceOp:
     try:
         return ReduceOp(op)
     except (ValueError, TypeError):
-        raise ValueError(f"op={op!r} is not a reduction op; {VALID_OPS} (hvd.Adasum (2) is not supported).") from None
+        raise ValueError(f"op={op!r} is not a reduction op; {VALID_OPS}, or hvd.Adasum (2) for allreduce.") from None
 
 
 def equal_splits(rows: int, size: int, what: str) -> list[int]:

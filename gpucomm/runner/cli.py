@@ -140,6 +140,23 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--single-gpu-test", action="store_true",
                       help="TEST MODE: let all ranks share one GPU (one NCCL_HOSTID per rank, socket transport); "
                            "correct but slow, never for real training (GPUCOMM_SINGLE_GPU_TEST)")
+    elastic = p.add_argument_group("elastic training (enabled by --host-discovery-script or --min-np)")
+    elastic.add_argument("--host-discovery-script", help="command that prints the available hosts, one 'host' or "
+                                                         "'host:slots' per line; polled every second")
+    elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=_positive(int),
+                         help="fewest workers training may continue with (default: -np)")
+    elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=_positive(int),
+                         help="most workers the job grows to (default: unbounded)")
+    elastic.add_argument("--slots-per-host", dest="slots_per_host", type=_positive(int),
+                         help="slots of a discovered host printed without a count (default 1)")
+    elastic.add_argument("--elastic-timeout", type=_positive(float),
+                         help="seconds to wait for --min-np slots after a change (default 600, or "
+                              "HOROVOD_ELASTIC_TIMEOUT)")
+    elastic.add_argument("--reset-limit", type=_non_negative(int),
+                         help="how many times the job may be re-formed before it fails (default: unlimited)")
+    elastic.add_argument("--blacklist-cooldown-range", nargs=2, type=_positive(int), metavar=("MIN", "MAX"),
+                         action=_Refused, advice="gpucomm blacklists a failed host for the rest of the job; drop the "
+                         "flag, and let the discovery script re-list a repaired host under another name if needed")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program each rank runs, with its arguments")
     return p
 
@@ -234,6 +251,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("-np is required (the number of ranks to start)")
     if not args.command:
         parser.error("no command given: gpucomm-run -np 2 python train.py")
+    if args.host_discovery_script or args.min_np is not None:
+        return run_elastic(args, parser)
+    for flag, value in (("--max-np", args.max_np), ("--slots-per-host", args.slots_per_host),
+                        ("--elastic-timeout", args.elastic_timeout), ("--reset-limit", args.reset_limit)):
+        if value is not None:
+            parser.error(f"{flag} is an elastic option: add --host-discovery-script (or --min-np with -H) to run "
+                         f"an elastic job")
     try:
         slots = assign_slots(_host_list(args), args.np)
     except HostSpecError as e:
@@ -273,6 +297,42 @@ def main(argv: Sequence[str] | None = None) -> int:
             grace=args.stop_grace)
         return Supervisor(launches, sink, grace=args.stop_grace, verbose=args.verbose,
                           reported_failures=lambda: read_failures(server.snapshot(), run_id)).run()
+
+
+def run_elastic(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """An elastic job: workers on the discovered (or listed) hosts, re-formed as they come and go."""
+    from .discovery import DiscoveryScript, FixedHosts  # noqa: PLC0415
+    from .elastic_driver import ElasticDriver, make_limits  # noqa: PLC0415
+
+    env = dict(os.environ)
+    try:
+        limits = make_limits(args.np, args.min_np, args.max_np, args.elastic_timeout, args.reset_limit, env)
+        if args.host_discovery_script:
+            if args.hosts or args.hostfile:
+                parser.error("give either --host-discovery-script or -H/--hostfile, not both")
+            discovery = DiscoveryScript(args.host_discovery_script, args.slots_per_host or 1)
+        else:
+            discovery = FixedHosts(tuple(_host_list(args)))
+    except (HostSpecError, ValueError) as e:
+        parser.error(str(e))
+    tunables = tunables_env(args, env)
+    secret, run_id = secrets.token_bytes(32), secrets.token_hex(8)
+    addr = interface_address(tunables["GPUCOMM_GLOO_IFACE"]) if args.nics else "0.0.0.0"
+    sink = OutputSink(1, args.output_filename, timestamps=args.prefix_output_with_timestamp)
+    with RendezvousServer(secret, addr, 0) as server:
+        def store_address(host: str) -> str:  # loopback here; towards the launcher from other hosts
+            if args.nics:
+                return addr
+            return "127.0.0.1" if is_local(host) else address_towards(split_user(host)[1].strip("[]"))
+
+        driver = ElasticDriver(discovery, limits, list(args.command), env, tunables, server,
+                               rendezvous_addr=store_address,
+                               secret=secret, run_id=run_id, sink=sink,
+                               ssh=SshOptions(args.ssh_port, args.ssh_identity_file,
+                                              float(tunables["GPUCOMM_START_TIMEOUT"]), args.remote_python,
+                                              tuple(shlex.split(args.ssh_args))),
+                               grace=args.stop_grace, verbose=args.verbose)
+        return driver.run()
 
 
 def console_main() -> None:

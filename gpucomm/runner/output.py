@@ -26,8 +26,8 @@ class OutputSink:
         self._lock = threading.Lock()
         self._dir = Path(output_dir) if output_dir else None
         self._width = len(str(max(size - 1, 0)))
-        self.stderr_tails: dict[int, collections.deque[str]] = {
-            r: collections.deque(maxlen=STDERR_TAIL_LINES) for r in range(size)}
+        self.stderr_tails: collections.defaultdict[int, collections.deque[str]] = collections.defaultdict(
+            lambda: collections.deque(maxlen=STDERR_TAIL_LINES))  # elastic workers appear later, numbered on
         if self._dir is not None:
             for r in range(size):
                 self.rank_dir(r).mkdir(parents=True, exist_ok=True)
@@ -45,6 +45,8 @@ class OutputSink:
     def _copy(self, rank: int, stream: str, pipe: BinaryIO) -> None:
         target = self._out if stream == "stdout" else self._err
         prefix = f"[{rank}]<{stream}>:"
+        if self._dir is not None:
+            self.rank_dir(rank).mkdir(parents=True, exist_ok=True)
         copy = open(self.rank_dir(rank) / stream, "w", encoding="utf-8") if self._dir is not None else None
         try:
             for raw in iter(pipe.readline, b""):

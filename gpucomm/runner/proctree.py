@@ -12,6 +12,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 
 import psutil
@@ -76,6 +77,32 @@ def signal_processes(procs: list[psutil.Process], sig: int) -> None:
             p.send_signal(sig)
         except psutil.Error:
             pass
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def install_stop_handlers(handler) -> dict[int, object]:
+    """Route Ctrl-C, SIGTERM and SIGHUP to ``handler`` (main thread only); returns the previous
+    handlers for ``restore_handlers``."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+
+
+def restore_handlers(previous: dict[int, object]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def terminate(pids: list[int]) -> dict[int, list[psutil.Process]]:
+    """SIGTERM each process's group and its descendants (taken first: they may leave the group);
+    returns those descendants, to be killed later if they linger."""
+    trees = {pid: descendants(pid) for pid in pids}
+    for pid in pids:
+        signal_group(pid, signal.SIGTERM)
+        signal_processes(trees[pid], signal.SIGTERM)
+    return trees
 
 
 def kill_all(procs: list[psutil.Process], timeout: float = 5.0) -> list[psutil.Process]:

@@ -29,7 +29,8 @@ def is_local(host: str) -> bool:
     user, name = split_user(host)
     if user is not None:
         return False
-    return name in LOCAL_NAMES or name in {socket.gethostname(), socket.getfqdn()}
+    return (name in LOCAL_NAMES or (name.startswith("127.") and name.replace(".", "").isdigit())  # all of 127.0.0.0/8 is this machine's loopback
+            or name in {socket.gethostname(), socket.getfqdn()})
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,18 @@ def ssh_argv(host: str, opts: SshOptions) -> list[str]:
     return argv + [host, remote]
 
 
+def launch_for(slot: Slot, command: list[str], base_env: Mapping[str, str], job_env: Mapping[str, str], *, cwd: str,
+               ssh: SshOptions, grace: float) -> Launch:
+    """How to start one process on ``slot.host`` with ``job_env`` over the launcher's environment
+    (filtered for a remote host): directly here, or through ssh and the remote wrapper."""
+    if is_local(slot.host):
+        return Launch(slot, list(command), dict(base_env) | dict(job_env))
+    from .worker_env import forwarded_env  # noqa: PLC0415
+
+    payload = encode_request(command, cwd, forwarded_env(base_env) | dict(job_env), grace)
+    return Launch(slot, ssh_argv(slot.host, ssh), dict(base_env), True, payload)
+
+
 def build_launches(slots: list[Slot], command: list[str], base_env: Mapping[str, str], tunables: Mapping[str, str],
                    *, rendezvous_addr: str, rendezvous_port: int, secret: bytes, run_id: str, cwd: str,
                    ssh: SshOptions, grace: float) -> list[Launch]:
@@ -76,4 +89,4 @@ def build_launches(slots: list[Slot], command: list[str], base_env: Mapping[str,
     return launches
 
 
-__all__ = ["SshOptions", "build_launches", "is_local", "split_user", "ssh_argv"]
+__all__ = ["SshOptions", "build_launches", "is_local", "launch_for", "split_user", "ssh_argv"]

@@ -88,7 +88,7 @@ class Supervisor:
 
     def run(self) -> int:
         proctree.become_subreaper()
-        previous = self._install_signal_handlers()
+        previous = proctree.install_stop_handlers(self._on_signal)
         try:
             self._start_all()
             self._watch()
@@ -97,11 +97,16 @@ class Supervisor:
                 self._stop_all()  # a second signal meanwhile means "kill now", so handlers stay ours
                 self._sweep_leftovers()
             finally:
-                self._restore_signal_handlers(previous)
+                proctree.restore_handlers(previous)
             for r in self._ranks:
                 for t in r.pumps:
                     t.join(timeout=5)
         return self._report()
+
+    @property
+    def first_failure(self) -> tuple[int, int] | None:
+        """(rank, Popen return code) of the first rank that failed; None while none has."""
+        return self._first_failure
 
     # ------------------------------------------------------------------ starting
 
@@ -166,19 +171,6 @@ class Supervisor:
 
     # ------------------------------------------------------------------ stopping
 
-    def _install_signal_handlers(self) -> dict[int, object]:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-        previous = {}
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            previous[sig] = signal.signal(sig, self._on_signal)
-        return previous
-
-    @staticmethod
-    def _restore_signal_handlers(previous: dict[int, object]) -> None:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
     def _on_signal(self, signum: int, _frame) -> None:
         # Only plain assignments here: a handler must not take locks the main thread may hold.
         self._signals_seen += 1
@@ -198,10 +190,7 @@ class Supervisor:
                            f"rank(s).")
         signals_before = self._signals_seen
         local = [r.proc.pid for r in running if not r.launch.remote]
-        trees = {pid: proctree.descendants(pid) for pid in local}
-        for pid in local:
-            proctree.signal_group(pid, signal.SIGTERM)
-            proctree.signal_processes(trees[pid], signal.SIGTERM)
+        trees = proctree.terminate(local)
         for r in running:
             if r.launch.remote and r.proc.stdin is not None:
                 try:

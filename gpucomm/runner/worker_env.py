@@ -19,22 +19,24 @@ NOT_FORWARDED = frozenset({
 NOT_FORWARDED_PREFIXES = ("BASH_FUNC_", "XDG_", "SSH_")
 
 
+def slot_env(slot: Slot) -> dict[str, str]:
+    """The variables that place one rank in the job (``gpucomm.bootstrap.world`` reads them back),
+    under gpucomm's and Horovod's names."""
+    env = {}
+    for prefix in ("GPUCOMM", "HOROVOD"):
+        env.update({f"{prefix}_RANK": str(slot.rank), f"{prefix}_SIZE": str(slot.size),
+                    f"{prefix}_LOCAL_RANK": str(slot.local_rank), f"{prefix}_LOCAL_SIZE": str(slot.local_size),
+                    f"{prefix}_CROSS_RANK": str(slot.cross_rank), f"{prefix}_CROSS_SIZE": str(slot.cross_size),
+                    f"{prefix}_HOSTNAME": slot.host})
+    return env
+
+
 def job_env(slot: Slot, *, rendezvous_addr: str, rendezvous_port: int, secret: bytes, run_id: str) -> dict[str, str]:
-    """The variables that place one rank in the job (``gpucomm.bootstrap.world`` reads them back)."""
-    env = {
-        "GPUCOMM_RANK": str(slot.rank), "GPUCOMM_SIZE": str(slot.size),
-        "GPUCOMM_LOCAL_RANK": str(slot.local_rank), "GPUCOMM_LOCAL_SIZE": str(slot.local_size),
-        "GPUCOMM_CROSS_RANK": str(slot.cross_rank), "GPUCOMM_CROSS_SIZE": str(slot.cross_size),
-        "GPUCOMM_HOSTNAME": slot.host,
+    """``slot_env`` and where to meet: the store's address, the job secret and the run id."""
+    return slot_env(slot) | {
         "GPUCOMM_RENDEZVOUS_ADDR": rendezvous_addr, "GPUCOMM_RENDEZVOUS_PORT": str(rendezvous_port),
         "GPUCOMM_RENDEZVOUS_HOSTED": "1", "GPUCOMM_SECRET": secret.hex(), "GPUCOMM_RUN_ID": run_id,
-        "HOROVOD_RANK": str(slot.rank), "HOROVOD_SIZE": str(slot.size),
-        "HOROVOD_LOCAL_RANK": str(slot.local_rank), "HOROVOD_LOCAL_SIZE": str(slot.local_size),
-        "HOROVOD_CROSS_RANK": str(slot.cross_rank), "HOROVOD_CROSS_SIZE": str(slot.cross_size),
-        "HOROVOD_HOSTNAME": slot.host,
-        "PYTHONUNBUFFERED": "1",
-    }
-    return env
+        "PYTHONUNBUFFERED": "1"}
 
 
 def forwarded_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -55,4 +57,4 @@ def worker_env(base: Mapping[str, str], slot: Slot, tunables: Mapping[str, str],
     return env
 
 
-__all__ = ["NOT_FORWARDED", "forwarded_env", "job_env", "worker_env"]
+__all__ = ["NOT_FORWARDED", "forwarded_env", "job_env", "slot_env", "worker_env"]

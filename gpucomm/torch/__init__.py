@@ -10,6 +10,7 @@ from .. import runtime as _runtime
 from ..lazy import lazy_names
 from ..counters import stats
 from ..errors import CollectiveError as HorovodInternalError
+from ..errors import HostsUpdatedInterrupt
 from .autograd import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
                        grouped_reducescatter, reducescatter)
 from .compression import Compression
@@ -22,7 +23,8 @@ from ..process_sets import ProcessSet, global_process_set
 
 _LAZY = {"DistributedOptimizer": "optimizer", "save_checkpoint": "checkpoint", "allgather_object": "functions",
          "broadcast_object": "functions", "broadcast_optimizer_state": "functions",
-         "broadcast_parameters": "functions"}
+         "broadcast_parameters": "functions", "SyncBatchNorm": "sync_batch_norm",
+         "sparse_allreduce_async": "mpi_ops", "elastic": "elastic"}
 
 
 __getattr__ = lazy_names(__name__, _LAZY, globals())

@@ -86,6 +86,24 @@ class _Allgather(torch.autograd.Function):
         return (reduced.narrow(0, start, ctx.rows[me]) if reduced.dim() else reduced), None, None
 
 
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        outs, rows = _allgather_now(tensors, name, process_set)
+        ctx.rows, ctx.process_set = rows, process_set
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ps = ctx.process_set
+        reduced = _grouped_allreduce_now([g.contiguous() for g in grads], Average, 1.0, 1.0, None, ps)
+        me = _group(ps).rank
+        mine = []
+        for out, rows in zip(reduced, ctx.rows):
+            mine.append(out.narrow(0, sum(rows[:me]), rows[me]) if out.dim() else out)
+        return (None, None, *mine)
+
+
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root_rank, name, process_set):
@@ -179,9 +197,12 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
 
 def grouped_allgather(tensors, name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """Allgather several tensors in one request (no autograd for the grouped form)."""
+    """Allgather several tensors in one request. Differentiable: each gradient is the per-tensor
+    ``allgather``'s (the Average of the gathered gradients, this rank's rows)."""
     tensors = check_tensor_list("allgather", tensors)
-    return _allgather_now(tensors, name, process_set)[0]
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return _allgather_now(tensors, name, process_set)[0]
+    return list(_GroupedAllgather.apply(name, process_set, *tensors))
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,

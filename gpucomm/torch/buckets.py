@@ -257,6 +257,8 @@ class GradientBuckets:
     def stand_in_step(self) -> bool:
         """One step of zeros on the schedule, for a rank that joined; False when no rank trained in
         it (every rank has joined), True when the others still train."""
+        if not self.buckets:  # nothing dense to stand in for (sparse reductions cannot be stood in for)
+            return False
         handles = []
         for bucket in self.buckets:
             tensors = self._zeros(bucket)

@@ -75,16 +75,25 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
     return result
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+                              model: torch.nn.Module | None = None) -> None:
     """Give every rank root's optimizer state and hyper-parameters (``lr``, momentum buffers, Adam
     moments, step counts, ...): root's ``state_dict()`` is broadcast and loaded on the others, so
-    state that root has not created yet is cleared elsewhere too."""
+    every rank ends with root's state, whatever it had (none, or for other parameters).
+
+    An optimizer that has no state yet on root gets it first, as Horovod creates it: one step of
+    the wrapped optimizer (never a DistributedOptimizer's synchronizing step) on zero gradients for
+    every parameter that requires grad; sparse zeros for ``SparseAdam``, and for ``SGD`` on the
+    parameters of ``model``'s sparse embeddings (``model`` is only used for that). Parameters and
+    gradients are put back as they were, so weight decay cannot move root's parameters."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state: its state holds closures' history that does "
                          "not transfer between processes; broadcast the model and start LBFGS fresh on every rank.")
     rt = runtime.current()
     blob = None
     if rt.world.rank == root_rank:
+        if not any(optimizer.state.values()):
+            _create_state(optimizer, model)
         buf = io.BytesIO()
         torch.save(_to_cpu(optimizer.state_dict()), buf)
         blob = buf.getvalue()
@@ -92,6 +101,36 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     if rt.world.rank != root_rank:
         state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=False)
         optimizer.load_state_dict(state)  # casts state to each parameter's device and dtype
+
+
+_WRAPPERS = __name__.rsplit(".", 1)[0] + "."  # DistributedOptimizer's classes (Adasum's too) come from gpucomm.torch
+
+
+def _create_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> None:
+    """One local step of the wrapped optimizer on zero gradients (Horovod's way to create state),
+    leaving parameters and gradients as they were."""
+    sparse_ids = set() if model is None else {
+        id(p) for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse
+        for p in m.parameters(recurse=False)}
+    all_sparse = isinstance(optimizer, torch.optim.SparseAdam)
+    sgd = isinstance(optimizer, torch.optim.SGD)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    kept = [(p, p.detach().clone(), p.grad) for p in params]
+    try:
+        for p in params:
+            if p.requires_grad:
+                zeros = torch.zeros_like(p)
+                sparse = p.dim() > 0 and (all_sparse or (sgd and id(p) in sparse_ids))
+                p.grad = zeros.to_sparse(1) if sparse else zeros
+        if type(optimizer).__module__.startswith(_WRAPPERS):  # a DistributedOptimizer: its wrapped class's step
+            super(type(optimizer), optimizer).step()
+        else:
+            optimizer.step()
+    finally:
+        with torch.no_grad():
+            for p, data, grad in kept:
+                p.copy_(data)
+                p.grad = grad
 
 
 def _to_cpu(obj: Any) -> Any:

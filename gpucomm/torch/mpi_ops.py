@@ -72,7 +72,7 @@ def _request(job: Any, kind: str, tensors: Sequence[torch.Tensor], name: str | N
     if in_place:
         _mark_written(kind, tensors)
     detached = [t.detach() if t.requires_grad else t for t in tensors]
-    return Request(kind, f"{kind}.{name}" if name else f"{kind}.noname.{next(job.unnamed)}", detached,
+    return Request(kind, f"{kind}.{name}" if name else job.unnamed_name(kind, set_id), detached,
                    outputs=detached if in_place else None, device=device, set_id=set_id, **fields)
 
 
@@ -110,6 +110,9 @@ def _mark_written(kind: str, tensors: Sequence[torch.Tensor]) -> None:
 def _submit(kind: str, tensors: Sequence[torch.Tensor], name: str | None, convert: Callable[[Any], Any],
             **options: Any) -> int:
     """Validate, submit and register a request; returns Horovod's integer handle."""
+    if kind == "allreduce" and options.get("op") is Adasum:
+        from .adasum import submit  # noqa: PLC0415 - adasum.py builds on this module
+        return submit(tensors, name, convert, **options)
     job = runtime.current()
     handle = job.submit(_request(job, kind, tensors, name, **options), send=Send.CYCLE)
     handle_id = next(_handle_ids)
@@ -120,6 +123,9 @@ def _submit(kind: str, tensors: Sequence[torch.Tensor], name: str | None, conver
 
 def _execute(kind: str, tensors: Sequence[torch.Tensor], name: str | None, **options: Any) -> Any:
     """Submit and wait: the synchronous forms."""
+    if kind == "allreduce" and options.get("op") is Adasum:
+        from .adasum import execute  # noqa: PLC0415 - adasum.py builds on this module
+        return execute(tensors, name, **options)
     job = runtime.current()
     return job.submit(_request(job, kind, tensors, name, **options), send=Send.ON_WAIT).wait()
 
@@ -398,3 +404,41 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     _control("remove_process_set", job.next_set_name("remove"), root=process_set.process_set_id)
     process_set._unbind()
     return True
+
+
+# -- sparse allreduce ------------------------------------------------------------------------
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: int,
+                           process_set: ProcessSet = global_process_set) -> Callable[[], torch.Tensor]:
+    """Start reducing a sparse COO tensor (e.g. the gradient of ``nn.Embedding(sparse=True)``) as
+    Horovod does: every rank's coalesced indices and values are allgathered, both in one request.
+    Returns a callable (Horovod's contract) that waits and returns the reduced sparse tensor,
+    coalesced (entries at the same index summed); ``Average`` then divides the values by the
+    process set's size (integers truncate, as a dense Average does). Only Average and Sum."""
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+        what = f"a {tensor.layout} tensor" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise TypeError(f"sparse_allreduce_async expects a sparse COO tensor, got {what}; reduce dense tensors with "
+                        f"hvd.allreduce_async, or convert with tensor.to_sparse().")
+    rop = handle_average_backwards_compatibility(op, None)
+    if rop not in (Average, Sum):
+        raise ValueError(f"sparse_allreduce_async reduces with op=hvd.Average or hvd.Sum only, got "
+                         f"hvd.{rop.name.title()}: it gathers every rank's entries and sums those at the same index. "
+                         f"For another op, densify and use hvd.allreduce(tensor.to_dense(), op=...).")
+    check_name("sparse_allreduce_async", name)
+    job = runtime.current()
+    t = tensor.detach().coalesce()
+    indices = t.indices().t().contiguous()  # [nnz, sparse_dim]: allgather concatenates along dim 0
+    request = _request(job, "allgather", [indices, t.values().contiguous()], None if name is None else f"{name}.sparse",
+                       process_set=process_set)
+    handle = job.submit(request, send=Send.CYCLE)
+    size, shape = _set_size(request.set_id), t.shape
+
+    def wait() -> torch.Tensor:
+        (all_indices, all_values), _ = handle.wait()
+        out = torch.sparse_coo_tensor(all_indices.t(), all_values, shape, check_invariants=False).coalesce()
+        if rop != Average:
+            return out
+        values = out.values()
+        values = values / size if values.is_floating_point() else torch.div(values, size, rounding_mode="trunc")
+        return torch.sparse_coo_tensor(out.indices(), values, shape, check_invariants=False, is_coalesced=True)
+
+    return wait

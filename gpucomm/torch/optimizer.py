@@ -18,7 +18,9 @@ Semantics follow Horovod: a subclass of the wrapped optimizer's class, ``synchro
 ``step()`` follows ``synchronize()``. A parameter that produced no gradient on this rank
 contributes zeros (and, if it still requires grad, receives the averaged gradient); a parameter
 frozen with ``requires_grad_(False)`` contributes zeros and keeps its gradient untouched until the
-next layout leaves it out.
+next layout leaves it out. Sparse gradients (``nn.Embedding(sparse=True)``): ``sparse_as_dense=True``
+averages them densely in their buckets; otherwise they are reduced sparse, outside the buckets,
+once the ranks agreed which parameters have them (``sparse_grads.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from ..errors import CollectiveError as HorovodInternalError
 from ..settings import env_flag_default_on
 from .functions import allgather_object, broadcast_object
 from .mpi_ops import Adasum, Average, Sum, _set_id
+from .sparse_grads import SparseGradients
 
 TWICE_ERROR = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
                "Increase backward_passes_per_step to accumulate gradients locally.")
@@ -65,28 +68,42 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._groups = groups
         self._params = [p for group in self.param_groups for p in group["params"]]
         self._parameter_names = _names(named_parameters, self._params)
-        job = runtime.current()
         self._process_set = process_set
-        self._set_id = _set_id(process_set)
-        self._size = job.group(self._set_id).size
-        # Average: 1/f before the sum (packed in), f/size after (unpacked out), Horovod's predivide rule
-        self._prescale = 1.0 / float(gradient_predivide_factor) if op == Average else 1.0
-        self._postscale = float(gradient_predivide_factor) / self._size if op == Average else 1.0
-        self._fired: set[torch.Tensor] = set()
+        self._op, self._predivide = op, float(gradient_predivide_factor)
         self._synchronized = False
         self._should_synchronize = True
         self._local_only = False
         self._hooks: dict[torch.Tensor, Any] = {}
         self._lock = threading.Lock()  # hooks of CPU and CUDA parameters run on different autograd threads
+        self._job_ref: Any = None
+        self._bind(runtime.current())
+
+    def _bind(self, job) -> None:
+        """Attach to ``job``: its size sets the scaling, its schedule carries the buckets, and the
+        layout is agreed among its ranks (a collective)."""
+        self._job_ref = weakref.ref(job)
+        self._set_id = _set_id(self._process_set)
+        self._size = job.group(self._set_id).size
+        # Average: 1/f before the sum (packed in), f/size after (unpacked out), Horovod's predivide rule
+        self._prescale = 1.0 / self._predivide if self._op == Average else 1.0
+        self._postscale = self._predivide / self._size if self._op == Average else 1.0
+        self._fired: set[torch.Tensor] = set()
         self._backward_span: tuple[float, float] | None = None  # first and last gradient of this step (timeline)
         self._schedule = job.new_schedule(self._set_id) if self._size > 1 else None
         self._layouts = 0
         self._ready_us: list[float | None] | None = None  # when each gradient arrived in the watched step
+        if self._size == 1:
+            for hook in self._hooks.values():
+                hook.remove()
+            self._hooks.clear()
+        self._sparse = SparseGradients(self._params, self._parameter_names, self._op, self._process_set,
+                                       self._sparse_as_dense,
+                                       f"DistributedOptimizer.sparse.{getattr(self._schedule, 'number', 0)}")
         self._buckets = self._agree_on_layout(job)
         # On CPU the first step is watched, and the buckets are cut again where backward pauses
         # (``fusion.plan_by_readiness``), once, from rank 0's timings (DDP rebuilds after step 1 too).
         self._watch: dict[torch.Tensor, float] | None = None
-        if (self._size > 1 and groups is None and env_flag_default_on("GPUCOMM_FUSION_BY_READINESS")
+        if (self._size > 1 and self._groups is None and env_flag_default_on("GPUCOMM_FUSION_BY_READINESS")
                 and all(b.plan.device.type == "cpu" for b in self._buckets.buckets)):
             self._watch = {}
         if self._schedule is not None:
@@ -94,6 +111,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._schedule.open(device)
             job.add_join_party(self)
             weakref.finalize(self, job.close_schedule, self._schedule)  # its communicator goes with it
+
+    def _rebind(self) -> None:
+        """Elastic training re-formed the job (``hvd.elastic.run``): attach to the new one. Every
+        rank of the new job calls this at the same point (``TorchState.sync()`` does, or the first
+        gradient hook or ``synchronize()`` after the re-form)."""
+        job = runtime.current()
+        if self._job_ref is not None and self._job_ref() is job:
+            return
+        self._bind(job)
 
     # ------------------------------------------------------------------ the layout, agreed once
 
@@ -103,20 +129,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         of the optimizer changes unless the ranks agreed."""
         requires = [p.requires_grad for p in self._params]
         trainable = [p for p in self._params if p.requires_grad]
+        dense = self._sparse.split(trainable)  # the agreed sparse ones are reduced on their own
         if self._groups is not None:
-            plans = fusion.plan_groups(trainable, _trainable_groups(self._groups, trainable))
+            plans = fusion.plan_groups(dense, _trainable_groups(self._groups, dense))
         elif self._ready_us is not None:
             index = {p: i for i, p in enumerate(self._params)}
-            plans = fusion.plan_by_readiness(trainable, [self._ready_us[index[p]] for p in trainable])
+            plans = fusion.plan_by_readiness(dense, [self._ready_us[index[p]] for p in dense])
         else:
-            plans = fusion.plan_buckets(trainable)
-        buckets = GradientBuckets(self._schedule, trainable, plans, self._compression, self._prescale,
+            plans = fusion.plan_buckets(dense)
+        buckets = GradientBuckets(self._schedule, dense, plans, self._compression, self._prescale,
                                   self._postscale, self._set_id, lambda: job.tracer)
         self._layouts += 1
         if self._size > 1:
             self._verify_everywhere(buckets)
+            hooked = set(trainable)
             for p in list(self._hooks):
-                if p not in buckets.bucket_of:
+                if p not in hooked:
                     self._hooks.pop(p).remove()
             for p in trainable:
                 if p not in self._hooks:
@@ -130,7 +158,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         params = [(self._parameter_names[p], list(p.shape), str(p.dtype).replace("torch.", ""), p.requires_grad)
                   for p in self._params]
         layout = [([index[p] for p in b.params], str(b.wire_dtype)) for b in buckets.buckets]
-        mine = {"params": params, "buckets": layout, "schedule": self._schedule.number}
+        sparse = [index[p] for p in self._sparse.active]
+        mine = {"params": params, "buckets": layout, "schedule": self._schedule.number, "sparse": sparse,
+                "sparse_as_dense": self._sparse_as_dense}
         COUNTERS.layout_checks += 1
         every = allgather_object(mine, name=f"DistributedOptimizer.layout.{self._schedule.number}.{self._layouts}",
                                  process_set=self._process_set)
@@ -142,16 +172,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     f"DistributedOptimizer: ranks disagree on the gradient buckets (rank 0: {_layout_text(every[0])}; "
                     f"rank {rank}: {_layout_text(theirs)}), although their parameters match. Every rank must plan the "
                     f"same buckets, or their allreduces would pair unrelated data. Likely causes: "
-                    f"GPUCOMM_FUSION_THRESHOLD / HOROVOD_FUSION_THRESHOLD / GPUCOMM_FUSION_FIRST_BUCKET or groups= set "
-                    f"differently on some ranks, or DistributedOptimizers built in a different order. Set them alike "
-                    f"on every rank.")
+                    f"GPUCOMM_FUSION_THRESHOLD / HOROVOD_FUSION_THRESHOLD / GPUCOMM_FUSION_FIRST_BUCKET, groups= or "
+                    f"sparse_as_dense= set differently on some ranks, or DistributedOptimizers built in a different "
+                    f"order. Set them alike on every rank.")
 
     def _layout_changed(self) -> bool:
         return [p.requires_grad for p in self._params] != self._requires
 
-    def _adopt_new_layout(self) -> None:
-        """The parameters that need gradients changed (a layer was frozen or unfrozen): agree on the
-        new layout, and average now the gradients of parameters that just joined it."""
+    def _adopt_new_layout(self, sparse_agreed: bool = False) -> None:
+        """The parameters that need gradients changed (a layer was frozen or unfrozen), or some
+        turned out sparse: agree on the new layout (and, unless just done, on which parameters are
+        sparse), and average now the gradients of parameters that just joined it."""
+        if not sparse_agreed:
+            self._sparse.agree()
         before = set(self._trainable)
         self._buckets = self._agree_on_layout(runtime.current())
         added = [p for p in self._trainable if p not in before]
@@ -163,9 +196,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _hook(self, p: torch.Tensor) -> None:
         if self._local_only:
             return
-        if p.grad is not None and p.grad.is_sparse and not self._sparse_as_dense:
-            raise ValueError(f"parameter {self._parameter_names[p]!r} has a sparse gradient; gpucomm averages "
-                             f"dense gradients only. Pass sparse_as_dense=True to DistributedOptimizer.")
+        if self._job_ref() is not runtime._job:
+            self._rebind()
         with self._lock:
             delay = self._delay.get(p)
             if delay is None:  # not in the agreed layout (it was frozen when the layout was agreed)
@@ -183,20 +215,30 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._watch[p] = time.perf_counter()
             self._fired.add(p)
             self._synchronized = False
-            self._buckets.gradient_ready(p)
+            if p in self._buckets.bucket_of:
+                g = p.grad
+                if g is not None and g.is_sparse:
+                    self._sparse.arrived(p, g)
+                self._buckets.gradient_ready(p)
+            else:  # agreed sparse: reduced on its own
+                self._sparse.launch(p)
 
     # ------------------------------------------------------------------ Horovod API
 
     def synchronize(self) -> None:
         """Finish averaging every gradient: launch the buckets not yet launched, wait for all in
         order, and write the averaged gradients into ``p.grad``."""
+        if self._job_ref() is not runtime._job:
+            self._rebind()
         if self._size == 1:
             self._synchronized = True
             return
         with self._lock:
             self._buckets.launch_rest()
+            self._sparse.launch_missing()
         try:
             self._buckets.finish()
+            self._sparse.finish()
         finally:
             self._reset_step()
         COUNTERS.schedule_steps += 1
@@ -206,9 +248,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if tracer is not None and span is not None:
             tracer.span("DistributedOptimizer.backward", "BACKWARD", span[0], span[1])
         if self._watch is not None and self._cut_where_backward_pauses():
-            return
-        if self._layout_changed():
+            pass
+        elif self._sparse.due and self._sparse.agree():
+            self._adopt_new_layout(sparse_agreed=True)
+        elif self._layout_changed():
             self._adopt_new_layout()
+        self._sparse.hand_back()
 
     def _cut_where_backward_pauses(self) -> bool:
         """After the watched step: take rank 0's gradient arrival times and agree on buckets cut at
@@ -237,6 +282,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _reset_step(self) -> None:
         self._buckets.reset()
+        self._sparse.reset()
         for p in self._delay:
             self._delay[p] = self._passes
         self._fired.clear()
@@ -276,15 +322,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._buckets.in_flight:
+        if self._buckets.in_flight or self._sparse.in_flight:
             raise AssertionError(ZERO_GRAD_ERROR)
         result = super(self.__class__, self).zero_grad(set_to_none=set_to_none)
         self._buckets.release()
         return result
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if self._buckets.in_flight:
-            self.synchronize()  # finish what is in flight; the gradients are discarded by the caller's next step
+        if self._buckets.in_flight or self._sparse.in_flight:
+            try:
+                self.synchronize()  # finish what is in flight; the gradients are discarded by the caller's next step
+            except HorovodInternalError:
+                pass  # the job broke (an elastic restore follows): nothing in flight is worth keeping
         self._reset_step()
         return super(self.__class__, self).load_state_dict(state_dict)
 
@@ -358,6 +407,31 @@ def _layout_text(mine: dict) -> str:
     return f"schedule {mine['schedule']}, {len(buckets)} buckets [{sizes}{more}]"
 
 
+class _OutsideProcessSet(torch.optim.Optimizer):
+    """A ``DistributedOptimizer`` on a rank outside its ``process_set``: as in Horovod it registers no
+    hooks, ``synchronize()`` has nothing to wait for and ``step()`` is the wrapped optimizer's local step."""
+
+    def __init__(self, params, named_parameters, backward_passes_per_step):
+        super(self.__class__, self).__init__(params)
+        self._parameter_names = _names(named_parameters, [p for g in self.param_groups for p in g["params"]])
+        self._passes = backward_passes_per_step
+        self._delay: dict = {}
+        self._synchronized = False
+        self._should_synchronize = True
+
+    def synchronize(self) -> None:
+        self._synchronized = True
+
+    skip_synchronize = _DistributedOptimizer.skip_synchronize
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        yield
+
+    set_backward_passes_per_step = _DistributedOptimizer.set_backward_passes_per_step  # no countdowns: _delay is empty
+    step = _DistributedOptimizer.step
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None = None,
                          compression: Any = Compression.none, backward_passes_per_step: int = 1, op: int = Average,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
@@ -368,8 +442,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     The result is an instance of a subclass of ``optimizer``'s class built from its
     ``param_groups`` (``isinstance`` and LR schedulers keep working; the original's state is not
     carried over, as in Horovod)."""
-    if op == Adasum:
-        raise NotImplementedError("DistributedOptimizer(op=Adasum) is not supported by gpucomm; use op=hvd.Average.")
+    if op == Adasum:  # Horovod's delta optimizer (gpucomm/torch/adasum.py)
+        from .adasum import adasum_optimizer  # noqa: PLC0415 - adasum.py builds on this module
+        return adasum_optimizer(optimizer, named_parameters, compression, backward_passes_per_step,
+                                gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set)
     if op not in (Average, Sum):
         raise ValueError(f"DistributedOptimizer op must be hvd.Average or hvd.Sum, got {op!r}.")
     if gradient_predivide_factor != 1.0 and op != Average:
@@ -380,6 +456,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
                       DeprecationWarning)
         if groups is None:
             groups = num_groups
+    if isinstance(process_set, ProcessSet) and process_set.included() is False:  # registered, without this rank
+        cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_OutsideProcessSet.__dict__))
+        return cls(optimizer.param_groups, named_parameters, backward_passes_per_step)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set)

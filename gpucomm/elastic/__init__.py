@@ -1,0 +1,1 @@
+"""Elastic training's worker side: the rounds a worker joins, and the host-change notice."""

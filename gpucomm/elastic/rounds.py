@@ -1,0 +1,79 @@
+"""The rounds of an elastic job, as the launcher publishes them in the rendezvous store.
+
+A *round* is one membership of the job: which workers take part and each one's rank, size and
+local/cross placement. The launcher (``gpucomm.runner.elastic_driver``) writes round ``n``'s
+assignments first and then sets the round counter to ``n``, so a worker that reads the counter
+always finds its assignment. Workers are named by a stable id (``host:slot``); ranks may change
+between rounds, worker ids never do.
+
+Keys (under ``{run_id}/elastic/``):
+    round               the newest round number (decimal)
+    r{n}/{worker}       that worker's assignment in round n (JSON), or ``{"removed": why}``
+    r{n}/hosts_added    "1" when round n only exists because hosts were added (state must be synced)
+    want/{worker}       the round a worker left after a failure: it asks for a newer one
+    fatal               why the launcher ended the job (workers waiting for a round stop)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+from ..runner.hosts import Slot
+
+
+Placement = Slot  # one worker's place in one round: host, rank, size, local and cross rank and size
+
+
+def base(run_id: str) -> str:
+    return f"{run_id}/elastic/"
+
+
+def round_key(run_id: str) -> str:
+    return base(run_id) + "round"
+
+
+def placement_key(run_id: str, number: int, worker: str) -> str:
+    return f"{base(run_id)}r{number}/{worker}"
+
+
+def hosts_added_key(run_id: str, number: int) -> str:
+    return f"{base(run_id)}r{number}/hosts_added"
+
+
+def want_key(run_id: str, worker: str) -> str:
+    return f"{base(run_id)}want/{worker}"
+
+
+def fatal_key(run_id: str) -> str:
+    return base(run_id) + "fatal"
+
+
+def encode_placement(placement: Placement | None, removed_because: str = "") -> bytes:
+    return json.dumps(asdict(placement) if placement is not None else {"removed": removed_because}).encode()
+
+
+def decode_placement(raw: bytes) -> Placement | str:
+    """A ``Placement``, or the reason the worker was removed from the job."""
+    data = json.loads(raw)
+    if "removed" in data:
+        return str(data["removed"])
+    return Placement(**data)
+
+
+def place(workers: list[tuple[str, str]]) -> dict[str, Placement]:
+    """Ranks for ``workers`` (``(worker id, host)`` in rank order): local rank counts within a
+    host, cross rank counts hosts among the ranks with the same local rank (Horovod's definitions)."""
+    hosts: dict[str, list[str]] = {}
+    for worker, host in workers:
+        hosts.setdefault(host, []).append(worker)
+    out: dict[str, Placement] = {}
+    for rank, (worker, host) in enumerate(workers):
+        local = hosts[host].index(worker)
+        peers = [h for h, ws in hosts.items() if len(ws) > local]
+        out[worker] = Placement(host, rank, len(workers), local, len(hosts[host]), peers.index(host), len(peers))
+    return out
+
+
+__all__ = ["Placement", "decode_placement", "encode_placement", "fatal_key", "hosts_added_key", "place",
+           "placement_key", "round_key", "want_key"]

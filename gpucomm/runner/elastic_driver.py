@@ -1,0 +1,415 @@
+"""The launcher of an elastic job: workers come and go, the job goes on.
+
+The driver polls host discovery, starts one worker per available slot (up to ``--max-np``), and
+describes each membership of the job as a *round* in the rendezvous store it serves
+(``gpucomm.elastic.rounds``). It forms a new round when
+
+* a worker dies: its host is blacklisted and its other workers are removed (Horovod's rule);
+* hosts are added or removed by discovery;
+* a worker asks for one (a collective failed although nobody died).
+
+Surviving workers tear their communicators down, join the new round with new ranks and continue
+from their last commit (``hvd.elastic.run``); removed workers exit with status 0. The job ends when
+every worker of the round has exited 0, and fails with a message naming the cause when fewer than
+``--min-np`` slots remain for ``--elastic-timeout`` seconds, when the job had to be re-formed more
+than ``--reset-limit`` times, or when no worker of the previous round survives (nobody holds the
+state). Nothing is left running: stopping uses the same process-tree kill as the fixed launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from ..bootstrap.rendezvous import RendezvousServer
+from ..elastic import rounds
+from . import proctree
+from .discovery import DiscoveryError
+from .hosts import HostSlots, Slot
+from .output import OutputSink
+from .spawn import SshOptions, launch_for
+from .supervisor import Launch, describe_exit, exit_status
+
+DISCOVERY_INTERVAL_S = 1.0
+SETTLE_S = 0.3  # events this close together form one round (a death is often followed by its echoes)
+REMOVED_GRACE_S = 60.0  # a removed worker that has not left by itself is stopped after this long
+
+
+class ElasticJobError(RuntimeError):
+    """The elastic job cannot go on (reason in the message)."""
+
+
+@dataclass
+class _Worker:
+    number: int  # output prefix and log name; never reused
+    wid: str  # host:slot, stable across rounds
+    host: str
+    proc: subprocess.Popen | None = None
+    exit_code: int | None = None
+    removed: str | None = None  # why it was left out of the job
+    removed_at: float = 0.0
+    pumps: list[threading.Thread] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ElasticLimits:
+    min_np: int
+    max_np: int | None
+    elastic_timeout: float
+    reset_limit: int | None
+
+
+class ElasticDriver:
+    """Runs an elastic job to its end and returns the launcher's exit status."""
+
+    def __init__(self, discovery, limits: ElasticLimits, command: list[str], base_env: Mapping[str, str],
+                 tunables: Mapping[str, str], server: RendezvousServer, *, rendezvous_addr: Callable[[str], str],
+                 secret: bytes,
+                 run_id: str, sink: OutputSink, ssh: SshOptions, grace: float, verbose: bool = False,
+                 discovery_interval: float = DISCOVERY_INTERVAL_S) -> None:
+        self._discovery = discovery
+        self._limits = limits
+        self._command = command
+        self._base_env = dict(base_env)
+        self._tunables = dict(tunables)
+        self._server = server
+        self._addr = rendezvous_addr
+        self._secret = secret
+        self._run_id = run_id
+        self._sink = sink
+        self._ssh = ssh
+        self._grace = grace
+        self._verbose = verbose
+        self._interval = discovery_interval
+        self._workers: dict[str, _Worker] = {}
+        self._members: list[str] = []  # worker ids of the current round, in rank order
+        self._round = 0
+        self._resets = 0
+        self._hosts: list[HostSlots] = []
+        self._blacklist: dict[str, str] = {}  # host -> why
+        self._events: queue.Queue[tuple[str, int]] = queue.Queue()
+        self._reform_reasons: list[str] = []
+        self._finishing = False  # a member exited 0: training is over, no more rounds
+        self._failure: str | None = None
+        self._signal: int | None = None
+        self._die_with_launcher = proctree.die_with_parent_hook()
+        self.round_times: list[tuple[int, float, str]] = []  # (round, when formed, why): for reports and tests
+
+    # ------------------------------------------------------------------ public
+
+    def run(self) -> int:
+        proctree.become_subreaper()
+        previous = proctree.install_stop_handlers(self._on_signal)
+        try:
+            try:
+                self._hosts = self._discover(first=True)
+                self._form_round("job start")
+                self._watch()
+            except ElasticJobError as e:
+                self._failure = str(e)
+                self._server_set(rounds.fatal_key(self._run_id), str(e).encode())
+        finally:
+            try:
+                self._stop(self._alive())
+                proctree.reap_orphans({w.proc.pid for w in self._workers.values() if w.proc is not None})
+            finally:
+                proctree.restore_handlers(previous)
+            for w in self._workers.values():
+                for t in w.pumps:
+                    t.join(timeout=5)
+        return self._report()
+
+    # ------------------------------------------------------------------ the loop
+
+    def _watch(self) -> None:
+        next_discovery = time.monotonic() + self._interval
+        while True:
+            if self._signal is not None:
+                return
+            self._collect_exits(timeout=0.05)
+            if self._failure is not None:
+                return
+            if time.monotonic() >= next_discovery:
+                next_discovery = time.monotonic() + self._interval
+                self._rediscover()
+            self._read_requests()
+            self._stop_lingering_removed()
+            if self._reform_reasons and not self._finishing:
+                deadline = time.monotonic() + SETTLE_S
+                while time.monotonic() < deadline:
+                    self._collect_exits(timeout=0.05)
+                if self._failure is not None:
+                    return
+                if not self._finishing:
+                    why, self._reform_reasons = "; ".join(dict.fromkeys(self._reform_reasons)), []
+                    self._form_round(why)
+            members = [self._workers[w] for w in self._members]
+            if members and all(w.exit_code is not None for w in members):
+                return  # every member is done (their codes decide the report)
+
+    def _collect_exits(self, timeout: float) -> None:
+        try:
+            wid, code = self._events.get(timeout=timeout)
+        except queue.Empty:
+            return
+        w = self._workers[wid]
+        w.exit_code = code
+        if w.removed is not None:
+            self._sink.say(f"removed worker {w.number} ({wid}) {describe_exit(code)}")
+            return
+        if code == 0:
+            if not self._finishing:
+                self._finishing = True
+                self._say(f"worker {w.number} ({wid}) finished; waiting for the others to finish (no more re-forms)")
+            return
+        cause = f"worker {w.number} ({wid}) {describe_exit(code)}"
+        if self._finishing:
+            self._failure = f"{cause} after training had finished on another worker"
+            return
+        self._sink.say(f"{cause}; blacklisting host {w.host} and re-forming the job without it")
+        self._blacklist[w.host] = cause
+        self._reform_reasons.append(cause)
+
+    def _rediscover(self) -> None:
+        try:
+            hosts = self._discover(first=False)
+        except ElasticJobError:
+            raise
+        except DiscoveryError as e:
+            self._sink.say(f"host discovery failed ({e}); keeping the last host list")
+            return
+        before = {s for s in self._slots(self._hosts)}
+        now = {s for s in self._slots(hosts)}
+        self._hosts = hosts
+        gone = [wid for wid in self._members if wid not in now and self._workers[wid].exit_code is None]
+        room = (self._limits.max_np or 10**9) - len(self._members)
+        added = [s for s in self._slots(hosts) if s not in before and s not in self._members]
+        if gone:
+            self._reform_reasons.append(f"discovery no longer lists {', '.join(sorted(gone))}")
+        if added and room > 0:
+            self._reform_reasons.append(f"discovery added {', '.join(added[:room])}")
+
+    def _read_requests(self) -> None:
+        """Workers whose collective failed without anyone dying ask for a round after theirs."""
+        prefix = rounds.base(self._run_id) + "want/"
+        for key, value in self._server.snapshot(prefix).items():
+            try:
+                asked = int(value)
+            except ValueError:
+                continue
+            if asked >= self._round and key[len(prefix):] in self._members:
+                self._reform_reasons.append(f"worker {key[len(prefix):]} asked for a new round after a failed "
+                                            f"collective")
+
+    # ------------------------------------------------------------------ rounds
+
+    def _available(self) -> list[str]:
+        return [s for s in self._slots(self._hosts) if s.rsplit(":", 1)[0] not in self._blacklist]
+
+    @staticmethod
+    def _slots(hosts: list[HostSlots]) -> list[str]:
+        return [f"{h.host}:{i}" for h in hosts for i in range(h.slots)]
+
+    def _form_round(self, why: str) -> None:
+        """Choose the members, start the new ones, and publish the round."""
+        if self._round > 0:
+            if self._limits.reset_limit is not None and self._resets >= self._limits.reset_limit:
+                raise ElasticJobError(f"the job had to be re-formed again ({why}) but it was already re-formed "
+                                      f"{self._resets} time(s), the --reset-limit. Look at the causes above; raise "
+                                      f"--reset-limit to tolerate more changes.")
+            self._resets += 1
+        members = self._wait_for_members(why)
+        previous = set(self._members)
+        if previous and not previous & set(members):
+            raise ElasticJobError(f"no worker of the previous round survives ({why}), so nobody holds the trained "
+                                  f"state to hand to new workers.")
+        new = [wid for wid in members if wid not in self._workers or self._workers[wid].exit_code is not None]
+        self._round += 1
+        number = self._round
+        placements = rounds.place([(wid, wid.rsplit(":", 1)[0]) for wid in members])
+        for wid in new:
+            self._start(wid, wid.rsplit(":", 1)[0])
+        for wid, p in placements.items():
+            self._server_set(rounds.placement_key(self._run_id, number, wid), rounds.encode_placement(p))
+        for wid, w in self._workers.items():
+            if wid not in placements and w.exit_code is None and w.removed is None:
+                w.removed, w.removed_at = self._why_removed(wid), time.monotonic()
+            if w.removed is not None:
+                self._server_set(rounds.placement_key(self._run_id, number, wid),
+                                 rounds.encode_placement(None, w.removed))
+        if number > 1 and any(wid not in previous for wid in members):
+            self._server_set(rounds.hosts_added_key(self._run_id, number), b"1")
+        self._members = members
+        self._server_set(rounds.round_key(self._run_id), str(number).encode())
+        self.round_times.append((number, time.time(), why))
+        self._say(f"round {number}: {len(members)} worker(s) [{', '.join(members)}] ({why})")
+
+    def _wait_for_members(self, why: str) -> list[str]:
+        """Survivors first (in their old rank order, so rank 0 holds the state), then new slots,
+        up to --max-np; waits up to --elastic-timeout for --min-np."""
+        deadline = time.monotonic() + self._limits.elastic_timeout
+        said = False
+        while True:
+            available = self._available()
+            alive = [wid for wid in self._members if wid in available and self._workers[wid].exit_code is None]
+            fresh = [wid for wid in available if wid not in alive and not self._is_running(wid)]
+            members = (alive + fresh)[: self._limits.max_np or None]
+            if len(members) >= self._limits.min_np:
+                return members
+            if time.monotonic() > deadline:
+                raise ElasticJobError(
+                    f"only {len(members)} slot(s) available ({', '.join(members) or 'none'}), fewer than --min-np "
+                    f"{self._limits.min_np}, for --elastic-timeout {self._limits.elastic_timeout:g} s ({why}). "
+                    + (f"Blacklisted hosts: {'; '.join(f'{h} ({c})' for h, c in self._blacklist.items())}. "
+                       if self._blacklist else "")
+                    + "Add hosts through the discovery script or lower --min-np.")
+            if not said:
+                self._say(f"waiting up to {self._limits.elastic_timeout:g} s for --min-np {self._limits.min_np} "
+                          f"slots (have {len(members)})")
+                said = True
+            self._collect_exits(timeout=0.05)
+            if self._signal is not None:
+                raise ElasticJobError(f"stopped by {signal.Signals(self._signal).name} while waiting for hosts")
+            time.sleep(min(self._interval, 0.5))
+            try:
+                self._hosts = self._discover(first=False)
+            except DiscoveryError as e:
+                self._sink.say(f"host discovery failed ({e}); keeping the last host list")
+
+    def _why_removed(self, wid: str) -> str:
+        host = wid.rsplit(":", 1)[0]
+        if host in self._blacklist:
+            return f"host {host} is blacklisted ({self._blacklist[host]})"
+        if wid not in self._slots(self._hosts):
+            return "the host discovery script no longer lists this slot"
+        return f"the job already has --max-np {self._limits.max_np} workers"
+
+    def _is_running(self, wid: str) -> bool:
+        w = self._workers.get(wid)
+        return w is not None and w.exit_code is None
+
+    def _discover(self, *, first: bool) -> list[HostSlots]:
+        try:
+            return self._discovery.find()
+        except DiscoveryError as e:
+            if first:
+                raise ElasticJobError(f"{e} Fix the script: it must print one host or host:slots per line and exit 0.")
+            raise
+
+    # ------------------------------------------------------------------ processes
+
+    def _start(self, wid: str, host: str) -> None:
+        number = len(self._workers)
+        env = dict(self._tunables)
+        env.update({
+            "GPUCOMM_ELASTIC": "1", "HOROVOD_ELASTIC": "1", "GPUCOMM_ELASTIC_WORKER": wid,
+            "GPUCOMM_ELASTIC_TIMEOUT": f"{self._limits.elastic_timeout:g}",
+            "HOROVOD_ELASTIC_TIMEOUT": f"{self._limits.elastic_timeout:g}",
+            "GPUCOMM_HOSTNAME": host, "HOROVOD_HOSTNAME": host,
+            "GPUCOMM_RENDEZVOUS_ADDR": self._addr(host), "GPUCOMM_RENDEZVOUS_PORT": str(self._server.port),
+            "GPUCOMM_RENDEZVOUS_HOSTED": "1", "GPUCOMM_SECRET": self._secret.hex(), "GPUCOMM_RUN_ID": self._run_id,
+            "PYTHONUNBUFFERED": "1"})
+        launch: Launch = launch_for(Slot(host, number, 0, 0, 0, 0, 0), self._command, self._base_env, env,
+                                    cwd=os.getcwd(), ssh=self._ssh, grace=self._grace)
+        w = self._workers[wid] = _Worker(number, wid, host)
+        try:
+            w.proc = subprocess.Popen(
+                launch.argv, env=launch.env, start_new_session=True, preexec_fn=self._die_with_launcher,
+                stdin=subprocess.PIPE if launch.stdin_payload is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=os.getcwd())
+        except OSError as e:
+            raise ElasticJobError(f"worker {number} ({wid}) could not be started: {e.strerror or e}. Check the "
+                                  f"command and that it is on PATH.") from None
+        if launch.stdin_payload is not None:
+            try:
+                w.proc.stdin.write(launch.stdin_payload)
+                w.proc.stdin.flush()
+            except OSError:
+                pass
+        w.pumps = [self._sink.pump(number, "stdout", w.proc.stdout), self._sink.pump(number, "stderr", w.proc.stderr)]
+        threading.Thread(target=lambda: self._events.put((wid, w.proc.wait())), daemon=True,
+                         name=f"worker{number}-wait").start()
+        self._say(f"started worker {number} on {host} ({wid}{'' if launch.remote is False else ', ssh'}, "
+                  f"pid {w.proc.pid})")
+
+    def _alive(self) -> list[_Worker]:
+        return [w for w in self._workers.values() if w.proc is not None and w.proc.poll() is None]
+
+    def _stop_lingering_removed(self) -> None:
+        late = [w for w in self._alive() if w.removed is not None and time.monotonic() - w.removed_at > REMOVED_GRACE_S]
+        if late:
+            self._sink.say(f"stopping {len(late)} removed worker(s) that did not leave within {REMOVED_GRACE_S:g} s")
+            self._stop(late)
+
+    def _stop(self, workers: list[_Worker]) -> None:
+        """SIGTERM, the grace period, then SIGKILL of each worker's process tree."""
+        if not workers:
+            return
+        for w in workers:
+            if w.proc.stdin is not None:
+                try:
+                    w.proc.stdin.close()  # a remote wrapper takes EOF as "terminate"
+                except OSError:
+                    pass
+        trees = proctree.terminate([w.proc.pid for w in workers])
+        deadline = time.monotonic() + self._grace
+        while any(w.proc.poll() is None for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for w in workers:
+            if w.proc.poll() is None:
+                proctree.signal_group(w.proc.pid, signal.SIGKILL)
+            proctree.kill_all(trees[w.proc.pid])
+            try:
+                w.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._sink.say(f"worker {w.number} (pid {w.proc.pid}) did not exit even after SIGKILL")
+
+    # ------------------------------------------------------------------ signals, store, report
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        if self._signal is None:
+            self._signal = signum
+
+    def _server_set(self, key: str, value: bytes) -> None:
+        self._server.put(key, value)
+
+    def _say(self, message: str) -> None:
+        if self._verbose or message.startswith(("round", "worker", "waiting")):
+            self._sink.say(message)
+
+    def _report(self) -> int:
+        if self._failure is not None:
+            self._sink.say(f"elastic job failed: {self._failure}")
+            return 1
+        if self._signal is not None:
+            self._sink.say(f"received {signal.Signals(self._signal).name}; stopped every worker")
+            return 128 + self._signal
+        members = [self._workers[w] for w in self._members]
+        bad = [w for w in members if w.exit_code not in (0, None)]
+        if bad:
+            w = bad[0]
+            self._sink.say(f"elastic job failed: worker {w.number} ({w.wid}) {describe_exit(w.exit_code)}")
+            return exit_status(w.exit_code)
+        self._say(f"elastic job finished: round {self._round}, {len(members)} worker(s), re-formed {self._resets} "
+                  f"time(s)")
+        return 0
+
+
+def make_limits(np: int, min_np: int | None, max_np: int | None, elastic_timeout: float | None,
+                reset_limit: int | None, env: Mapping[str, str]) -> ElasticLimits:
+    """Horovod's defaults: --min-np defaults to -np, --max-np is unbounded, the timeout is 600 s
+    (or HOROVOD_ELASTIC_TIMEOUT)."""
+    timeout = elastic_timeout or float(env.get("GPUCOMM_ELASTIC_TIMEOUT") or env.get("HOROVOD_ELASTIC_TIMEOUT") or 600)
+    low = min_np if min_np is not None else np
+    if max_np is not None and max_np < low:
+        raise ValueError(f"--max-np {max_np} is smaller than --min-np {low}")
+    return ElasticLimits(low, max_np, timeout, reset_limit)
+
+
+__all__ = ["ElasticDriver", "ElasticJobError", "ElasticLimits", "make_limits"]

@@ -1,0 +1,258 @@
+"""``gpucomm.run``: call a Python function in N ranks and get back their return values, as
+``horovod.run`` does.
+
+    def train(lr):
+        import gpucomm.torch as hvd
+        hvd.init()
+        ...
+        return hvd.rank(), final_loss
+
+    results = gpucomm.run(train, args=(0.1,), num_proc=4)   # [(0, ...), (1, ...), (2, ...), (3, ...)]
+
+The ranks are started exactly as ``gpucomm-run`` starts a script (same slot plan, environment,
+``[rank]<stdout>:`` output, fail-fast supervision and process-tree cleanup); each one runs
+``python -m gpucomm.runner.run_task``, which fetches ``(func, args, kwargs)`` (pickled with
+cloudpickle, so lambdas and closures work) from the job's authenticated rendezvous store, calls it,
+and stores the return value there. When a rank fails, ``RunError`` carries the first failing
+rank's exception and traceback.
+
+Side effect, as with ``gpucomm-run``: the calling process becomes a child subreaper (Linux), so
+processes a rank leaves behind are found and stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import secrets
+import signal
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..errors import GpucommError
+from ..failures import read_failures
+from .run_task import MAX_PAYLOAD, dumps, key
+
+ELASTIC_ADVICE = ("gpucomm.run starts fixed-size jobs only: leave out {names}, or run the training script "
+                  "elastically with gpucomm-run's elastic options (--min-np, --max-np, --host-discovery-script) and "
+                  "hvd.elastic.run in the script.")
+MPI_ADVICE = ("gpucomm does not launch through MPI: leave out {names} (gpucomm.run always uses its own launcher, "
+              "Gloo on CPU and NCCL on GPU), or start a script with `mpirun ... python train.py` as in "
+              "launch/mpirun.sh.")
+
+
+class RunError(GpucommError):
+    """A rank of a ``gpucomm.run`` job failed (a RuntimeError, as Horovod raises).
+
+    ``rank``/``host``: the first rank to fail; ``exception``: its exception, when it could be
+    brought back (also the ``__cause__``); ``remote_traceback``: its traceback as text;
+    ``exit_code``: its exit status, when it died without raising."""
+
+    def __init__(self, message: str, *, rank: int | None = None, host: str | None = None,
+                 exception: BaseException | None = None, remote_traceback: str | None = None,
+                 exit_code: int | None = None) -> None:
+        super().__init__(message)
+        self.rank, self.host, self.exception = rank, host, exception
+        self.remote_traceback, self.exit_code = remote_traceback, exit_code
+
+
+def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None, num_proc: int = 1,
+        min_num_proc: int | None = None, max_num_proc: int | None = None, slots: int | None = None,
+        reset_limit: int | None = None, cooldown_range: tuple[int, int] | None = None, hosts: str | None = None,
+        hostfile: str | None = None, host_discovery_script: str | None = None, start_timeout: float | None = None,
+        ssh_port: int | None = None, ssh_identity_file: str | None = None, disable_cache: bool | None = None,
+        output_filename: str | None = None, verbose: bool | None = None, use_gloo: bool | None = None,
+        use_mpi: bool | None = None, mpi_args: str | None = None, network_interface: str | None = None,
+        network_interfaces: Sequence[str] | None = None, executable: str | None = None, np: int | None = None,
+        min_np: int | None = None, max_np: int | None = None) -> list[Any]:
+    """Run ``func(*args, **kwargs)`` in ``num_proc`` ranks; return their results, ordered by rank.
+
+    Parameters as in ``horovod.run`` (0.28.1), including its deprecated aliases ``np``, ``min_np``,
+    ``max_np`` and ``network_interface``. ``func`` calls ``hvd.init()`` itself. ``hosts``
+    ("node1:2,node2:2") or ``hostfile`` place the ranks (default: all on this host);
+    ``start_timeout`` bounds how long the ranks may take to meet; ``output_filename`` also writes
+    each rank's output to ``DIR/rank.<N>/stdout|stderr``; ``executable`` is the Python the ranks run
+    (default: this one). Raises ``RunError`` with the first failing rank's exception and traceback;
+    elastic and MPI options raise ``NotImplementedError``/``ValueError`` saying what to do instead."""
+    if network_interface:
+        warnings.warn("network_interface is deprecated, use network_interfaces instead", DeprecationWarning, 2)
+        network_interfaces = network_interface.split(",")
+    if np is not None:
+        warnings.warn("np is deprecated, use num_proc instead", DeprecationWarning, 2)
+        num_proc = np
+    if min_np is not None:
+        warnings.warn("min_np is deprecated, use min_num_proc instead", DeprecationWarning, 2)
+        min_num_proc = min_np
+    if max_np is not None:
+        warnings.warn("max_np is deprecated, use max_num_proc instead", DeprecationWarning, 2)
+        max_num_proc = max_np
+    if hosts is not None and hostfile is not None:
+        raise ValueError("gpucomm.run: give hosts or hostfile, not both.")
+    if use_gloo and use_mpi:
+        raise ValueError("gpucomm.run: give use_gloo or use_mpi, not both.")
+    elastic = [name for name, value in (("min_num_proc", min_num_proc), ("max_num_proc", max_num_proc),
+                                        ("slots", slots), ("reset_limit", reset_limit),
+                                        ("cooldown_range", cooldown_range),
+                                        ("host_discovery_script", host_discovery_script)) if value is not None]
+    if elastic:
+        raise NotImplementedError(ELASTIC_ADVICE.format(names=", ".join(elastic)))
+    mpi = [name for name, value in (("use_mpi", use_mpi), ("mpi_args", mpi_args)) if value]
+    if mpi:
+        raise ValueError(MPI_ADVICE.format(names=", ".join(mpi)))
+    if not callable(func):
+        raise TypeError(f"gpucomm.run: func must be callable, got {type(func).__name__}")
+    payload = _payload(func, tuple(args), dict(kwargs or {}))
+    argv = ["-np", str(num_proc)]
+    for flag, value in (("--hosts", hosts), ("--hostfile", hostfile), ("--start-timeout", start_timeout),
+                        ("--ssh-port", ssh_port), ("--ssh-identity-file", ssh_identity_file),
+                        ("--output-filename", output_filename)):
+        if value is not None:
+            argv.append(f"{flag}={value}")  # one token: a value starting with "-" is not read as a flag
+    if network_interfaces:
+        nics = network_interfaces.split(",") if isinstance(network_interfaces, str) else list(network_interfaces)
+        argv.append(f"--network-interface={','.join(nics)}")
+    argv += [flag for flag, on in (("--disable-cache", disable_cache), ("--verbose", verbose), ("--gloo", use_gloo))
+             if on]
+    return _run_job(argv, payload, executable or sys.executable)
+
+
+def _payload(func: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
+    try:
+        payload = dumps((func, args, kwargs))
+    except Exception as e:
+        raise TypeError(f"gpucomm.run could not pickle the function and its arguments ({type(e).__name__}: {e}). "
+                        f"Pass a function defined at module level, or install cloudpickle for lambdas and closures; "
+                        f"objects such as open files, locks or sockets cannot be sent to the ranks.") from e
+    if len(payload) > MAX_PAYLOAD:
+        raise ValueError(f"gpucomm.run: the function and its arguments pickle to {len(payload) / 2**20:.1f} MiB, more "
+                         f"than the {MAX_PAYLOAD >> 20} MiB the job's store carries; load large data inside the "
+                         f"function instead (from files each rank can read).")
+    return payload
+
+
+def _parse(argv: list[str]):
+    """The launcher's own parser and checks, raising ValueError instead of exiting."""
+    from .cli import build_parser  # noqa: PLC0415 - argparse and friends, loaded on use
+
+    parser = build_parser()
+
+    def error(message: str):
+        raise ValueError(f"gpucomm.run: {message}")
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser.parse_args([*argv, "run_task"])
+
+
+def _no_exit(fn: Callable[..., Any], *args: Any) -> Any:
+    """Call a launcher helper that reports bad input with SystemExit; raise ValueError instead."""
+    try:
+        return fn(*args)
+    except SystemExit as e:
+        raise ValueError(str(e.code).replace("gpucomm-run:", "gpucomm.run:", 1)) from None
+
+
+def _run_job(argv: list[str], payload: bytes, executable: str) -> list[Any]:
+    from ..bootstrap.netaddr import address_towards  # noqa: PLC0415
+    from ..bootstrap.rendezvous import RendezvousServer  # noqa: PLC0415
+    from .cli import DEFAULT_GRACE, interface_address, omp_threads, tunables_env  # noqa: PLC0415
+    from .hosts import HostSlots, HostSpecError, assign_slots, parse_hostfile, parse_hosts  # noqa: PLC0415
+    from .output import OutputSink  # noqa: PLC0415
+    from .spawn import SshOptions, build_launches, is_local, split_user  # noqa: PLC0415
+    from .supervisor import Supervisor  # noqa: PLC0415
+
+    opts = _parse(argv)
+    try:
+        host_list = (parse_hostfile(opts.hostfile) if opts.hostfile else parse_hosts(opts.hosts) if opts.hosts
+                     else [HostSlots("localhost", opts.np)])
+        slots = assign_slots(host_list, opts.np)
+    except HostSpecError as e:
+        raise ValueError(f"gpucomm.run: {e}") from None
+    env = dict(os.environ)
+    tunables = _no_exit(tunables_env, opts, env)
+    remote_hosts = [s.host for s in slots if not is_local(s.host)]
+    if opts.nics:
+        addr = _no_exit(interface_address, tunables["GPUCOMM_GLOO_IFACE"])
+    elif remote_hosts:
+        addr = address_towards(split_user(remote_hosts[0])[1].strip("[]"))
+    else:
+        addr = "127.0.0.1"
+    sink = OutputSink(opts.np, opts.output_filename)
+    threads = omp_threads(env, slots, remote_hosts)
+    if threads is not None:
+        tunables["OMP_NUM_THREADS"] = str(threads)
+        sink.say(f"OMP_NUM_THREADS is not set: each rank gets {threads} (this host's {os.cpu_count()} cores / "
+                 f"{max(s.local_size for s in slots)} local ranks); export OMP_NUM_THREADS to choose.")
+    # the ranks import this very gpucomm, even when it is not installed for `executable`
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), package_root) if p)
+    secret, run_id = secrets.token_bytes(32), secrets.token_hex(8)
+    start_timeout = float(tunables["GPUCOMM_START_TIMEOUT"])
+    with RendezvousServer(secret, addr, 0) as server:
+        server.put(key(run_id, "sys_path"), json.dumps(sys.path).encode())
+        server.put(key(run_id, "payload"), payload)
+        launches = build_launches(
+            slots, [executable, "-m", "gpucomm.runner.run_task"], env, tunables, rendezvous_addr=addr,
+            rendezvous_port=server.port, secret=secret, run_id=run_id, cwd=os.getcwd(),
+            ssh=SshOptions(opts.ssh_port, opts.ssh_identity_file, start_timeout, executable), grace=DEFAULT_GRACE)
+        supervisor = Supervisor(launches, sink, grace=DEFAULT_GRACE, verbose=bool(opts.verbose),
+                                reported_failures=lambda: read_failures(server.snapshot(), run_id))
+        code = supervisor.run()
+        records = server.snapshot(key(run_id, ""))
+    return _outcome(records, run_id, code, supervisor.first_failure, slots, sink.stderr_tails)
+
+
+def _outcome(records: dict[str, bytes], run_id: str, code: int, first_failure: tuple[int, int] | None,
+             slots: list, stderr_tails: dict) -> list[Any]:
+    """The results by rank, or the error of the job's first failure."""
+    from .supervisor import describe_exit  # noqa: PLC0415
+
+    prefix = key(run_id, "errors/")
+    raised = [pickle.loads(records[k]) for k in sorted(records)
+              if k.startswith(prefix) and k[len(prefix):].isdigit()]
+    # The first rank to exit may only echo another's exception (a collective that lost its peer):
+    # then the first exception stored is the cause. A first rank that stored none died without one
+    # (os._exit, a signal, a crash), and the exceptions stored afterwards are its echoes.
+    if raised and (first_failure is None or any(r["rank"] == first_failure[0] for r in raised)):
+        raise _raised_error(raised[0], len(slots))
+    if code != 0 or first_failure is not None:
+        if first_failure is None:  # a signal to this process stopped the job
+            if code == 128 + signal.SIGINT:
+                raise KeyboardInterrupt
+            raise RunError(f"gpucomm.run: the job was stopped by signal {code - 128}.", exit_code=code)
+        rank, returncode = first_failure
+        host = slots[rank].host
+        tail = "\n".join(f"  | {line}" for line in stderr_tails.get(rank, ()))
+        echoes = f" (rank(s) {sorted({r['rank'] for r in raised})} then failed as a consequence)" if raised else ""
+        raise RunError(f"gpucomm.run: rank {rank} of {len(slots)} on {host} {describe_exit(returncode)} before its "
+                       f"function returned{echoes}." + (f"\nLast lines of its stderr:\n{tail}" if tail else ""),
+                       rank=rank, host=host, exit_code=returncode)
+    results = []
+    for rank in range(len(slots)):
+        data = records.get(key(run_id, f"result/{rank}"))
+        if data is None:
+            raise RunError(f"gpucomm.run: rank {rank} exited with status 0 without returning a result (did the "
+                           f"function end its process with os._exit?).", rank=rank, host=slots[rank].host,
+                           exit_code=0)
+        results.append(pickle.loads(data))
+    return results
+
+
+def _raised_error(record: dict, size: int) -> RunError:
+    exc = None
+    if record["exception"] is not None:
+        try:
+            exc = pickle.loads(record["exception"])
+        except Exception:  # its class does not import here, or its constructor refuses the pickled args
+            exc = None
+    err = RunError(f"gpucomm.run: rank {record['rank']} of {size} on {record['host']} raised "
+                   f"{record['type']}: {record['message']}\n\nTraceback of rank {record['rank']}:\n"
+                   f"{record['traceback'].rstrip()}", rank=record["rank"], host=record["host"], exception=exc,
+                   remote_traceback=record["traceback"])
+    err.__cause__ = exc
+    return err
+
+
+__all__ = ["RunError", "run"]

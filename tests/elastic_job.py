@@ -1,0 +1,161 @@
+"""An elastic training job for tests/test_elastic.py, run by ``gpucomm-run --host-discovery-script``.
+
+Linear regression with SGD, committed every step. Two data modes:
+
+* ``fixed``: step ``s`` trains on samples ``[s*G, (s+1)*G)`` split evenly among the current ranks;
+  each rank's loss is its share of the global mean and gradients are summed, so the result equals
+  one process on the full batches whatever the job's size was at each step.
+* ``sampler``: an ``ElasticSampler`` shards the epoch; every step's global batch (all ranks'
+  indices) is recorded in the committed state, so the test can check that no sample was lost or
+  repeated within an epoch and replay the same batches in one process.
+
+Faults come from the environment: ``ELASTIC_KILL=worker@step`` SIGKILLs that worker in the middle
+of that step (after backward launched the allreduce); ``ELASTIC_ADD=step@host:slots`` makes rank 0
+append a host to the discovery file at that step. Rank 0 writes ``result.json`` at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+import gpucomm.torch as hvd
+
+OUT = Path(os.environ.get("ELASTIC_OUT", "."))  # the tests import this module for its dataset
+MODE = os.environ.get("ELASTIC_MODE", "fixed")
+STEPS = int(os.environ.get("ELASTIC_STEPS", "16"))
+EPOCHS = int(os.environ.get("ELASTIC_EPOCHS", "2"))
+GLOBAL_BATCH = 12  # divisible by 1, 2, 3, 4 and 6 ranks
+LOCAL_BATCH = 3  # sampler mode
+SAMPLES = 96
+FEATURES = 5
+STEP_SLEEP = float(os.environ.get("ELASTIC_STEP_SLEEP", "0.05"))
+WORKER = os.environ.get("GPUCOMM_ELASTIC_WORKER", "")
+
+
+def dataset() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(SAMPLES * 2, FEATURES, generator=g)
+    y = x @ torch.randn(FEATURES, 1, generator=g) + 0.1 * torch.randn(SAMPLES * 2, 1, generator=g)
+    return x, y
+
+
+def kill_plan() -> dict[str, int]:
+    """``ELASTIC_KILL=worker@step[,worker@step...]``."""
+    plan = {}
+    for item in filter(None, os.environ.get("ELASTIC_KILL", "").split(",")):
+        worker, _, step = item.rpartition("@")
+        plan[worker] = int(step)
+    return plan
+
+
+def at_plan(var: str) -> tuple[int, str] | None:
+    """``ELASTIC_ADD=step@host:slots`` (at that step), ``ELASTIC_REMOVE=size@host:slots`` (once the job has that size)."""
+    when, _, host = os.environ.get(var, "").partition("@")
+    return (int(when), host) if host else None
+
+
+KILL = kill_plan()
+ADD = at_plan("ELASTIC_ADD")
+REMOVE = at_plan("ELASTIC_REMOVE")
+
+
+def maybe_die(step: int) -> None:
+    if KILL.get(WORKER) == step:
+        (OUT / f"killed.{WORKER}.json").write_text(json.dumps({"worker": WORKER, "step": step, "time": time.time()}))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def change_hosts(step: int) -> None:
+    """Rank 0 edits the discovery file: add a host at a step, remove one once the job has grown."""
+    if hvd.rank() != 0:
+        return
+    hosts = Path(os.environ.get("ELASTIC_HOSTS_FILE", "/nonexistent"))
+    if ADD and ADD[0] == step and not (OUT / "added").exists():
+        (OUT / "added").write_text(str(time.time()))
+        with open(hosts, "a") as f:
+            f.write(ADD[1] + "\n")
+    if REMOVE and REMOVE[0] == hvd.size() and not (OUT / "removed").exists():
+        (OUT / "removed").write_text(str(time.time()))
+        lines = [line for line in hosts.read_text().splitlines() if line.strip() != REMOVE[1]]
+        hosts.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    hvd.init()
+    torch.manual_seed(1)
+    model = torch.nn.Linear(FEATURES, 1)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                         named_parameters=model.named_parameters(), op=hvd.Sum)
+    x, y = dataset()
+    sampler = hvd.elastic.ElasticSampler(list(range(SAMPLES)), shuffle=True, seed=3) if MODE == "sampler" else None
+    extra = {"sampler": sampler} if sampler is not None else {}
+    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, step=0, epoch=0, batches=[], sizes=[], **extra)
+    resets = {"count": 0}
+
+    def on_reset() -> None:
+        resets["count"] += 1
+        resets["at"] = time.time()
+
+    state.register_reset_callbacks([on_reset])
+
+    def train_step(idx: list[int], global_count: int) -> None:
+        optimizer.zero_grad()
+        rows = torch.tensor(idx, dtype=torch.long)
+        loss = ((model(x[rows]) - y[rows]) ** 2).sum() / global_count
+        loss.backward()
+        maybe_die(state.step)
+        optimizer.step()
+
+    @hvd.elastic.run
+    def train(state) -> None:
+        if MODE == "fixed":
+            while state.step < STEPS:
+                part = GLOBAL_BATCH // hvd.size()
+                start = state.step * GLOBAL_BATCH + hvd.rank() * part
+                train_step(list(range(start, start + part)), GLOBAL_BATCH)
+                after_step(state)
+            return
+        while state.epoch < EPOCHS:  # the sampler resumes the epoch where the last commit left it
+            mine = list(iter(sampler))
+            steps = hvd.allreduce(torch.tensor(len(mine)), op=hvd.Max, name="steps").item()
+            for b in range((steps + LOCAL_BATCH - 1) // LOCAL_BATCH):
+                idx = mine[b * LOCAL_BATCH:(b + 1) * LOCAL_BATCH]
+                every = hvd.allgather_object(idx, name="batch")
+                flat = [i for part in every for i in part]
+                if not flat:
+                    break
+                train_step(idx, len(flat))
+                sampler.record_indices(flat) if hasattr(sampler, "record_indices") else sampler.record_batch(b, LOCAL_BATCH)
+                state.batches = state.batches + [(state.epoch, flat)]
+                after_step(state)
+            state.epoch += 1
+            sampler.set_epoch(state.epoch)  # at the end of an epoch (Horovod's rule): a fresh shuffle
+            state.commit()
+
+    def after_step(state) -> None:
+        state.sizes = state.sizes + [hvd.size()]
+        state.step += 1
+        if resets.get("at") and hvd.rank() == 0 and not (OUT / "resumed.json").exists():
+            (OUT / "resumed.json").write_text(json.dumps({"time": time.time(), "step": state.step}))
+        change_hosts(state.step)
+        time.sleep(STEP_SLEEP)
+        state.commit()
+
+    train(state)
+    if hvd.rank() == 0:
+        result = {"weight": model.weight.detach().view(-1).tolist(), "bias": model.bias.detach().tolist(),
+                  "steps": state.step, "sizes": state.sizes, "batches": state.batches, "resets": resets["count"],
+                  "final_size": hvd.size()}
+        (OUT / "result.json").write_text(json.dumps(result))
+    print(f"worker {WORKER} done as rank {hvd.rank()} of {hvd.size()}", flush=True)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

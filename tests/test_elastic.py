@@ -1,0 +1,129 @@
+"""Elastic training end to end: ``gpucomm-run --host-discovery-script`` with real worker deaths,
+added and removed hosts, and the limits that end a job (issue 20).
+
+Each host is a distinct loopback address (127.0.0.x), so that blacklisting a failed host leaves
+the others. The job is ``tests/elastic_job.py``; its result is checked against one process
+trained on the same batches, not only that it ran.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import elastic_job as job
+from tests.harness import PYTHON, launcher_cmd, run
+
+
+def elastic_run(tmp_path: Path, hosts: list[str], np: int, *flags: str, env: dict[str, str], timeout: float = 150.0):
+    hosts_file = tmp_path / "hosts.txt"
+    hosts_file.write_text("".join(h + "\n" for h in hosts))
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = launcher_cmd("-np", str(np), "--host-discovery-script", f"cat {hosts_file}", *flags, PYTHON,
+                       str(Path(job.__file__)))
+    r = run(cmd, timeout=timeout, env={"ELASTIC_OUT": str(out), "ELASTIC_HOSTS_FILE": str(hosts_file), **env})
+    result = json.loads((out / "result.json").read_text()) if (out / "result.json").exists() else None
+    return r, result, out
+
+
+def reference_fixed(steps: int) -> torch.Tensor:
+    """One process on the full batches of the fixed schedule."""
+    x, y = job.dataset()
+    torch.manual_seed(1)
+    model = torch.nn.Linear(job.FEATURES, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for s in range(steps):
+        rows = slice(s * job.GLOBAL_BATCH, (s + 1) * job.GLOBAL_BATCH)
+        opt.zero_grad()
+        (((model(x[rows]) - y[rows]) ** 2).sum() / job.GLOBAL_BATCH).backward()
+        opt.step()
+    return torch.cat([model.weight.detach().view(-1), model.bias.detach()])
+
+
+def replay(batches: list) -> torch.Tensor:
+    """One process on the global batches the elastic job recorded, in order."""
+    x, y = job.dataset()
+    torch.manual_seed(1)
+    model = torch.nn.Linear(job.FEATURES, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _, flat in batches:
+        rows = torch.tensor(flat)
+        opt.zero_grad()
+        (((model(x[rows]) - y[rows]) ** 2).sum() / len(flat)).backward()
+        opt.step()
+    return torch.cat([model.weight.detach().view(-1), model.bias.detach()])
+
+
+def trained(result: dict) -> torch.Tensor:
+    return torch.tensor(result["weight"] + result["bias"])
+
+
+def test_killed_worker_the_others_continue_from_the_last_commit(tmp_path):
+    hosts = ["127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1"]
+    r, result, out = elastic_run(tmp_path, hosts, 3, "--min-np", "2", env={"ELASTIC_KILL": "127.0.0.3:0@5"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.leftovers == []
+    assert "worker 2 (127.0.0.3:0) was killed by SIGKILL" in r.stderr
+    assert "round 2: 2 worker(s) [127.0.0.1:0, 127.0.0.2:0]" in r.stderr
+    assert result["sizes"] == [3] * 5 + [2] * 11 and result["resets"] == 1
+    torch.testing.assert_close(trained(result), reference_fixed(job.STEPS), rtol=0, atol=1e-5)
+    killed = json.loads((out / "killed.127.0.0.3:0.json").read_text())
+    resumed = json.loads((out / "resumed.json").read_text())
+    print(f"\nelastic: from the SIGKILL to the first step trained after the re-form: "
+          f"{resumed['time'] - killed['time']:.2f} s (goal <= 10 s)")
+
+
+def test_hosts_added_and_removed_data_resharded_without_loss_or_repeat(tmp_path):
+    hosts = ["127.0.0.1:1", "127.0.0.2:1"]
+    r, result, out = elastic_run(tmp_path, hosts, 2, env={
+        "ELASTIC_MODE": "sampler", "ELASTIC_EPOCHS": "4", "ELASTIC_ADD": "3@127.0.0.3:1",
+        "ELASTIC_REMOVE": "3@127.0.0.2:1"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.leftovers == []
+    assert "discovery added 127.0.0.3:0" in r.stderr
+    assert "discovery no longer lists 127.0.0.2:0" in r.stderr
+    assert "gpucomm elastic: worker 127.0.0.2:0 leaves the job: the host discovery script no longer lists" in r.stderr
+    assert "removed worker 1 (127.0.0.2:0) exited with code 0" in r.stderr
+    sizes = result["sizes"]
+    assert sizes[0] == 2 and 3 in sizes and sizes[-1] == 2, sizes  # grew, then shrank
+    assert result["final_size"] == 2
+    for epoch in range(4):
+        seen = [i for e, flat in result["batches"] if e == epoch for i in flat]
+        assert sorted(seen) == list(range(job.SAMPLES)), f"epoch {epoch}: lost or repeated samples"
+    torch.testing.assert_close(trained(result), replay(result["batches"]), rtol=0, atol=1e-5)
+
+
+def test_more_resets_than_the_limit_end_the_job(tmp_path):
+    hosts = ["127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1"]
+    r, result, _ = elastic_run(tmp_path, hosts, 3, "--min-np", "1", "--reset-limit", "1",
+                               env={"ELASTIC_KILL": "127.0.0.3:0@3,127.0.0.2:0@6"})
+    assert r.returncode == 1, r.stderr[-4000:]
+    assert result is None
+    assert "elastic job failed: the job had to be re-formed again (worker 1 (127.0.0.2:0) was killed" in r.stderr
+    assert "already re-formed 1 time(s), the --reset-limit" in r.stderr
+    assert r.leftovers == []
+
+
+def test_fewer_hosts_than_min_np_end_the_job(tmp_path):
+    hosts = ["127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1"]
+    r, result, _ = elastic_run(tmp_path, hosts, 3, "--min-np", "3", "--elastic-timeout", "2",
+                               env={"ELASTIC_KILL": "127.0.0.2:0@4"})
+    assert r.returncode == 1, r.stderr[-4000:]
+    assert result is None
+    assert "only 2 slot(s) available (127.0.0.1:0, 127.0.0.3:0), fewer than --min-np 3" in r.stderr
+    assert "Blacklisted hosts: 127.0.0.2 (worker 1 (127.0.0.2:0) was killed by SIGKILL" in r.stderr
+    assert r.leftovers == []
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--min-np", "3", "--max-np", "2"], "--max-np 2 is smaller than --min-np 3"),
+    (["--reset-limit", "2"], "--reset-limit is an elastic option"),
+])
+def test_elastic_flags_are_checked(flags, message):
+    cmd = launcher_cmd("-np", "2", *flags, PYTHON, "-c", "pass")
+    r = run(cmd, timeout=60)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
