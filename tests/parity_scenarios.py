@@ -73,3 +73,32 @@ def optimizer_on_non_members() -> dict:
     hvd.barrier()
     hvd.shutdown()
     return {"weight": model.weight.detach().tolist()[0]}
+
+
+def optimizer_guards() -> dict:
+    """Horovod's guards: ``zero_grad()`` after any gradient hook fired (even one that only
+    accumulated locally) raises; ``step()`` after ``synchronize()`` warns with Horovod's text."""
+    import warnings
+
+    from gpucomm.torch.optimizer import STEP_AFTER_SYNC_WARNING, ZERO_GRAD_ERROR
+
+    hvd.init()
+    model = torch.nn.Linear(3, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), backward_passes_per_step=2)
+    out = {}
+    model(torch.ones(2, 3)).sum().backward()  # first of two passes: nothing is launched yet
+    try:
+        opt.zero_grad()
+        out["zero_grad"] = "allowed"
+    except AssertionError as e:
+        out["zero_grad"] = str(e) == ZERO_GRAD_ERROR
+    model(torch.ones(2, 3)).sum().backward()
+    opt.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    out["warning"] = [str(w.message) == STEP_AFTER_SYNC_WARNING for w in caught]
+    opt.zero_grad()  # after step: allowed
+    hvd.shutdown()
+    return out

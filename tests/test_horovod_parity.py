@@ -33,3 +33,10 @@ def test_distributed_optimizer_on_ranks_outside_its_process_set(size):
     # Rank 2 is outside the set: plain local steps with its own gradient 3.
     if size == 3:
         assert results[2]["weight"] == pytest.approx([1 - 3 * 3.0] * 2)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_zero_grad_guard_and_step_after_synchronize_warning(size):
+    for r in run_ranks(scenarios.optimizer_guards, size, timeout=120):
+        assert r["zero_grad"] is True  # refused with Horovod's message, although no bucket was launched
+        assert r["warning"] == [True]

@@ -76,6 +76,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hooks: dict[torch.Tensor, Any] = {}
         self._lock = threading.Lock()  # hooks of CPU and CUDA parameters run on different autograd threads
         self._job_ref: Any = None
+        self._hooked = False  # a gradient hook fired since the last synchronize
         self._bind(runtime.current())
 
     def _bind(self, job) -> None:
@@ -202,6 +203,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             delay = self._delay.get(p)
             if delay is None:  # not in the agreed layout (it was frozen when the layout was agreed)
                 return
+            self._hooked = True  # zero_grad() is refused from now until synchronize (Horovod's guard)
             self._delay[p] = delay = delay - 1
             if delay > 0:
                 return
@@ -281,6 +283,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             pass
 
     def _reset_step(self) -> None:
+        self._hooked = False
         self._buckets.reset()
         self._sparse.reset()
         for p in self._delay:
@@ -322,7 +325,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._buckets.in_flight or self._sparse.in_flight:
+        if self._hooked or self._buckets.in_flight or self._sparse.in_flight:
             raise AssertionError(ZERO_GRAD_ERROR)
         result = super(self.__class__, self).zero_grad(set_to_none=set_to_none)
         self._buckets.release()
