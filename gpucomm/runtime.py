@@ -66,9 +66,13 @@ def _report(job: "Job", exc: BaseException) -> None:
     """An uncaught exception is ending this rank: tell the coordinator (so every rank names it as
     the cause) and the store (so the launcher does)."""
     text = failures.summarize(exc)
-    if job.controller is not None:
-        job.controller.report_failure(text)
-    failures.record_failure(job.client, job.world.run_id, job.world.rank, job.world.hostname, text)
+    # the store first: once the coordinator knows, the other ranks fail and may exit, and the
+    # launcher's report reads the store to name the cause
+    try:
+        failures.record_failure(job.client, job.world.run_id, job.world.rank, job.world.hostname, text)
+    finally:
+        if job.controller is not None:
+            job.controller.report_failure(text)
 
 
 def shutdown() -> None:

@@ -340,9 +340,12 @@ def join(device: int = -1) -> int:
     job = runtime.current()
     if device >= 0:
         job.join_device = device
+    # the join leaves for the coordinator before the stand-ins start: a rank still training can only
+    # finish a step with this rank's zeros after its join was sent, so "joined last" is that rank
+    joined = job.submit(Request("join", "join", [], set_id=0), send=Send.NOW)
     stand_ins = [_StandIn(party) for party in job.join_parties()]
     try:
-        last = _control("join", "join")  # a failure here also ends the stand-ins' collectives
+        last = joined.wait()  # a failure here also ends the stand-ins' collectives
     finally:
         job.join_device = -1
     errors = [e for e in (s.finish(job.timeout) for s in stand_ins) if e is not None]
