@@ -18,7 +18,7 @@ from .bootstrap.rendezvous import RendezvousClient, RendezvousError, wait_for_ra
 from .bootstrap.world import World, detect_world
 from .control.channel import ControlListener, connect as connect_control
 from .control.controller import ControlConfig, ControlLinks
-from .elastic.worker import PLACEMENT_VARS, is_elastic_worker, join_round, round_superseded
+from .elastic.worker import PLACEMENT_VARS, is_elastic_worker, join_round, round_interrupt
 from .errors import GpucommError
 from .job import SHUTDOWN_GRACE, Job
 from .logs import SetupSteps, configure_logging
@@ -50,13 +50,13 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None)
     server, client = open_store(world, generation, start_timeout, timeout)
     steps.done(f"rendezvous store at {client.host}:{client.port} reached (launcher: {world.launcher})")
     prefix = f"{world.run_id}/e{elastic_round}/" if elastic_round else f"{world.run_id}/g{generation}/"
-    abandon = (lambda: round_superseded(client, world.run_id)) if elastic_round else None
+    interrupt = round_interrupt(client, world.run_id) if elastic_round else None  # a replaced round stops the waits
     try:
         record: dict[str, Any] = {"host": world.hostname, "local_rank": world.local_rank, "pid": os.getpid()}
         single_gpu = devices.single_gpu_test_enabled(env)
         pinned = _pin_gpu(client, server, prefix, world, record, single_gpu, start_timeout)
         steps.done(f"device chosen: {pinned or 'CPU'}")
-        records = arrive(client, prefix, world, record, start_timeout, abandon)
+        records = arrive(client, prefix, world, record, start_timeout, interrupt)
         steps.done(f"all {world.size} ranks arrived")
         gpus = [(r, rec["host"], rec["bus_id"]) for r, rec in enumerate(records) if rec.get("bus_id")]
         devices.check_unique_assignment(gpus, single_gpu_test=single_gpu)
@@ -68,10 +68,10 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None)
             gloo = SelfBackend()
         else:
             gloo = gloo_group(client, f"{prefix}gloo/", world.rank, world.size, timeout=timeout, one_host=one_host,
-                              iface=iface)
+                              iface=iface, interrupt=interrupt)
             steps.done("Gloo group ready")
         try:
-            links = _connect_control(client, prefix, world, client.secret, one_host, iface, start_timeout)
+            links = _connect_control(client, prefix, world, client.secret, one_host, iface, start_timeout, interrupt)
             steps.done("control plane connected" if world.size > 1 else "no control plane needed (one rank)")
         except BaseException:
             gloo.close()
@@ -111,8 +111,9 @@ def _pin_gpu(client: RendezvousClient, server, prefix: str, world: World, record
 
 
 def _connect_control(client: RendezvousClient, prefix: str, world: World, secret: bytes, one_host: bool,
-                     iface: str | None, start_timeout: float) -> ControlLinks:
-    """Connect every rank to rank 0's coordinator (a one-rank job has no control plane)."""
+                     iface: str | None, start_timeout: float, interrupt=None) -> ControlLinks:
+    """Connect every rank to rank 0's coordinator (a one-rank job has no control plane);
+    ``interrupt`` may stop the waits (elastic rounds)."""
     if world.size == 1:
         return ControlLinks()
     key = f"{prefix}control"
@@ -121,7 +122,12 @@ def _connect_control(client: RendezvousClient, prefix: str, world: World, secret
                                              address_towards(world.rendezvous_addr or "8.8.8.8"))
         listener = ControlListener(secret, host)  # only the address the other ranks are told
         client.set(key, json.dumps({"host": host, "port": listener.port}).encode())
-        return ControlLinks(workers=listener.accept(list(range(1, world.size)), start_timeout))
+        return ControlLinks(workers=listener.accept(list(range(1, world.size)), start_timeout, interrupt))
+    if interrupt is not None:
+        deadline = time.monotonic() + start_timeout
+        while not client.check([key]) and time.monotonic() < deadline:
+            interrupt()
+            time.sleep(0.05)
     where = json.loads(client.get(key, start_timeout))
     return ControlLinks(to_root=connect_control(where["host"], where["port"], secret, world.rank, start_timeout))
 

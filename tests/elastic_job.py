@@ -10,7 +10,8 @@ Linear regression with SGD, committed every step. Two data modes:
   repeated within an epoch and replay the same batches in one process.
 
 Faults come from the environment: ``ELASTIC_KILL=worker@step`` SIGKILLs that worker in the middle
-of that step (after backward launched the allreduce); ``ELASTIC_ADD=step@host:slots`` makes rank 0
+of that step (after the forward pass, before backward sends its gradients); ``ELASTIC_KILL_IN_RESET=worker``
+SIGKILLs it when the job re-forms, before its optimizer rebinds (the others are then in that collective); ``ELASTIC_ADD=step@host:slots`` makes rank 0
 append a host to the discovery file at that step. Rank 0 writes ``result.json`` at the end.
 """
 
@@ -103,13 +104,22 @@ def main() -> None:
         resets["at"] = time.time()
 
     state.register_reset_callbacks([on_reset])
+    if os.environ.get("ELASTIC_KILL_IN_RESET") == WORKER:  # dies while the job re-forms, before the rebind
+        plain_reset = state.reset
+
+        def dying_reset() -> None:
+            (OUT / f"killed.{WORKER}.json").write_text(json.dumps({"worker": WORKER, "in": "reset"}))
+            os.kill(os.getpid(), signal.SIGKILL)
+            plain_reset()
+
+        state.reset = dying_reset
 
     def train_step(idx: list[int], global_count: int) -> None:
         optimizer.zero_grad()
         rows = torch.tensor(idx, dtype=torch.long)
         loss = ((model(x[rows]) - y[rows]) ** 2).sum() / global_count
+        maybe_die(state.step)  # mid-step, before its gradients leave: the others' step cannot complete
         loss.backward()
-        maybe_die(state.step)
         optimizer.step()
 
     @hvd.elastic.run

@@ -77,6 +77,26 @@ def test_killed_worker_the_others_continue_from_the_last_commit(tmp_path):
           f"{resumed['time'] - killed['time']:.2f} s (goal <= 10 s)")
 
 
+def test_a_worker_dying_while_the_job_re_forms_is_survived(tmp_path):
+    hosts = ["127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1", "127.0.0.4:1"]
+    r, result, _ = elastic_run(tmp_path, hosts, 4, "--min-np", "1",
+                               env={"ELASTIC_KILL": "127.0.0.4:0@3", "ELASTIC_KILL_IN_RESET": "127.0.0.3:0"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.leftovers == []
+    assert "round 3: 2 worker(s) [127.0.0.1:0, 127.0.0.2:0]" in r.stderr
+    assert result["sizes"] == [4] * 3 + [2] * 13
+    torch.testing.assert_close(trained(result), reference_fixed(job.STEPS), rtol=0, atol=1e-5)
+
+
+def test_a_host_added_as_training_ends_does_not_fail_the_job(tmp_path):
+    hosts = ["127.0.0.1:1", "127.0.0.2:1"]
+    r, result, _ = elastic_run(tmp_path, hosts, 2, env={"ELASTIC_ADD": f"{job.STEPS - 1}@127.0.0.3:1",
+                                                       "ELASTIC_STEP_SLEEP": "0.2"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.leftovers == []
+    torch.testing.assert_close(trained(result), reference_fixed(job.STEPS), rtol=0, atol=1e-5)
+
+
 def test_hosts_added_and_removed_data_resharded_without_loss_or_repeat(tmp_path):
     hosts = ["127.0.0.1:1", "127.0.0.2:1"]
     r, result, out = elastic_run(tmp_path, hosts, 2, env={

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import threading
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -17,6 +18,8 @@ import torch.distributed as dist
 from ..bootstrap.rendezvous import RendezvousClient, RendezvousTimeout
 from ..errors import CollectiveError
 from .base import WireOp
+
+INTERRUPT_POLL_S = 0.5  # how often an interruptible store wait asks whether to stop
 
 _GLOO_OPS = {
     WireOp.SUM: dist.ReduceOp.SUM,
@@ -32,9 +35,11 @@ _BYTE_MOVED = {torch.bool, torch.int16, torch.uint16, torch.uint32, torch.uint64
 class StoreAdapter(dist.Store):
     """Presents a prefix of our authenticated store as a ``torch.distributed.Store`` for Gloo."""
 
-    def __init__(self, client: RendezvousClient, prefix: str, timeout: float) -> None:
+    def __init__(self, client: RendezvousClient, prefix: str, timeout: float,
+                 interrupt: Callable[[], None] | None = None) -> None:
         super().__init__()
         self._client, self._prefix, self._timeout_s = client, prefix, timeout
+        self._interrupt = interrupt  # raises to stop a wait (an elastic round was replaced); asked every 0.5 s
 
     def _k(self, key: str) -> str:
         return self._prefix + key
@@ -43,7 +48,21 @@ class StoreAdapter(dist.Store):
         self._client.set(self._k(key), value.encode() if isinstance(value, str) else bytes(value))
 
     def get(self, key: str) -> bytes:
+        if self._interrupt is not None:
+            self._wait_interruptibly([self._k(key)], self._timeout_s)
         return self._client.get(self._k(key), self._timeout_s)
+
+    def _wait_interruptibly(self, keys: list[str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            self._interrupt()
+            left = deadline - time.monotonic()
+            try:
+                self._client.wait(keys, max(0.0, min(INTERRUPT_POLL_S, left)))
+                return
+            except RendezvousTimeout:
+                if left <= INTERRUPT_POLL_S:
+                    raise
 
     def add(self, key: str, value: int) -> int:
         return self._client.add(self._k(key), value)
@@ -55,7 +74,10 @@ class StoreAdapter(dist.Store):
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         t = self._timeout_s if timeout is None else timeout.total_seconds()
         try:
-            self._client.wait([self._k(k) for k in keys], t)
+            if self._interrupt is not None:
+                self._wait_interruptibly([self._k(k) for k in keys], t)
+            else:
+                self._client.wait([self._k(k) for k in keys], t)
         except RendezvousTimeout as e:
             raise RuntimeError(str(e)) from None
 
@@ -120,7 +142,8 @@ class GlooBackend:
     name = "gloo"
 
     def __init__(self, client: RendezvousClient, prefix: str, rank: int, size: int, *, timeout: float,
-                 hostname: str | None = None, interface: str | None = None) -> None:
+                 hostname: str | None = None, interface: str | None = None,
+                 interrupt: Callable[[], None] | None = None) -> None:
         self.rank, self.size = rank, size
         opts = dist.ProcessGroupGloo._Options()
         if interface:
@@ -131,7 +154,7 @@ class GlooBackend:
             device = dist.ProcessGroupGloo.create_default_device()
         opts._devices = [device]
         opts._timeout = datetime.timedelta(seconds=timeout)
-        self._store = StoreAdapter(client, prefix, timeout)
+        self._store = StoreAdapter(client, prefix, timeout, interrupt)
         self._allreduce_opts = {}
         for wire, gloo_op in _GLOO_OPS.items():
             o = dist.AllreduceOptions()
@@ -198,8 +221,8 @@ def gloo_iface(env) -> str | None:
 
 
 def gloo_group(client: RendezvousClient, prefix: str, rank: int, size: int, *, timeout: float, one_host: bool,
-               iface: str | None) -> GlooBackend:
+               iface: str | None, interrupt: Callable[[], None] | None = None) -> GlooBackend:
     """A Gloo group on the store under ``prefix``: on loopback when every rank is on one host, else
-    on ``iface`` (or the default route's interface)."""
+    on ``iface`` (or the default route's interface). ``interrupt`` may stop its store waits."""
     return GlooBackend(client, prefix, rank, size, timeout=timeout,
-                       hostname="127.0.0.1" if one_host and not iface else None, interface=iface)
+                       hostname="127.0.0.1" if one_host and not iface else None, interface=iface, interrupt=interrupt)

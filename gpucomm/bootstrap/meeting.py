@@ -10,7 +10,6 @@ import json
 import os
 import secrets
 import socket
-import time
 from typing import Callable
 
 from ..errors import GpucommError
@@ -137,23 +136,12 @@ def open_store(world: World, gen: int, start_timeout: float, timeout: float):
 
 
 def arrive(client: RendezvousClient, prefix: str, world: World, record: dict, start_timeout: float,
-           abandon: Callable[[], bool] | None = None) -> list[dict]:
+           interrupt: Callable[[], None] | None = None) -> list[dict]:
     """Publish this rank's record and read everyone's; a rank that failed before arriving (its
-    record carries ``error``) makes every rank fail with that rank's message. ``abandon`` (elastic
-    rounds) is asked while waiting: True stops the wait with an error (the round was replaced)."""
+    record carries ``error``) makes every rank fail with that rank's message. ``interrupt``
+    (elastic rounds) is asked every 0.5 s while waiting and may raise to stop the wait."""
     client.set(f"{prefix}arrive/{world.rank}", json.dumps(record).encode())
-    if abandon is None:
-        wait_for_ranks(client, f"{prefix}arrive", range(world.size), start_timeout, "gpucomm.init()")
-    else:
-        deadline = time.monotonic() + start_timeout
-        keys = [f"{prefix}arrive/{r}" for r in range(world.size)]
-        while not client.check(keys):
-            if abandon():
-                raise GpucommError("the launcher replaced this elastic round before every worker arrived (a worker "
-                                   "died or the hosts changed); joining the next round.")
-            if time.monotonic() > deadline:
-                wait_for_ranks(client, f"{prefix}arrive", range(world.size), 0.01, "gpucomm.init()")  # names them
-            time.sleep(0.05)
+    wait_for_ranks(client, f"{prefix}arrive", range(world.size), start_timeout, "gpucomm.init()", interrupt)
     records = [json.loads(client.get(f"{prefix}arrive/{r}")) for r in range(world.size)]
     for r, rec in enumerate(records):
         if rec.get("error"):

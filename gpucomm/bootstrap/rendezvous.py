@@ -27,7 +27,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from .framing import (DENY, HELLO_BYTES, MAGIC, NONCE_BYTES, VERSION, FrameError, FramedChannel, decode_fields,
                       encode_fields, recv_exact)
@@ -464,10 +464,22 @@ class RendezvousClient:
         return self._request(OP_COMPARE_SET, [key.encode(), bytes(expected), bytes(desired)])[1][0]
 
 
-def wait_for_ranks(client: RendezvousClient, prefix: str, ranks: Iterable[int], timeout: float, what: str) -> None:
-    """Wait for ``{prefix}/{rank}`` of every rank; a timeout names the ranks that never arrived."""
+def wait_for_ranks(client: RendezvousClient, prefix: str, ranks: Iterable[int], timeout: float, what: str,
+                   interrupt: Callable[[], None] | None = None) -> None:
+    """Wait for ``{prefix}/{rank}`` of every rank; a timeout names the ranks that never arrived.
+    ``interrupt``, if given, is asked every 0.5 s and may raise to stop the wait."""
     keys = {f"{prefix}/{r}": r for r in ranks}
+    deadline = time.monotonic() + timeout
     try:
+        while interrupt is not None:
+            interrupt()
+            left = deadline - time.monotonic()
+            try:
+                client.wait(list(keys), max(0.0, min(0.5, left)))
+                return
+            except RendezvousTimeout:
+                if left <= 0.5:
+                    raise
         client.wait(list(keys), timeout)
     except RendezvousTimeout as e:
         missing = sorted(keys[k] for k in e.missing if k in keys)

@@ -12,6 +12,7 @@ import pickle
 import select
 import socket
 import time
+from typing import Callable
 from ..bootstrap.framing import HELLO_BYTES, MAGIC, NONCE_BYTES, VERSION, FrameError, FramedChannel as Channel, recv_exact
 
 MAX_CONTROL_FRAME = 256 << 20  # a burst of thousands of full requests stays far below this
@@ -76,14 +77,19 @@ class ControlListener:
         self._sock = socket.create_server((host, 0), backlog=1024)
         self.port = self._sock.getsockname()[1]
 
-    def accept(self, ranks: list[int], timeout: float) -> dict[int, Channel]:
-        """Wait for every rank in ``ranks`` to connect and identify itself."""
+    def accept(self, ranks: list[int], timeout: float, interrupt: Callable[[], None] | None = None) -> dict[int, Channel]:
+        """Wait for every rank in ``ranks`` to connect and identify itself; ``interrupt`` (asked
+        every 0.5 s) may raise to stop waiting."""
         deadline = time.monotonic() + timeout
         chans: dict[int, Channel] = {}
         try:
             while len(chans) < len(ranks):
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not readable([self._sock], remaining):
+                if interrupt is not None and remaining > 0:
+                    interrupt()
+                    if not readable([self._sock], min(remaining, 0.5)):
+                        continue
+                elif remaining <= 0 or not readable([self._sock], remaining):
                     missing = sorted(set(ranks) - set(chans))
                     raise ControlError(
                         f"ranks {missing} did not connect to rank 0's coordinator within {timeout:.0f} s. Likely "

@@ -11,6 +11,8 @@ Keys (under ``{run_id}/elastic/``):
     r{n}/{worker}       that worker's assignment in round n (JSON), or ``{"removed": why}``
     r{n}/hosts_added    "1" when round n only exists because hosts were added (state must be synced)
     want/{worker}       the round a worker left after a failure: it asks for a newer one
+    holds/{worker}      the worker holds the trained state (it finished a round's sync)
+    done/{worker}       the worker's training function returned (the job is finishing)
     fatal               why the launcher ended the job (workers waiting for a round stop)
 """
 
@@ -49,6 +51,16 @@ def fatal_key(run_id: str) -> str:
     return base(run_id) + "fatal"
 
 
+def holds_key(run_id: str, worker: str) -> str:
+    """Set by a worker once it holds the trained state (after a round's sync)."""
+    return f"{base(run_id)}holds/{worker}"
+
+
+def done_key(run_id: str, worker: str) -> str:
+    """Set by a worker when its training function has returned: the job is finishing."""
+    return f"{base(run_id)}done/{worker}"
+
+
 def encode_placement(placement: Placement | None, removed_because: str = "") -> bytes:
     return json.dumps(asdict(placement) if placement is not None else {"removed": removed_because}).encode()
 
@@ -75,5 +87,5 @@ def place(workers: list[tuple[str, str]]) -> dict[str, Placement]:
     return out
 
 
-__all__ = ["Placement", "decode_placement", "encode_placement", "fatal_key", "hosts_added_key", "place",
-           "placement_key", "round_key", "want_key"]
+__all__ = ["Placement", "decode_placement", "done_key", "encode_placement", "fatal_key", "holds_key", "hosts_added_key",
+           "place", "placement_key", "round_key", "want_key"]

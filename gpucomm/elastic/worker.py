@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 import time
-from typing import Mapping
+from typing import Callable, Mapping
 
 from ..bootstrap.rendezvous import RendezvousClient
 from ..errors import GpucommError
@@ -28,6 +28,7 @@ POLL_S = 0.05
 PLACEMENT_VARS = tuple(slot_env(rounds.Placement("", 0, 1, 0, 1, 0, 1)))
 _last_round = 0  # the round this process last joined (0: none yet)
 _current_round = 0  # the round of the job that is initialized now (0: none)
+_new_workers = False  # whether a round since the last one joined brought workers without the state
 
 
 class WorkerRemoved(SystemExit):
@@ -63,7 +64,7 @@ def join_round(env: Mapping[str, str]) -> tuple[dict[str, str], int]:
     environment that describes this process in it (``GPUCOMM_RANK`` ... set) and its number.
     Raises ``WorkerRemoved`` when the launcher removed this worker, ``GpucommError`` when the
     launcher ended the job or no round came within the elastic timeout."""
-    global _last_round, _current_round
+    global _last_round, _current_round, _new_workers
     worker = env.get(WORKER_VAR)
     if not worker:
         raise GpucommError(f"GPUCOMM_ELASTIC=1 but {WORKER_VAR} is not set: elastic workers are started by "
@@ -81,6 +82,8 @@ def join_round(env: Mapping[str, str]) -> tuple[dict[str, str], int]:
             newest = int(client.get(rounds.round_key(run_id))) if client.check([rounds.round_key(run_id)]) else 0
             if newest > _last_round and client.check([rounds.placement_key(run_id, newest, worker)]):
                 placement = rounds.decode_placement(client.get(rounds.placement_key(run_id, newest, worker)))
+                _new_workers = any(client.check([rounds.hosts_added_key(run_id, n)])
+                                   for n in range(_last_round + 1, newest + 1))
                 _last_round = newest
                 if isinstance(placement, str):
                     removed = WorkerRemoved(worker, placement)
@@ -100,10 +103,22 @@ def join_round(env: Mapping[str, str]) -> tuple[dict[str, str], int]:
         client.close()
 
 
-def round_superseded(client: RendezvousClient, run_id: str) -> bool:
-    """Whether the launcher has published a round newer than the one this process joined."""
+class RoundReplaced(GpucommError):
+    """The launcher published a newer round while this one was forming (a worker died or the hosts
+    changed): the worker leaves it and joins the next one."""
+
+
+def round_interrupt(client: RendezvousClient, run_id: str) -> Callable[[], None]:
+    """For the waits of ``init()`` in elastic mode: raises ``RoundReplaced`` once the launcher has
+    published a round newer than the one this process is joining."""
     key = rounds.round_key(run_id)
-    return client.check([key]) and int(client.get(key)) > _current_round
+
+    def interrupt() -> None:
+        if client.check([key]) and int(client.get(key)) > _current_round:
+            raise RoundReplaced(f"the launcher replaced elastic round {_current_round} before it was formed (a "
+                                f"worker died or the hosts changed); joining the next round.")
+
+    return interrupt
 
 
 def newest_round(client: RendezvousClient, run_id: str) -> tuple[int, bool]:
@@ -114,6 +129,20 @@ def newest_round(client: RendezvousClient, run_id: str) -> tuple[int, bool]:
 
 def current_round() -> int:
     return _current_round
+
+
+def new_workers_joined() -> bool:
+    """Whether the round just joined (or one between it and the last) added workers that do not
+    hold the trained state yet: the state must then be synced even after a host removal."""
+    return _new_workers
+
+
+def mark(key_of: Callable[[str, str], str]) -> None:
+    """Tell the launcher something about this worker (``rounds.holds_key`` / ``rounds.done_key``)."""
+    from .. import runtime  # noqa: PLC0415
+
+    job = runtime.current()
+    job.client.set(key_of(job.world.run_id, os.environ.get(WORKER_VAR, "")), str(_current_round).encode())
 
 
 def left_round() -> None:
@@ -128,10 +157,11 @@ def is_elastic_worker(env: Mapping[str, str] | None = None) -> bool:
 
 def reset_for_tests() -> None:
     """Forget the rounds joined (a pooled test process plays a fresh worker)."""
-    global _last_round, _current_round
+    global _last_round, _current_round, _new_workers
     _last_round = _current_round = 0
+    _new_workers = False
     os.environ.pop(WORKER_VAR, None)
 
 
-__all__ = ["WorkerRemoved", "current_round", "elastic_timeout", "is_elastic_worker", "join_round", "left_round",
-           "newest_round", "round_superseded"]
+__all__ = ["RoundReplaced", "WorkerRemoved", "current_round", "elastic_timeout", "is_elastic_worker", "join_round",
+           "left_round", "mark", "new_workers_joined", "newest_round", "round_interrupt"]

@@ -45,6 +45,10 @@ class ElasticJobError(RuntimeError):
     """The elastic job cannot go on (reason in the message)."""
 
 
+class _Stopped(Exception):
+    """A signal arrived while the driver waited for hosts."""
+
+
 @dataclass
 class _Worker:
     number: int  # output prefix and log name; never reused
@@ -87,13 +91,15 @@ class ElasticDriver:
         self._grace = grace
         self._verbose = verbose
         self._interval = discovery_interval
-        self._workers: dict[str, _Worker] = {}
+        self._workers: dict[str, _Worker] = {}  # the latest worker of each slot
+        self._started: list[_Worker] = []  # every worker ever started (their output pumps are joined at the end)
+        self._first_members: set[str] = set()  # round 1: everyone starts from the same state
         self._members: list[str] = []  # worker ids of the current round, in rank order
         self._round = 0
         self._resets = 0
         self._hosts: list[HostSlots] = []
         self._blacklist: dict[str, str] = {}  # host -> why
-        self._events: queue.Queue[tuple[str, int]] = queue.Queue()
+        self._events: queue.Queue[tuple[_Worker, int]] = queue.Queue()
         self._reform_reasons: list[str] = []
         self._finishing = False  # a member exited 0: training is over, no more rounds
         self._failure: str | None = None
@@ -114,13 +120,15 @@ class ElasticDriver:
             except ElasticJobError as e:
                 self._failure = str(e)
                 self._server_set(rounds.fatal_key(self._run_id), str(e).encode())
+            except _Stopped:
+                pass  # the report says which signal
         finally:
             try:
                 self._stop(self._alive())
-                proctree.reap_orphans({w.proc.pid for w in self._workers.values() if w.proc is not None})
+                proctree.reap_orphans({w.proc.pid for w in self._started if w.proc is not None})
             finally:
                 proctree.restore_handlers(previous)
-            for w in self._workers.values():
+            for w in self._started:
                 for t in w.pumps:
                     t.join(timeout=5)
         return self._report()
@@ -155,18 +163,17 @@ class ElasticDriver:
 
     def _collect_exits(self, timeout: float) -> None:
         try:
-            wid, code = self._events.get(timeout=timeout)
+            w, code = self._events.get(timeout=timeout)
         except queue.Empty:
             return
-        w = self._workers[wid]
+        wid = w.wid
         w.exit_code = code
         if w.removed is not None:
             self._sink.say(f"removed worker {w.number} ({wid}) {describe_exit(code)}")
             return
         if code == 0:
             if not self._finishing:
-                self._finishing = True
-                self._say(f"worker {w.number} ({wid}) finished; waiting for the others to finish (no more re-forms)")
+                self._finish()
             return
         cause = f"worker {w.number} ({wid}) {describe_exit(code)}"
         if self._finishing:
@@ -175,6 +182,25 @@ class ElasticDriver:
         self._sink.say(f"{cause}; blacklisting host {w.host} and re-forming the job without it")
         self._blacklist[w.host] = cause
         self._reform_reasons.append(cause)
+
+    def _finish(self) -> None:
+        """Training has ended on some worker: no more rounds. Workers started for a round that
+        never formed (they hold no state and nobody will meet them) are stopped as removed."""
+        self._finishing = True
+        self._say("a worker finished training; waiting for the others to finish (no more re-forms)")
+        done = {k.rsplit("/", 1)[-1] for k in self._server.snapshot(rounds.base(self._run_id) + "done/")}
+        stranded = [w for w in self._alive() if w.removed is None and w.wid not in done and w.wid not in self._holders()]
+        for w in stranded:
+            w.removed, w.removed_at = "training finished before it could join", time.monotonic()
+        if stranded:
+            self._sink.say(f"stopping {len(stranded)} worker(s) started for a round that training finished before: "
+                           f"{', '.join(w.wid for w in stranded)}")
+            self._stop(stranded)
+
+    def _holders(self) -> set[str]:
+        """Workers that hold the trained state: those of the first round, and those that finished a sync."""
+        prefix = rounds.base(self._run_id) + "holds/"
+        return self._first_members | {k[len(prefix):] for k in self._server.snapshot(prefix)}
 
     def _rediscover(self) -> None:
         try:
@@ -189,14 +215,18 @@ class ElasticDriver:
         self._hosts = hosts
         gone = [wid for wid in self._members if wid not in now and self._workers[wid].exit_code is None]
         room = (self._limits.max_np or 10**9) - len(self._members)
-        added = [s for s in self._slots(hosts) if s not in before and s not in self._members]
+        available = self._available()
+        added = [s for s in self._slots(hosts) if s not in before and s not in self._members and s in available]
         if gone:
             self._reform_reasons.append(f"discovery no longer lists {', '.join(sorted(gone))}")
         if added and room > 0:
             self._reform_reasons.append(f"discovery added {', '.join(added[:room])}")
 
     def _read_requests(self) -> None:
-        """Workers whose collective failed without anyone dying ask for a round after theirs."""
+        """Workers whose collective failed without anyone dying ask for a round after theirs; a
+        worker whose training function returned says so (the job is finishing)."""
+        if not self._finishing and self._server.snapshot(rounds.base(self._run_id) + "done/"):
+            self._finish()
         prefix = rounds.base(self._run_id) + "want/"
         for key, value in self._server.snapshot(prefix).items():
             try:
@@ -224,11 +254,14 @@ class ElasticDriver:
                                       f"{self._resets} time(s), the --reset-limit. Look at the causes above; raise "
                                       f"--reset-limit to tolerate more changes.")
             self._resets += 1
-        members = self._wait_for_members(why)
         previous = set(self._members)
-        if previous and not previous & set(members):
-            raise ElasticJobError(f"no worker of the previous round survives ({why}), so nobody holds the trained "
-                                  f"state to hand to new workers.")
+        if previous and not self._surviving_holders():
+            raise ElasticJobError(f"no worker that holds the trained state survives ({why}): the workers of the "
+                                  f"last round that finished a sync are all gone, so there is no state to hand to "
+                                  f"new workers.")
+        members = self._wait_for_members(why)
+        if previous and not set(members) & set(self._surviving_holders()):
+            raise ElasticJobError(f"no worker that holds the trained state survives ({why}).")
         new = [wid for wid in members if wid not in self._workers or self._workers[wid].exit_code is not None]
         self._round += 1
         number = self._round
@@ -246,18 +279,27 @@ class ElasticDriver:
         if number > 1 and any(wid not in previous for wid in members):
             self._server_set(rounds.hosts_added_key(self._run_id, number), b"1")
         self._members = members
+        if number == 1:
+            self._first_members = set(members)
         self._server_set(rounds.round_key(self._run_id), str(number).encode())
         self.round_times.append((number, time.time(), why))
         self._say(f"round {number}: {len(members)} worker(s) [{', '.join(members)}] ({why})")
 
+    def _surviving_holders(self) -> list[str]:
+        holders = self._holders()
+        return [wid for wid in self._members if wid in holders and self._is_running(wid)
+                and self._workers[wid].removed is None]
+
     def _wait_for_members(self, why: str) -> list[str]:
-        """Survivors first (in their old rank order, so rank 0 holds the state), then new slots,
-        up to --max-np; waits up to --elastic-timeout for --min-np."""
+        """Survivors that hold the state first (in their old rank order, so rank 0 holds it), then
+        the other survivors, then new slots, up to --max-np; waits up to --elastic-timeout for --min-np."""
         deadline = time.monotonic() + self._limits.elastic_timeout
         said = False
         while True:
             available = self._available()
             alive = [wid for wid in self._members if wid in available and self._workers[wid].exit_code is None]
+            holders = self._holders()
+            alive = [wid for wid in alive if wid in holders] + [wid for wid in alive if wid not in holders]
             fresh = [wid for wid in available if wid not in alive and not self._is_running(wid)]
             members = (alive + fresh)[: self._limits.max_np or None]
             if len(members) >= self._limits.min_np:
@@ -275,7 +317,7 @@ class ElasticDriver:
                 said = True
             self._collect_exits(timeout=0.05)
             if self._signal is not None:
-                raise ElasticJobError(f"stopped by {signal.Signals(self._signal).name} while waiting for hosts")
+                raise _Stopped()
             time.sleep(min(self._interval, 0.5))
             try:
                 self._hosts = self._discover(first=False)
@@ -305,7 +347,7 @@ class ElasticDriver:
     # ------------------------------------------------------------------ processes
 
     def _start(self, wid: str, host: str) -> None:
-        number = len(self._workers)
+        number = len(self._started)
         env = dict(self._tunables)
         env.update({
             "GPUCOMM_ELASTIC": "1", "HOROVOD_ELASTIC": "1", "GPUCOMM_ELASTIC_WORKER": wid,
@@ -318,6 +360,7 @@ class ElasticDriver:
         launch: Launch = launch_for(Slot(host, number, 0, 0, 0, 0, 0), self._command, self._base_env, env,
                                     cwd=os.getcwd(), ssh=self._ssh, grace=self._grace)
         w = self._workers[wid] = _Worker(number, wid, host)
+        self._started.append(w)
         try:
             w.proc = subprocess.Popen(
                 launch.argv, env=launch.env, start_new_session=True, preexec_fn=self._die_with_launcher,
@@ -333,7 +376,7 @@ class ElasticDriver:
             except OSError:
                 pass
         w.pumps = [self._sink.pump(number, "stdout", w.proc.stdout), self._sink.pump(number, "stderr", w.proc.stderr)]
-        threading.Thread(target=lambda: self._events.put((wid, w.proc.wait())), daemon=True,
+        threading.Thread(target=lambda: self._events.put((w, w.proc.wait())), daemon=True,
                          name=f"worker{number}-wait").start()
         self._say(f"started worker {number} on {host} ({wid}{'' if launch.remote is False else ', ssh'}, "
                   f"pid {w.proc.pid})")
@@ -391,7 +434,7 @@ class ElasticDriver:
             self._sink.say(f"received {signal.Signals(self._signal).name}; stopped every worker")
             return 128 + self._signal
         members = [self._workers[w] for w in self._members]
-        bad = [w for w in members if w.exit_code not in (0, None)]
+        bad = [w for w in members if w.exit_code not in (0, None) and w.removed is None]
         if bad:
             w = bad[0]
             self._sink.say(f"elastic job failed: worker {w.number} ({w.wid}) {describe_exit(w.exit_code)}")

@@ -76,13 +76,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hooks: dict[torch.Tensor, Any] = {}
         self._lock = threading.Lock()  # hooks of CPU and CUDA parameters run on different autograd threads
         self._job_ref: Any = None
+        self._finalizer: Any = None  # closes this optimizer's schedule when it is garbage-collected
         self._hooked = False  # a gradient hook fired since the last synchronize
         self._bind(runtime.current())
 
     def _bind(self, job) -> None:
         """Attach to ``job``: its size sets the scaling, its schedule carries the buckets, and the
         layout is agreed among its ranks (a collective)."""
+        if self._finalizer is not None:
+            self._finalizer.detach()  # the old job closed its schedules; do not keep it alive
         self._job_ref = weakref.ref(job)
+        self._hooked = False
         self._set_id = _set_id(self._process_set)
         self._size = job.group(self._set_id).size
         # Average: 1/f before the sum (packed in), f/size after (unpacked out), Horovod's predivide rule
@@ -111,7 +115,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for device in {b.plan.device for b in self._buckets.buckets}:
                 self._schedule.open(device)
             job.add_join_party(self)
-            weakref.finalize(self, job.close_schedule, self._schedule)  # its communicator goes with it
+            self._finalizer = weakref.finalize(self, job.close_schedule, self._schedule)  # its communicator goes with it
 
     def _rebind(self) -> None:
         """Elastic training re-formed the job (``hvd.elastic.run``): attach to the new one. Every

@@ -3,6 +3,12 @@
 Horovod's loop: sync the state (unless hosts were only removed), run the function; on a failed
 collective restore the last commit, on a host change keep the state; then leave the job, join the
 launcher's next round (``hvd.init()`` waits for it) and run the state's reset callbacks.
+
+Where gpucomm goes further: a re-form that fails (another worker dies while the round forms, or
+during the reset callbacks' collectives) is retried with the next round instead of ending the
+worker; the state is synced whenever the rounds joined meanwhile brought new workers, even if the
+interrupt itself was a removal; and the launcher is told which workers hold the trained state and
+when training has finished.
 """
 
 from __future__ import annotations
@@ -14,12 +20,13 @@ from typing import Any, Callable, TypeVar
 
 from ... import runtime
 from ...counters import COUNTERS
+from ...elastic import rounds, worker
 from ...errors import CollectiveError, GpucommError, HostsUpdatedInterrupt
 
 log = logging.getLogger("gpucomm")
 
 F = TypeVar("F", bound=Callable[..., Any])
-MAX_JOIN_ATTEMPTS = 20  # rounds a worker may see replaced while joining before it gives up
+MAX_REFORM_ATTEMPTS = 20  # rounds a worker may see fail while re-forming before it gives up
 
 
 def run(func: F) -> F:
@@ -32,7 +39,10 @@ def run(func: F) -> F:
             try:
                 if not skip_sync:
                     state.sync()
-                return func(state, *args, **kwargs)
+                _mark(rounds.holds_key)
+                result = func(state, *args, **kwargs)
+                _mark(rounds.done_key)
+                return result
             except CollectiveError as e:  # HorovodInternalError: a rank died or a collective broke
                 log.warning("gpucomm elastic: %s; restoring the last commit and re-forming the job",
                             str(e).splitlines()[0])
@@ -40,29 +50,47 @@ def run(func: F) -> F:
                 skip_sync = False
             except HostsUpdatedInterrupt as e:
                 skip_sync = e.skip_sync
-            _reset()
-            state.on_reset()
+            skip_sync = _reform(state, skip_sync)
 
     return wrapper  # type: ignore[return-value]
 
 
-def _reset() -> None:
-    """Leave the broken or outdated job and join the launcher's next round. A round that is
-    replaced while it forms (another worker died meanwhile) is followed by the next one."""
+def _mark(key_of: Callable[[str, str], str]) -> None:
+    if worker.is_elastic_worker():
+        worker.mark(key_of)
+
+
+def _reform(state, skip_sync: bool) -> bool:
+    """Leave the broken or outdated job, join the launcher's next round and run the state's reset
+    callbacks. Returns whether the next ``sync()`` may be skipped. A round that fails while it
+    forms, or whose reset callbacks' collectives fail, is followed by the next one."""
     t0 = time.monotonic()
-    for attempt in range(MAX_JOIN_ATTEMPTS):
+    for attempt in range(MAX_REFORM_ATTEMPTS):
         runtime.shutdown()
         try:
             from .. import init  # noqa: PLC0415 - gpucomm.torch.init binds the global process set
 
             init()
-            break
-        except GpucommError as e:
-            if "launcher ended the elastic job" in str(e) or attempt == MAX_JOIN_ATTEMPTS - 1:
+            skip_sync = skip_sync and not worker.new_workers_joined()
+            state.on_reset()
+            COUNTERS.elastic_resets += 1
+            log.info("gpucomm elastic: re-formed in %.2f s (round %d)", time.monotonic() - t0, worker.current_round())
+            return skip_sync
+        except worker.WorkerRemoved:
+            raise
+        except CollectiveError as e:  # a reset callback's collective (the optimizer's rebind) failed
+            log.warning("gpucomm elastic: re-forming failed (%s); restoring the last commit and trying the next "
+                        "round", str(e).splitlines()[0])
+            state.restore()
+            skip_sync = False
+        except Exception as e:  # noqa: BLE001 - joining failed: a worker died while the round formed
+            if (isinstance(e, GpucommError) and "launcher ended the elastic job" in str(e)) \
+                    or attempt == MAX_REFORM_ATTEMPTS - 1:
                 raise
-            log.warning("gpucomm elastic: joining a round failed (%s); trying the next one", str(e).splitlines()[0])
-    COUNTERS.elastic_resets += 1
-    log.info("gpucomm elastic: re-formed in %.2f s", time.monotonic() - t0)
+            log.warning("gpucomm elastic: joining a round failed (%s: %s); trying the next one", type(e).__name__,
+                        str(e).splitlines()[0] if str(e) else "")
+            skip_sync = False
+    raise AssertionError("unreachable")
 
 
 __all__ = ["run"]
