@@ -259,9 +259,9 @@ class Job:
                 controller.wait_workers_gone(grace)
         else:
             self.plane.close()
-        for schedule in self._schedules:
-            schedule.close()
         failed = self.failure() is not None
+        for schedule in self._schedules:
+            schedule.close(abort=failed)  # a stopped peer would hold a graceful close until Gloo's timeout
         for group in list(self.groups.values())[1:]:
             group.close(abort=failed)
         if self._nccl is not None:

@@ -11,7 +11,8 @@ Linear regression with SGD, committed every step. Two data modes:
 
 Faults come from the environment: ``ELASTIC_KILL=worker@step`` SIGKILLs that worker in the middle
 of that step (after the forward pass, before backward sends its gradients); ``ELASTIC_KILL_IN_RESET=worker``
-SIGKILLs it when the job re-forms, before its optimizer rebinds (the others are then in that collective); ``ELASTIC_ADD=step@host:slots`` makes rank 0
+SIGKILLs it when the job re-forms, before its optimizer rebinds (the others are then in that collective);
+``ELASTIC_STOP=worker@step`` SIGSTOPs it instead (a hung worker); ``ELASTIC_ADD=step@host:slots`` makes rank 0
 append a host to the discovery file at that step. Rank 0 writes ``result.json`` at the end.
 """
 
@@ -67,6 +68,9 @@ REMOVE = at_plan("ELASTIC_REMOVE")
 
 
 def maybe_die(step: int) -> None:
+    if os.environ.get("ELASTIC_STOP") == f"{WORKER}@{step}":  # hangs instead of dying (SIGSTOP)
+        (OUT / f"stopped.{WORKER}.json").write_text(json.dumps({"worker": WORKER, "step": step, "time": time.time()}))
+        os.kill(os.getpid(), signal.SIGSTOP)
     if KILL.get(WORKER) == step:
         (OUT / f"killed.{WORKER}.json").write_text(json.dumps({"worker": WORKER, "step": step, "time": time.time()}))
         os.kill(os.getpid(), signal.SIGKILL)

@@ -88,6 +88,18 @@ def test_a_worker_dying_while_the_job_re_forms_is_survived(tmp_path):
     torch.testing.assert_close(trained(result), reference_fixed(job.STEPS), rtol=0, atol=1e-5)
 
 
+def test_a_hung_worker_is_stopped_and_the_others_continue(tmp_path):
+    hosts = ["127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1"]
+    r, result, _ = elastic_run(tmp_path, hosts, 3, "--min-np", "2", "--stop-grace", "1", env={
+        "ELASTIC_STOP": "127.0.0.3:0@5", "GPUCOMM_LIVENESS_TIMEOUT": "2", "GPUCOMM_START_TIMEOUT": "4"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.leftovers == []
+    assert "worker(s) 127.0.0.3:0 never arrived in round 2 although the others did; stopping them" in r.stderr
+    assert "worker 2 (127.0.0.3:0) never arrived in round 2 (hung or stopped) and was stopped; blacklisting" in r.stderr
+    assert result["sizes"] == [3] * 5 + [2] * 11
+    torch.testing.assert_close(trained(result), reference_fixed(job.STEPS), rtol=0, atol=1e-5)
+
+
 def test_a_host_added_as_training_ends_does_not_fail_the_job(tmp_path):
     hosts = ["127.0.0.1:1", "127.0.0.2:1"]
     r, result, _ = elastic_run(tmp_path, hosts, 2, env={"ELASTIC_ADD": f"{job.STEPS - 1}@127.0.0.3:1",

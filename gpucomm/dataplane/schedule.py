@@ -67,8 +67,9 @@ class Schedule:
     def failure(self) -> CollectiveError | None:
         return self._failure()
 
-    def close(self) -> None:
-        self.group.close()
+    def close(self, *, abort: bool = False) -> None:
+        """Release the schedule's communicators (``abort``: the job failed, do not wait for transfers)."""
+        self.group.close(abort=abort)
 
 
 __all__ = ["Schedule"]

@@ -58,6 +58,7 @@ class _Worker:
     exit_code: int | None = None
     removed: str | None = None  # why it was left out of the job
     removed_at: float = 0.0
+    stopped_because: str | None = None  # the driver stopped it as failed (it hung)
     pumps: list[threading.Thread] = field(default_factory=list)
 
 
@@ -175,7 +176,7 @@ class ElasticDriver:
             if not self._finishing:
                 self._finish()
             return
-        cause = f"worker {w.number} ({wid}) {describe_exit(code)}"
+        cause = f"worker {w.number} ({wid}) {w.stopped_because or describe_exit(code)}"
         if self._finishing:
             self._failure = f"{cause} after training had finished on another worker"
             return
@@ -234,8 +235,26 @@ class ElasticDriver:
             except ValueError:
                 continue
             if asked >= self._round and key[len(prefix):] in self._members:
+                self._stop_absentees(asked)
                 self._reform_reasons.append(f"worker {key[len(prefix):]} asked for a new round after a failed "
                                             f"collective")
+
+    def _stop_absentees(self, number: int) -> None:
+        """A worker gave up on round ``number``: members that never arrived in it although others
+        did are hung (stopped, or stuck before init), not slow starters. They are stopped, and their
+        exit blacklists their host like any failure, so the next round goes on without them."""
+        arrived = {int(k.rsplit("/", 1)[-1])
+                   for k in self._server.snapshot(f"{self._run_id}/e{number}/arrive/")}
+        if not arrived:
+            return
+        absent = [self._workers[wid] for rank, wid in enumerate(self._members)
+                  if rank not in arrived and self._is_running(wid) and self._workers[wid].removed is None]
+        if absent:
+            for w in absent:
+                w.stopped_because = f"never arrived in round {number} (hung or stopped) and was stopped"
+            self._sink.say(f"worker(s) {', '.join(w.wid for w in absent)} never arrived in round {number} although "
+                           f"the others did; stopping them as failed")
+            self._stop(absent)
 
     # ------------------------------------------------------------------ rounds
 
