@@ -18,7 +18,8 @@ from .bootstrap.rendezvous import RendezvousClient, RendezvousError, wait_for_ra
 from .bootstrap.world import World, detect_world
 from .control.channel import ControlListener, connect as connect_control
 from .control.controller import ControlConfig, ControlLinks
-from .elastic.worker import PLACEMENT_VARS, is_elastic_worker, join_round, round_interrupt
+from .elastic.notify import elastic_mode
+from .elastic.worker import PLACEMENT_VARS, join_round, round_interrupt
 from .errors import GpucommError
 from .job import SHUTDOWN_GRACE, Job
 from .logs import SetupSteps, configure_logging
@@ -35,7 +36,7 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None)
     """Join the job ``env`` describes; ``generation`` keeps a re-init's store keys apart from the last one's.
     An elastic worker first waits for the launcher's next round, which says where it sits now."""
     elastic_round = 0
-    if is_elastic_worker(env):
+    if elastic_mode(env):
         env, elastic_round = join_round(env)
         os.environ.update({k: env[k] for k in PLACEMENT_VARS})  # what the script reads matches the job
     world = detect_world(env)

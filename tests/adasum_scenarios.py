@@ -123,23 +123,29 @@ def allreduce_forms(seed: int, device: str = "cpu") -> dict:
     (y * torch.from_numpy(weights[rank]).float().to(dev)).sum().backward()
     _close(x.grad, numpy_adasum(weights), "allreduce backward")
 
-    errors = {}
-    for what, call in {
+    errors = _errors_of({
         "int": lambda: hvd.allreduce(torch.ones(3, dtype=torch.int32, device=dev), op=hvd.Adasum),
         "reducescatter": lambda: hvd.reducescatter(torch.ones(2 * size, device=dev), op=hvd.Adasum),
         "process_set": lambda: hvd.allreduce(torch.ones(3, device=dev), op=hvd.Adasum, process_set=ps),
         "optimizer_process_set": lambda: hvd.DistributedOptimizer(
             torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1), op=hvd.Adasum, process_set=ps),
-    }.items():
+    })
+    total = hvd.allreduce(torch.ones(1, device=dev), op=hvd.Sum).item()  # still in step after the errors
+    hvd.shutdown()
+    return {"errors": errors, "total": total}
+
+
+def _errors_of(calls: dict) -> dict:
+    """``(exception type name, message)`` of each call, or None where it did not raise."""
+    errors = {}
+    for what, call in calls.items():
         try:
             call()
         except Exception as e:  # noqa: BLE001 - the test checks the type and message
             errors[what] = (type(e).__name__, str(e))
         else:
             errors[what] = None
-    total = hvd.allreduce(torch.ones(1, device=dev), op=hvd.Sum).item()  # still in step after the errors
-    hvd.shutdown()
-    return {"errors": errors, "total": total}
+    return errors
 
 
 def non_power_of_two() -> dict:
@@ -159,14 +165,7 @@ def non_power_of_two() -> dict:
         "DistributedOptimizer": lambda: hvd.DistributedOptimizer(
             torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1), op=hvd.Adasum),
     }
-    errors = {}
-    for what, call in calls.items():
-        try:
-            call()
-        except Exception as e:  # noqa: BLE001 - the test checks the type and message
-            errors[what] = (type(e).__name__, str(e))
-        else:
-            errors[what] = None
+    errors = _errors_of(calls)
     total = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()
     hvd.shutdown()
     return {"errors": errors, "total": total}

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+from typing import Mapping
 
 from ..errors import HostsUpdatedInterrupt
 
 
-def elastic_mode() -> bool:
-    """True in a worker started by ``gpucomm-run`` in elastic mode."""
-    return os.environ.get("GPUCOMM_ELASTIC", os.environ.get("HOROVOD_ELASTIC", "")) == "1"
+def elastic_mode(env: Mapping[str, str] | None = None) -> bool:
+    """True in a worker started by ``gpucomm-run`` in elastic mode (``env``: default this process's)."""
+    env = os.environ if env is None else env
+    return env.get("GPUCOMM_ELASTIC", env.get("HOROVOD_ELASTIC", "")) == "1"
 
 
 def check_host_updates() -> None:

@@ -20,11 +20,21 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from typing import Mapping
 
 from ..runner.hosts import Slot
 
 
 Placement = Slot  # one worker's place in one round: host, rank, size, local and cross rank and size
+
+
+DEFAULT_ELASTIC_TIMEOUT = 600.0  # Horovod's default
+
+
+def elastic_timeout(env: Mapping[str, str]) -> float:
+    """Seconds to wait for enough workers after a change (GPUCOMM_/HOROVOD_ELASTIC_TIMEOUT, default 600)."""
+    raw = env.get("GPUCOMM_ELASTIC_TIMEOUT") or env.get("HOROVOD_ELASTIC_TIMEOUT")
+    return float(raw) if raw else DEFAULT_ELASTIC_TIMEOUT
 
 
 def base(run_id: str) -> str:
@@ -87,5 +97,5 @@ def place(workers: list[tuple[str, str]]) -> dict[str, Placement]:
     return out
 
 
-__all__ = ["Placement", "decode_placement", "done_key", "encode_placement", "fatal_key", "holds_key", "hosts_added_key",
+__all__ = ["Placement", "decode_placement", "done_key", "elastic_timeout", "encode_placement", "fatal_key", "holds_key", "hosts_added_key",
            "place", "placement_key", "round_key", "want_key"]

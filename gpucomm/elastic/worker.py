@@ -17,12 +17,10 @@ from ..bootstrap.rendezvous import RendezvousClient
 from ..errors import GpucommError
 from ..runner.worker_env import slot_env
 from . import rounds
-from .notify import elastic_mode
 
 log = logging.getLogger("gpucomm")
 
 WORKER_VAR = "GPUCOMM_ELASTIC_WORKER"
-DEFAULT_ELASTIC_TIMEOUT = 600.0
 POLL_S = 0.05
 
 PLACEMENT_VARS = tuple(slot_env(rounds.Placement("", 0, 1, 0, 1, 0, 1)))
@@ -41,11 +39,6 @@ class WorkerRemoved(SystemExit):
 
     def __str__(self) -> str:
         return f"gpucomm elastic: worker {self.worker} leaves the job: {self.why}"
-
-
-def elastic_timeout(env: Mapping[str, str]) -> float:
-    raw = env.get("GPUCOMM_ELASTIC_TIMEOUT") or env.get("HOROVOD_ELASTIC_TIMEOUT")
-    return float(raw) if raw else DEFAULT_ELASTIC_TIMEOUT
 
 
 def _client(env: Mapping[str, str], timeout: float) -> RendezvousClient:
@@ -70,7 +63,7 @@ def join_round(env: Mapping[str, str]) -> tuple[dict[str, str], int]:
         raise GpucommError(f"GPUCOMM_ELASTIC=1 but {WORKER_VAR} is not set: elastic workers are started by "
                            f"gpucomm-run --host-discovery-script/--min-np, which names each worker.")
     run_id = env.get("GPUCOMM_RUN_ID", "")
-    timeout = elastic_timeout(env)
+    timeout = rounds.elastic_timeout(env)
     client = _client(env, timeout)
     try:
         if _last_round:
@@ -151,17 +144,5 @@ def left_round() -> None:
     _current_round = 0
 
 
-def is_elastic_worker(env: Mapping[str, str] | None = None) -> bool:
-    return elastic_mode() if env is None else env.get("GPUCOMM_ELASTIC", env.get("HOROVOD_ELASTIC", "")) == "1"
-
-
-def reset_for_tests() -> None:
-    """Forget the rounds joined (a pooled test process plays a fresh worker)."""
-    global _last_round, _current_round, _new_workers
-    _last_round = _current_round = 0
-    _new_workers = False
-    os.environ.pop(WORKER_VAR, None)
-
-
-__all__ = ["RoundReplaced", "WorkerRemoved", "current_round", "elastic_timeout", "is_elastic_worker", "join_round",
+__all__ = ["RoundReplaced", "WorkerRemoved", "current_round", "join_round",
            "left_round", "mark", "new_workers_joined", "newest_round", "round_interrupt"]

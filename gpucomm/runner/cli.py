@@ -14,7 +14,7 @@ import os
 import secrets
 import shlex
 import sys
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from ..failures import read_failures
 from ..bootstrap.netaddr import address_towards, interface_ipv4
@@ -262,7 +262,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         slots = assign_slots(_host_list(args), args.np)
     except HostSpecError as e:
         parser.error(str(e))
-    env = dict(os.environ)
+    return run_fixed_job(args, slots, list(args.command), dict(os.environ))[0]
+
+
+def run_fixed_job(args: argparse.Namespace, slots: list, command: list[str], env: dict[str, str], *,
+                  publish: Callable[[RendezvousServer, str], None] | None = None,
+                  collect: Callable[[RendezvousServer, str], Any] | None = None) -> tuple[int, Supervisor, Any]:
+    """Start ``command`` in every slot under fail-fast supervision and wait for the job to end;
+    returns the exit status, the supervisor and what ``collect(server, run_id)`` read from the
+    store before it closed. ``publish(server, run_id)`` runs before any rank starts
+    (``gpucomm.run`` puts its function there). Bad input raises ``SystemExit`` with the message."""
     tunables = tunables_env(args, env)
     remote_hosts = [s.host for s in slots if not is_local(s.host)]
     # the store listens only on the address the ranks are told to use (it holds the job's keys)
@@ -272,7 +281,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         addr = address_towards(split_user(remote_hosts[0])[1].strip("[]"))
     else:
         addr = "127.0.0.1"
-    bind = addr
     secret = secrets.token_bytes(32)
     run_id = secrets.token_hex(8)
     start_timeout = float(tunables["GPUCOMM_START_TIMEOUT"])
@@ -283,20 +291,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         sink.say(f"OMP_NUM_THREADS is not set: each rank gets {threads} (this host's {os.cpu_count()} cores / "
                  f"{max(s.local_size for s in slots)} local ranks), as torchrun's default of 1 would leave cores "
                  f"idle on CPU and the library default would oversubscribe them; export OMP_NUM_THREADS to choose.")
-    with RendezvousServer(secret, bind, 0) as server:
+    with RendezvousServer(secret, addr, 0) as server:
+        if publish is not None:
+            publish(server, run_id)
         if args.verbose:
             sink.say(f"job {run_id}: {args.np} rank(s); rendezvous store at {addr}:{server.port}")
             for s in slots:
                 sink.say(f"  rank {s.rank}: host {s.host} local {s.local_rank}/{s.local_size} "
                          f"cross {s.cross_rank}/{s.cross_size}" + (" (ssh)" if s.host in remote_hosts else ""))
         launches = build_launches(
-            slots, list(args.command), env, tunables, rendezvous_addr=addr, rendezvous_port=server.port,
+            slots, command, env, tunables, rendezvous_addr=addr, rendezvous_port=server.port,
             secret=secret, run_id=run_id, cwd=os.getcwd(),
             ssh=SshOptions(args.ssh_port, args.ssh_identity_file, start_timeout, args.remote_python,
                            tuple(shlex.split(args.ssh_args))),
             grace=args.stop_grace)
-        return Supervisor(launches, sink, grace=args.stop_grace, verbose=args.verbose,
-                          reported_failures=lambda: read_failures(server.snapshot(), run_id)).run()
+        supervisor = Supervisor(launches, sink, grace=args.stop_grace, verbose=args.verbose,
+                                reported_failures=lambda: read_failures(server.snapshot(), run_id))
+        code = supervisor.run()
+        return code, supervisor, collect(server, run_id) if collect is not None else None
 
 
 def run_elastic(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -340,4 +352,4 @@ def console_main() -> None:
     sys.exit(main())
 
 
-__all__ = ["build_parser", "console_main", "interface_address", "main", "omp_threads", "tunables_env"]
+__all__ = ["build_parser", "console_main", "interface_address", "main", "omp_threads", "run_fixed_job", "tunables_env"]

@@ -106,7 +106,6 @@ class ElasticDriver:
         self._failure: str | None = None
         self._signal: int | None = None
         self._die_with_launcher = proctree.die_with_parent_hook()
-        self.round_times: list[tuple[int, float, str]] = []  # (round, when formed, why): for reports and tests
 
     # ------------------------------------------------------------------ public
 
@@ -301,7 +300,6 @@ class ElasticDriver:
         if number == 1:
             self._first_members = set(members)
         self._server_set(rounds.round_key(self._run_id), str(number).encode())
-        self.round_times.append((number, time.time(), why))
         self._say(f"round {number}: {len(members)} worker(s) [{', '.join(members)}] ({why})")
 
     def _surviving_holders(self) -> list[str]:
@@ -467,7 +465,7 @@ def make_limits(np: int, min_np: int | None, max_np: int | None, elastic_timeout
                 reset_limit: int | None, env: Mapping[str, str]) -> ElasticLimits:
     """Horovod's defaults: --min-np defaults to -np, --max-np is unbounded, the timeout is 600 s
     (or HOROVOD_ELASTIC_TIMEOUT)."""
-    timeout = elastic_timeout or float(env.get("GPUCOMM_ELASTIC_TIMEOUT") or env.get("HOROVOD_ELASTIC_TIMEOUT") or 600)
+    timeout = elastic_timeout or rounds.elastic_timeout(env)
     low = min_np if min_np is not None else np
     if max_np is not None and max_np < low:
         raise ValueError(f"--max-np {max_np} is smaller than --min-np {low}")

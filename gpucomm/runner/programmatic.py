@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import secrets
 import signal
 import sys
 import warnings
@@ -33,7 +32,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import GpucommError
-from ..failures import read_failures
 from .run_task import MAX_PAYLOAD, dumps, key
 
 ELASTIC_ADVICE = ("gpucomm.run starts fixed-size jobs only: leave out {names}, or run the training script "
@@ -146,62 +144,39 @@ def _parse(argv: list[str]):
     return parser.parse_args([*argv, "run_task"])
 
 
-def _no_exit(fn: Callable[..., Any], *args: Any) -> Any:
+def _no_exit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call a launcher helper that reports bad input with SystemExit; raise ValueError instead."""
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except SystemExit as e:
         raise ValueError(str(e.code).replace("gpucomm-run:", "gpucomm.run:", 1)) from None
 
 
 def _run_job(argv: list[str], payload: bytes, executable: str) -> list[Any]:
-    from ..bootstrap.netaddr import address_towards  # noqa: PLC0415
-    from ..bootstrap.rendezvous import RendezvousServer  # noqa: PLC0415
-    from .cli import DEFAULT_GRACE, interface_address, omp_threads, tunables_env  # noqa: PLC0415
-    from .hosts import HostSlots, HostSpecError, assign_slots, parse_hostfile, parse_hosts  # noqa: PLC0415
-    from .output import OutputSink  # noqa: PLC0415
-    from .spawn import SshOptions, build_launches, is_local, split_user  # noqa: PLC0415
-    from .supervisor import Supervisor  # noqa: PLC0415
+    """``gpucomm-run``'s own launch (``cli.run_fixed_job``) of ``executable -m gpucomm.runner.run_task``."""
+    from .cli import _host_list, run_fixed_job  # noqa: PLC0415
+    from .hosts import HostSpecError, assign_slots  # noqa: PLC0415
 
     opts = _parse(argv)
+    opts.remote_python = executable
     try:
-        host_list = (parse_hostfile(opts.hostfile) if opts.hostfile else parse_hosts(opts.hosts) if opts.hosts
-                     else [HostSlots("localhost", opts.np)])
-        slots = assign_slots(host_list, opts.np)
+        slots = assign_slots(_host_list(opts), opts.np)
     except HostSpecError as e:
         raise ValueError(f"gpucomm.run: {e}") from None
     env = dict(os.environ)
-    tunables = _no_exit(tunables_env, opts, env)
-    remote_hosts = [s.host for s in slots if not is_local(s.host)]
-    if opts.nics:
-        addr = _no_exit(interface_address, tunables["GPUCOMM_GLOO_IFACE"])
-    elif remote_hosts:
-        addr = address_towards(split_user(remote_hosts[0])[1].strip("[]"))
-    else:
-        addr = "127.0.0.1"
-    sink = OutputSink(opts.np, opts.output_filename)
-    threads = omp_threads(env, slots, remote_hosts)
-    if threads is not None:
-        tunables["OMP_NUM_THREADS"] = str(threads)
-        sink.say(f"OMP_NUM_THREADS is not set: each rank gets {threads} (this host's {os.cpu_count()} cores / "
-                 f"{max(s.local_size for s in slots)} local ranks); export OMP_NUM_THREADS to choose.")
     # the ranks import this very gpucomm, even when it is not installed for `executable`
     package_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), package_root) if p)
-    secret, run_id = secrets.token_bytes(32), secrets.token_hex(8)
-    start_timeout = float(tunables["GPUCOMM_START_TIMEOUT"])
-    with RendezvousServer(secret, addr, 0) as server:
+
+    def publish(server, run_id: str) -> None:
         server.put(key(run_id, "sys_path"), json.dumps(sys.path).encode())
         server.put(key(run_id, "payload"), payload)
-        launches = build_launches(
-            slots, [executable, "-m", "gpucomm.runner.run_task"], env, tunables, rendezvous_addr=addr,
-            rendezvous_port=server.port, secret=secret, run_id=run_id, cwd=os.getcwd(),
-            ssh=SshOptions(opts.ssh_port, opts.ssh_identity_file, start_timeout, executable), grace=DEFAULT_GRACE)
-        supervisor = Supervisor(launches, sink, grace=DEFAULT_GRACE, verbose=bool(opts.verbose),
-                                reported_failures=lambda: read_failures(server.snapshot(), run_id))
-        code = supervisor.run()
-        records = server.snapshot(key(run_id, ""))
-    return _outcome(records, run_id, code, supervisor.first_failure, slots, sink.stderr_tails)
+
+    code, supervisor, records = _no_exit(run_fixed_job, opts, slots, [executable, "-m", "gpucomm.runner.run_task"],
+                                         env, publish=publish,
+                                         collect=lambda server, run_id: (run_id, server.snapshot(key(run_id, ""))))
+    run_id, snapshot = records
+    return _outcome(snapshot, run_id, code, supervisor.first_failure, slots, supervisor.stderr_tails)
 
 
 def _outcome(records: dict[str, bytes], run_id: str, code: int, first_failure: tuple[int, int] | None,

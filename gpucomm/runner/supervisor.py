@@ -104,6 +104,11 @@ class Supervisor:
         return self._report()
 
     @property
+    def stderr_tails(self) -> dict:
+        """The last lines each rank wrote to stderr (rank -> lines)."""
+        return self._sink.stderr_tails
+
+    @property
     def first_failure(self) -> tuple[int, int] | None:
         """(rank, Popen return code) of the first rank that failed; None while none has."""
         return self._first_failure

@@ -21,6 +21,7 @@ from typing import Any, Callable, TypeVar
 from ... import runtime
 from ...counters import COUNTERS
 from ...elastic import rounds, worker
+from ...elastic.notify import elastic_mode
 from ...errors import CollectiveError, GpucommError, HostsUpdatedInterrupt
 
 log = logging.getLogger("gpucomm")
@@ -56,7 +57,7 @@ def run(func: F) -> F:
 
 
 def _mark(key_of: Callable[[str, str], str]) -> None:
-    if worker.is_elastic_worker():
+    if elastic_mode():
         worker.mark(key_of)
 
 

@@ -171,15 +171,19 @@ def _rank() -> int:
 # handlers: how each kind of tracked object is committed, restored and synced
 
 
-class _ModelHandler:
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.value = model
+class _StateDictHandler:
+    """Commits an object's ``state_dict()`` into buffers reused from one commit to the next."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
         self._saved: dict = {}
         self.save()
 
     def save(self) -> None:
         self._saved = _copy_tree(self.value.state_dict(), reuse=self._saved)
 
+
+class _ModelHandler(_StateDictHandler):
     def restore(self) -> None:
         self.value.load_state_dict(self._saved)  # copies into the parameters: the commit stays intact
 
@@ -187,15 +191,7 @@ class _ModelHandler:
         broadcast_parameters(self.value.state_dict(), root_rank=0)
 
 
-class _OptimizerHandler:
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.value = optimizer
-        self._saved: dict = {}
-        self.save()
-
-    def save(self) -> None:
-        self._saved = _copy_tree(self.value.state_dict(), reuse=self._saved)
-
+class _OptimizerHandler(_StateDictHandler):
     def restore(self) -> None:
         self.value.load_state_dict(_copy_tree(self._saved))  # it keeps the tensors it is given
 
