@@ -1,50 +1,80 @@
-"""One-command GPU verification: tests, kernels, collectives and training, with one summary.
+"""One-command GPU verification: tests, kernels, collectives and training, with one committed summary.
 
-    python benchmarks/verify_gpu.py [--out bench-out] [--budget 540] [--quick]
-    python benchmarks/verify_gpu.py --dry-run              # print the plan, run nothing (no GPU needed)
-    python benchmarks/verify_gpu.py --summarize-only --out bench-out   # the summary of results already there
+    python benchmarks/verify_gpu.py --results [--commit SHA]   # into benchmarks/results/<date>-<gpu>/
+    python benchmarks/verify_gpu.py --out DIR [--budget 540] [--quick]
+    python benchmarks/verify_gpu.py --dry-run [--results]      # print the plan, run nothing (no GPU needed)
+    python benchmarks/verify_gpu.py --summarize-only --out DIR # rebuild the summary from DIR/raw/
 
-On a machine with one or more GPUs it runs, in order, each step with its own time limit:
-1. the GPU tests (``pytest -m gpu``),
-2. ``benchmarks/pack_bw.py`` (fusion kernels against torch.cat, _foreach_copy_ and a D2D copy),
-3. the collectives sweep at 1 rank, then at 2 and 4 ranks (sharing one GPU through the single-GPU
-   test mode when there are fewer GPUs than ranks),
-4. the training benchmark against DDP at 1 rank (the scaling baseline) and at 2 ranks,
-then prints one summary table, and leaves every JSON, PNG and log in ``--out``. It uses only the
-repository and packages a CUDA PyTorch machine already has (torch, CuPy with NCCL, Numba CUDA,
-pynvml, matplotlib, pytest, psutil). A step that fails or runs out of time is reported as such and
-the run goes on, so one broken part never hides the others' numbers; a step whose results are missing
-or partial reads "no results" or "n/a" in the summary. Ctrl-C stops the step under way, then prints
-the summary of what finished and exits 130.
+On a machine with one or more GPUs it runs, in order, each step with its own time limit, the whole run
+within ``--budget`` seconds (default 540: one 10-minute session with room to spare), the most telling
+steps first so a tight budget drops only the last ones:
 
-Exit status: 0 when every step passed, 1 when one did not, 2 (one line on stderr) when there is no
-CUDA GPU to run on (``--dry-run`` and ``--summarize-only`` need none), 130 when interrupted.
+1. the GPU tests (``pytest -m gpu``): pass/fail/skip of every test,
+2. ``benchmarks/pack_bw.py``: the fusion kernels' pack/unpack GB/s as % of a device-to-device copy,
+3. the collectives sweep at 1 rank: per-op microseconds and bandwidth of gpucomm beside raw NCCL and
+   torch.distributed,
+4. ResNet-50 at 2 ranks, gpucomm's DistributedOptimizer against DDP (``benchmarks/optimizer_vs_ddp.py``),
+   once with the fusion kernels and once with the forced fallback (``GPUCOMM_FUSION_KERNELS=0``: buckets
+   packed with torch ops), each with the counters that prove which path ran,
+5. the collectives sweep at 2 ranks, the training benchmark (``benchmarks/train.py``) at 1 and 2 ranks,
+   and the sweep at 4 ranks.
+
+Ranks share one GPU through gpucomm-run's single-GPU test mode when there are fewer GPUs than ranks
+(their NCCL traffic then crosses loopback sockets). A step that fails or runs out of time is reported as
+such and the run goes on, so one broken part never hides the others' numbers; the summary is rewritten
+after every step, so a run killed from outside still leaves the summary of what finished.
+
+Output in the ``--out`` folder: ``summary.json`` and ``summary.md`` (small, meant to be committed:
+date, device, driver, CUDA/NCCL and package versions, commit, every GPU test's outcome, every figure
+beside its anchor), ``summary.txt`` (the table printed at the end) and ``raw/`` (every log, JSON, PNG
+and the junit XML; ``benchmarks/results/.gitignore`` keeps it out of git). ``--results`` picks
+``benchmarks/results/<YYYY-MM-DD>-<gpu>`` and the run ends by printing the ``git add`` line. Where the
+tree is a copy without ``.git``, ``--commit SHA`` records the commit it is.
+
+Exit status: 0 when every step passed, 1 when one did not (or a ResNet-50 run did not take the fusion
+path it asked for), 2 (one line on stderr) when there is no CUDA GPU to run on (``--dry-run`` and
+``--summarize-only`` need none), 130 when interrupted (the summary of what finished is still written).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import importlib.metadata
 import json
 import os
+import platform
+import re
+import signal
 import subprocess
 import sys
 import threading
 import time
+import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, also when imported by path
 from bench_jobs import stop_group  # noqa: E402
-from bench_stats import fmt, ratio as safe_ratio  # noqa: E402
+from bench_stats import fmt, ratio as safe_ratio, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))  # gpucomm itself, for its version and NCCL's version text, when not installed
+RESULTS = ROOT / "benchmarks" / "results"
+RAW = "raw"  # the subfolder of --out that holds everything but the summary
 PY = sys.executable
 MIB = 1 << 20
+KERNELS_ENV = "GPUCOMM_FUSION_KERNELS"
+SCHEMA = 1
+COMMITTED = ("summary.json", "summary.md")
 
 
 @dataclass
 class Step:
+    """One command of the run, its limit, where its results land, and (after it ran) how it went."""
+
     name: str
     argv: list[str]
     timeout: float
@@ -53,9 +83,11 @@ class Step:
     status: str = "not run"
     seconds: float = 0.0
     data: Any = None
+    interrupt_first: bool = False  # on timeout: SIGINT first (pytest then still writes its junit XML)
 
 
 def gpu_count() -> int:
+    """CUDA GPUs torch sees here (0 without a CUDA torch or a driver)."""
     try:
         import torch
 
@@ -65,6 +97,7 @@ def gpu_count() -> int:
 
 
 def launcher(n: int, gpus: int) -> list[str]:
+    """gpucomm-run for ``n`` ranks; ranks share a GPU (single-GPU test mode) when there are fewer GPUs."""
     flags = ["--single-gpu-test"] if n > gpus else []
     return [PY, "-m", "gpucomm.runner", "-np", str(n), *flags, "--start-timeout", "120"]
 
@@ -78,55 +111,79 @@ def _has_matplotlib() -> bool:
 
 
 def plan(out: Path, gpus: int, quick: bool) -> list[Step]:
-    """The steps, cheapest and most telling first, so a tight budget drops only the last ones.
-    Ranks that share a GPU talk over loopback sockets, so their sweeps stop at smaller sizes."""
+    """The steps, most telling first, so a tight budget drops only the last ones. Every file a step
+    writes goes under ``out/raw``. Ranks that share a GPU talk over loopback sockets, so their sweeps
+    stop at smaller sizes. The first six limits add up to the default budget."""
+    raw = out / RAW
     own = "8M" if quick else "64M"  # largest size when every rank has its own GPU
     shared = "2M" if quick else "8M"
     plot = _has_matplotlib()
 
     def collectives(n: int, limit: float) -> Step:
         maxbytes = own if n <= gpus else shared
-        argv = launcher(n, gpus) + [PY, "benchmarks/collectives.py", "--device", "cuda", "-b", "1K", "-e", maxbytes,
+        argv = launcher(n, gpus) + [PY, "benchmarks/collectives.py", "--device", "cuda", "-b", "8", "-e", maxbytes,
                                     "-f", "4", "-w", "3", "-n", "10" if n > 1 else "20",
-                                    "--json", str(out / f"collectives_{n}.json")]
-        argv += ["--plot", str(out / f"collectives_{n}.png")] if plot else ["--plot", ""]
-        return Step(f"collectives {n} rank(s)", argv, limit, out / f"collectives_{n}.json")
+                                    "--json", str(raw / f"collectives_{n}.json")]
+        argv += ["--plot", str(raw / f"collectives_{n}.png")] if plot else ["--plot", ""]
+        return Step(f"collectives {n} rank(s)", argv, limit, raw / f"collectives_{n}.json")
+
+    def resnet50(fusion: str, limit: float) -> Step:
+        """ResNet-50 at 2 ranks against DDP; ``fusion`` "kernels" or "fallback" (torch ops, forced)."""
+        counts = ["--quick"] if quick else ["--warmup", "3", "--rounds", "8", "--steps-per-round", "5"]
+        path = raw / f"resnet50_2_{fusion}.json"
+        argv = launcher(2, gpus) + [PY, "benchmarks/optimizer_vs_ddp.py", "--cuda", "--model", "resnet50",
+                                    "--fusion", "kernels" if fusion == "kernels" else "torch", *counts,
+                                    "--json", str(path)]
+        env = {KERNELS_ENV: "1" if fusion == "kernels" else "0"}  # explicit: a caller's setting must not leak in
+        return Step(f"resnet50 2 ranks {fusion}", argv, limit, path, env)
 
     def train(n: int, limit: float) -> Step:
-        argv = launcher(n, gpus) + [PY, "benchmarks/train.py", "--device", "cuda", "--warmup", "3", "--rounds", "4",
-                                    "--steps-per-round", "5" if n <= gpus else "3",
-                                    "--json", str(out / f"train_{n}.json")]
+        argv = launcher(n, gpus) + [PY, "benchmarks/train.py", "--device", "cuda", "--models", "resnet50",
+                                    "--warmup", "3", "--rounds", "4", "--steps-per-round", "5" if n <= gpus else "3",
+                                    "--json", str(raw / f"train_{n}.json")]
         if n > 1:
-            argv += ["--baseline", str(out / "train_1.json")]
+            argv += ["--baseline", str(raw / "train_1.json")]
         if plot:
-            argv += ["--plot", str(out / f"train_{n}.png")]
-        return Step(f"train {n} rank" + ("s" if n > 1 else ""), argv, limit, out / f"train_{n}.json")
+            argv += ["--plot", str(raw / f"train_{n}.png")]
+        return Step(f"train {n} rank" + ("s" if n > 1 else ""), argv, limit, raw / f"train_{n}.json",
+                    {KERNELS_ENV: "1"})
 
+    pack_counts = ["--quick"] if quick else ["--iters", "10", "--warmup", "3"]
     return [
-        Step("gpu tests", [PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                           "--junitxml", str(out / "gpu_tests.xml")], 240),
-        Step("pack_bw", [PY, "benchmarks/pack_bw.py", "--json", str(out / "pack_bw.json")]
-             + (["--quick"] if quick else []), 90, out / "pack_bw.json"),
-        collectives(1, 90),
-        train(1, 90),
-        collectives(2, 90),
-        train(2, 120),
-        collectives(4, 90),
+        Step("gpu tests", [PY, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider",
+                           "--junitxml", str(raw / "gpu_tests.xml")], 210, interrupt_first=True),
+        Step("pack_bw", [PY, "benchmarks/pack_bw.py", "--json", str(raw / "pack_bw.json"), *pack_counts], 70,
+             raw / "pack_bw.json"),
+        collectives(1, 45),
+        resnet50("kernels", 75),
+        resnet50("fallback", 75),
+        collectives(2, 65),
+        train(1, 60),
+        train(2, 90),
+        collectives(4, 70),
     ]
+
+
+# ----------------------------------------------------------------------------- running
 
 
 def run_step(step: Step, out: Path, budget_left: float) -> None:
     """Run ``step`` with its limit; its status, time and results (``step.data``) are filled in. Ctrl-C
     stops the step's process group, marks it interrupted and is raised again."""
     limit = min(step.timeout, max(10.0, budget_left))
-    log = out / (step.name.replace(" ", "_").replace("(", "").replace(")", "") + ".log")
+    (out / RAW).mkdir(parents=True, exist_ok=True)
+    log = log_path(out, step)
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", PYTHONUNBUFFERED="1",
                **step.env)
-    print(f"== {step.name}: {' '.join(step.argv[1:])[:150]} (limit {limit:.0f} s)", flush=True)
+    shown = " ".join([*(f"{k}={v}" for k, v in step.env.items()), *step.argv[1:]])
+    print(f"== {step.name}: {shown[:160]} (limit {limit:.0f} s)", flush=True)
     t0 = time.monotonic()
     with open(log, "w") as f:
+        # SIGINT at its default in the step, even when this run was started in the background (which
+        # ignores it), so that interrupt_first reaches it
         proc = subprocess.Popen(step.argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+                                text=True, start_new_session=True,
+                                preexec_fn=_default_sigint if step.interrupt_first else None)
         # a reader thread, so that a step that hangs without printing still meets its limit
         reader = threading.Thread(target=_copy_output, args=(proc.stdout, f), daemon=True)
         reader.start()
@@ -134,10 +191,10 @@ def run_step(step: Step, out: Path, budget_left: float) -> None:
             proc.wait(timeout=limit)
             step.status = "ok" if proc.returncode == 0 else f"failed ({proc.returncode})"
         except subprocess.TimeoutExpired:
-            stop_group(proc)
+            _stop(proc, step.interrupt_first)
             step.status = f"timed out ({limit:.0f} s)"
         except KeyboardInterrupt:
-            stop_group(proc)
+            _stop(proc, step.interrupt_first)
             step.status = "interrupted"
             raise
         finally:
@@ -146,17 +203,25 @@ def run_step(step: Step, out: Path, budget_left: float) -> None:
             load_results(step, out)
 
 
-def load_results(step: Step, out: Path) -> None:
-    """Read what ``step`` left in ``out`` into ``step.data``; unreadable JSON is noted in the status."""
-    if step.name == "gpu tests":
-        step.data = tests_summary(out / "gpu_tests.xml")
-        return
-    if step.json_path is None or not step.json_path.exists():
-        return
-    try:
-        step.data = json.loads(step.json_path.read_text())
-    except ValueError:
-        step.status += ", JSON unreadable"
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _stop(proc: subprocess.Popen, interrupt_first: bool, grace: float = 20.0) -> None:
+    """Stop ``proc``'s process group: SIGINT first when asked (pytest writes its report on it), then
+    SIGTERM and SIGKILL (``stop_group``)."""
+    if interrupt_first:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=grace)
+            return
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    stop_group(proc)
+
+
+def log_path(out: Path, step: Step) -> Path:
+    return out / RAW / (step.name.replace(" ", "_").replace("(", "").replace(")", "") + ".log")
 
 
 def _copy_output(pipe, log) -> None:
@@ -167,29 +232,284 @@ def _copy_output(pipe, log) -> None:
         sys.stdout.flush()
 
 
-def tests_summary(xml: Path) -> dict[str, int] | None:
-    if not xml.exists():
-        return None
-    import xml.etree.ElementTree as ET
+def _found(out: Path, path: Path) -> Path | None:
+    """``path`` (under raw/), or the same name directly in ``out`` (older runs), or None."""
+    for candidate in (path, out / path.name):
+        if candidate.exists():
+            return candidate
+    return None
 
+
+def load_results(step: Step, out: Path) -> None:
+    """Read what ``step`` left in ``out`` into ``step.data``; unreadable JSON is noted in the status, and
+    a ResNet-50 run whose fusion path is not the one it asked for is marked."""
+    if step.name == "gpu tests":
+        step.data = read_gpu_tests(out)
+        return
+    path = _found(out, step.json_path) if step.json_path is not None else None
+    if path is None:
+        return
     try:
-        suite = ET.parse(xml).getroot()
-    except ET.ParseError:  # a run stopped while pytest was writing it
+        step.data = json.loads(path.read_text())
+    except ValueError:
+        step.status += ", JSON unreadable"
+        return
+    step.status += path_flag(step)
+
+
+def path_flag(step: Step) -> str:
+    """", fusion path NOT as asked" for a ResNet-50 run whose fusion path is not the one it asked for."""
+    if not step.name.startswith("resnet50"):
+        return ""
+    fig = resnet50_figures(step)
+    return ", fusion path NOT as asked" if fig is not None and not fig["path_verified"] else ""
+
+
+def run_steps(steps: list[Step], out: Path, budget: float, after_step: Callable[[], None] | None = None) -> bool:
+    """Run the steps in order within ``budget`` seconds, calling ``after_step`` after each; False when
+    Ctrl-C stopped them."""
+    t0 = time.monotonic()
+    for i, step in enumerate(steps):
+        left = budget - (time.monotonic() - t0)
+        if left < 10:
+            step.status = "skipped (budget spent)"
+            continue
+        try:
+            run_step(step, out, left)
+        except KeyboardInterrupt:
+            for rest in steps[i + 1:]:
+                rest.status = "not run (interrupted)"
+            return False
+        if after_step is not None:
+            after_step()
+    return True
+
+
+def read_existing(steps: list[Step], out: Path) -> None:
+    """--summarize-only: each step's results as an earlier run left them."""
+    for step in steps:
+        load_results(step, out)
+        step.status = ("results found" if step.data else "no results") + path_flag(step)
+
+
+# ----------------------------------------------------------------------------- GPU tests
+
+
+_LOG_LINE = re.compile(r"^(?P<id>\S+::\S.*?) (?P<outcome>PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+_LOG_OUTCOMES = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped",
+                 "XFAIL": "xfailed", "XPASS": "passed"}
+OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed")
+_SEVERITY = {"passed": 0, "xfailed": 1, "skipped": 1, "error": 2, "failed": 3}
+
+
+def read_gpu_tests(out: Path) -> dict[str, Any] | None:
+    """The GPU tests' outcomes: from pytest's junit XML, else (a run stopped before pytest wrote it) from
+    the ``-v`` lines of its log; None when neither is there."""
+    xml = _found(out, out / RAW / "gpu_tests.xml")
+    if xml is not None:
+        parsed = parse_junit(xml, ROOT)
+        if parsed is not None:
+            return parsed
+    log = out / RAW / "gpu_tests.log"
+    if log.exists():
+        return parse_pytest_log(log.read_text(errors="replace"))
+    return None
+
+
+def parse_junit(xml: Path, root: Path) -> dict[str, Any] | None:
+    """Every testcase of a junit XML as {id, outcome, message}, with counts; None when unreadable (a
+    run stopped while pytest was writing it). ``root`` is where the tests' files are (to rebuild ids)."""
+    try:
+        doc = ET.parse(xml).getroot()
+    except ET.ParseError:
         return None
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    keys = ("tests", "failures", "errors", "skipped")
-    return {k: int(suite.get(k, 0)) for k in keys} if suite is not None else None
+    cases = []
+    for tc in doc.iter("testcase"):
+        if not tc.get("name"):
+            continue  # the entry pytest leaves for a test that a Ctrl-C stopped midway
+        outcome, message = "passed", ""
+        for child in tc:  # a test can carry more than one (a failure, then an error in teardown): keep the worst
+            found = {"failure": "failed", "error": "error", "skipped": "skipped"}.get(child.tag)
+            if found == "skipped" and child.get("type") == "pytest.xfail":
+                found = "xfailed"
+            if found is not None and _SEVERITY[found] > _SEVERITY[outcome]:
+                outcome, message = found, first_line(child.get("message") or child.text or "")
+        cases.append({"id": node_id(tc.get("classname", ""), tc.get("name", ""), root), "outcome": outcome,
+                      "message": message})
+    return {"source": "junit XML", "counts": count_outcomes(cases), "cases": cases}
 
 
-# ----------------------------------------------------------------------------- summary lines
+def parse_pytest_log(text: str) -> dict[str, Any]:
+    """Outcomes from ``pytest -v`` lines (``path::test PASSED [ 5%]``): what finished before a stop."""
+    worst: dict[str, str] = {}  # a test can show twice (FAILED, then ERROR in teardown): keep the worst
+    for line in text.splitlines():
+        m = _LOG_LINE.match(line)
+        if m:
+            outcome = _LOG_OUTCOMES[m["outcome"]]
+            if _SEVERITY[outcome] >= _SEVERITY[worst.get(m["id"], "passed")]:
+                worst[m["id"]] = outcome
+    cases = [{"id": test, "outcome": outcome, "message": ""} for test, outcome in worst.items()]
+    return {"source": "pytest log (the run was stopped before pytest wrote its XML; later tests are missing)",
+            "counts": count_outcomes(cases), "cases": cases}
+
+
+def count_outcomes(cases: list[dict[str, Any]]) -> dict[str, int]:
+    counts = {o: 0 for o in OUTCOMES}
+    for c in cases:
+        counts[c["outcome"]] += 1
+    return counts
+
+
+def node_id(classname: str, name: str, root: Path) -> str:
+    """pytest's node id back from junit's dotted ``classname``: the longest dotted prefix that names a
+    file under ``root`` is the path, the rest are classes."""
+    parts = classname.split(".") if classname else []
+    for k in range(len(parts), 0, -1):
+        rel = "/".join(parts[:k]) + ".py"
+        if (root / rel).is_file():
+            return "::".join([rel, *parts[k:], name])
+    return f"{classname}::{name}" if classname else name
+
+
+
+def first_line(text: str) -> str:
+    for line in text.strip().splitlines():
+        if line.strip():
+            return line.strip()[:300]
+    return ""
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def size_text(nbytes: int) -> str:
+    """8 B, 4 KiB, 32 MiB (exact powers shown in their unit, anything else in bytes)."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", MIB), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def _by_size(results: list[dict[str, Any]], coll: str, impl: str) -> dict[int, dict[str, Any]]:
+    """{bytes: out-of-place cell} of one collective and implementation (first datatype/op seen per size)."""
+    out: dict[int, dict[str, Any]] = {}
+    for r in results:
+        cell = r.get("out_of_place") or {}
+        if r.get("collective") == coll and r.get("impl") == impl and cell:
+            out.setdefault(r["bytes"], cell)
+    return out
+
+
+def collectives_figures(data: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Per collective, gpucomm beside raw NCCL and torch.distributed: microseconds per call at the
+    smallest size gpucomm measured, and bandwidth at its largest (busbw; algbw at 1 rank, where busbw is
+    0 by definition). Ratios are gpucomm / other: above 1 is slower for time, faster for bandwidth."""
+    if not data:
+        return None
+    env = data.get("env") or {}
+    ranks = env.get("ranks", 0)
+    metric = "busbw" if ranks != 1 else "algbw"
+    results = data.get("results") or []
+    colls = list(dict.fromkeys(r.get("collective") for r in results if r.get("impl") == "gpucomm"))
+    latency, bandwidth = [], []
+    for coll in colls:
+        cells = {impl: _by_size(results, coll, impl) for impl in ("gpucomm", "nccl", "torch")}
+        sizes = sorted(cells["gpucomm"])
+        if not sizes:
+            continue
+        for rows, size, key in ((latency, sizes[0], "time_us"), (bandwidth, sizes[-1], metric)):
+            values = {impl: (cells[impl].get(size) or {}).get(key) for impl in cells}
+            rows.append({"collective": coll, "bytes": size, **values,
+                         "gpucomm_vs_nccl": safe_ratio(values["gpucomm"], values["nccl"]),
+                         "gpucomm_vs_torch": safe_ratio(values["gpucomm"], values["torch"])})
+    return {"ranks": ranks, "single_gpu_test": bool(env.get("single_gpu_test")), "metric": metric,
+            "wrong": count_wrong(results), "interrupted": bool(env.get("interrupted")),
+            "not_measured": env.get("not_measured") or {}, "latency_us": latency, "bandwidth_gbps": bandwidth}
+
+
+def pack_figures(data: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Per case and direction: the d2d anchor's GB/s, and the kernel's, the torch-ops fallback's and
+    torch.cat/copy_'s GB/s as % of it, with the kernel's host microseconds per call."""
+    if not data:
+        return None
+    if data.get("skipped"):
+        return {"skipped": data["skipped"]}
+    rows_in = data.get("rows") or []
+    get = {(r.get("case"), r.get("method"), r.get("op")): r for r in rows_in}
+    rows = []
+    for case, op in dict.fromkeys((r.get("case"), r.get("op")) for r in rows_in):
+        def cell(method: str, key: str) -> Any:
+            return (get.get((case, method, op)) or {}).get(key)
+
+        rows.append({"case": case, "op": op, "tensors": cell("d2d", "tensors"), "wire": cell("d2d", "wire"),
+                     "d2d_gbps": cell("d2d", "gbps"), "kernel_gbps": cell("kernel", "gbps"),
+                     "kernel_pct_of_d2d": cell("kernel", "pct_of_d2d"),
+                     "fallback_pct_of_d2d": cell("fallback", "pct_of_d2d"),
+                     "cat_split_pct_of_d2d": cell("cat_split", "pct_of_d2d"),
+                     "kernel_host_us": cell("kernel", "host_us")})
+    return {"device": data.get("device"), "iters": data.get("iters"), "rows": rows,
+            "targets": data.get("targets") or {}, "kernels": data.get("kernels") or {}}
+
+
+def resnet50_figures(step: Step) -> dict[str, Any] | None:
+    """One optimizer_vs_ddp.py run: step times, images/s, the ratio, and whether the fusion path that
+    ran (rank 0's ``gpucomm.kernels.status()`` and ``hvd.stats()['kernel_fallbacks']``) is the one asked
+    for: kernels compiled and none given up, or (fallback) torch ops and no kernel compiled."""
+    d = step.data
+    if not d:
+        return None
+    asked = "fallback" if step.name.endswith("fallback") else "kernels"
+    median = d.get("median_step_s") or {}
+    ranks, batch = d.get("ranks") or 0, d.get("batch_size") or 0
+    fusion = d.get("fusion") or {}
+    compiled = fusion.get("compiled")
+    fallbacks = d.get("kernel_fallbacks")
+    if asked == "kernels":
+        ok = fusion.get("path") == "kernels" and bool(compiled) and fallbacks == 0
+    else:
+        ok = fusion.get("path") == "torch" and compiled == [] and fallbacks == 0
+
+    def rate(v: str) -> float | None:
+        return safe_ratio(batch * ranks, median.get(v))
+
+    return {"fusion_asked": asked, "model": d.get("model"), "ranks": ranks, "batch_per_rank": batch,
+            "gpucomm_step_ms": _ms(median.get("gpucomm")), "ddp_step_ms": _ms(median.get("ddp")),
+            "gpucomm_vs_ddp_step_time": d.get("ratio"), "gpucomm_images_per_s": rate("gpucomm"),
+            "ddp_images_per_s": rate("ddp"), "fusion_path": fusion.get("path"),
+            "compiled_kernels": len(compiled) if isinstance(compiled, list) else None,
+            "kernel_launch": fusion.get("launch"), "kernel_fallbacks": fallbacks,
+            "fallback_reason": fusion.get("reason") or "", "path_verified": ok}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def train_figures(step: Step) -> list[dict[str, Any]]:
+    """Per model of a train.py run: total samples/s of each variant, gpucomm/DDP, overheads, efficiency."""
+    d = step.data or {}
+    rows = []
+    for name, m in (d.get("models") or {}).items():
+        v = m.get("variants") or {}
+        rows.append({"ranks": d.get("ranks"), "model": name, "batch_per_rank": d.get("batch_size"),
+                     **{f"{k}_samples_per_s": total_rate(v, k) for k in ("gpucomm", "ddp", "plain")},
+                     "gpucomm_vs_ddp_throughput": (m.get("ratio_gpucomm_vs_ddp") or {}).get("throughput_ratio"),
+                     "gpucomm_vs_plain": (m.get("overhead_vs_plain") or {}).get("gpucomm"),
+                     "scaling_efficiency": m.get("scaling_efficiency")})
+    return rows
+
+
+# ----------------------------------------------------------------------------- one-line figures per step
 
 
 def summarize_tests(step: Step) -> list[str]:
     d = step.data
     if not d:
         return []
-    passed = d["tests"] - d["failures"] - d["errors"] - d["skipped"]
-    return [f"{passed} passed, {d['failures']} failed, {d['errors']} errors, {d['skipped']} skipped"]
+    c = d["counts"]
+    line = (f"{c['passed']} passed, {c['failed']} failed, {c['error']} errors, {c['skipped']} skipped"
+            + (f", {c['xfailed']} xfailed" if c["xfailed"] else ""))
+    return [line] + ([] if d["source"] == "junit XML" else [f"from the {d['source']}"])
 
 
 def summarize_pack(step: Step) -> list[str]:
@@ -200,7 +520,7 @@ def summarize_pack(step: Step) -> list[str]:
         return [f"skipped: {d['skipped']}"]
     lines = [f"{name}: {'met' if ok else 'NOT met'}" for name, ok in (d.get("targets") or {}).items()]
     for r in d.get("rows") or []:
-        if r.get("method") == "gpucomm" and r.get("case") in ("one_64MiB", "resnet50"):
+        if r.get("method") == "kernel" and r.get("case") in ("one_64MiB", "resnet50"):
             lines.append(f"{r['case']} {r.get('op')}: {fmt(r.get('gbps'), '.0f')} GB/s = "
                          f"{fmt(r.get('pct_of_d2d'), '.0f')}% of D2D, host {fmt(r.get('host_us'), '.1f')} us")
     return lines
@@ -266,12 +586,23 @@ def compare_allreduce(ours: dict[int, float], theirs: dict[int, float], other: s
         return f"{head}: n/a ({other} measured 0 GB/s)"
     at_last = f"{fmt(ratios[last], '.3f')} ({ours[last]:.3g} vs {theirs[last]:.3g} GB/s)"
     if last < MIB:
-        return f"{head} at {size_text(last)} (the largest size; none >= 1 MiB): {at_last}"
-    return f"{head} at >= 1 MiB: min {min(valid):.3f}, at {size_text(last)} {at_last}"
+        return f"{head} at {_bytes_text(last)} (the largest size; none >= 1 MiB): {at_last}"
+    return f"{head} at >= 1 MiB: min {min(valid):.3f}, at {_bytes_text(last)} {at_last}"
 
 
-def size_text(nbytes: int) -> str:
+def _bytes_text(nbytes: int) -> str:
     return f"{nbytes // MIB} MiB" if nbytes >= MIB and nbytes % MIB == 0 else f"{nbytes} B"
+
+
+def summarize_resnet50(step: Step) -> list[str]:
+    f = resnet50_figures(step)
+    if f is None:
+        return []
+    return [f"gpucomm {fmt(f['gpucomm_step_ms'], '.1f')} ms vs DDP {fmt(f['ddp_step_ms'], '.1f')} ms per step, "
+            f"ratio {fmt(f['gpucomm_vs_ddp_step_time'], '.3f')}",
+            f"fusion path {f['fusion_path'] or 'n/a'} ({fmt(f['compiled_kernels'])} kernels compiled, "
+            f"kernel_fallbacks {fmt(f['kernel_fallbacks'])}): {'as asked' if f['path_verified'] else 'NOT as asked'}"
+            + (f"; reason: {f['fallback_reason']}" if f["fallback_reason"] else "")]
 
 
 def summarize_train(step: Step) -> list[str]:
@@ -308,114 +639,489 @@ SUMMARIES: dict[str, Callable[[Step], list[str]]] = {"gpu tests": summarize_test
 
 
 def summary_lines(step: Step) -> list[str]:
+    """The step's figures in a few lines ([] when it left no results)."""
     fn = SUMMARIES.get(step.name)
     if fn is None:
-        fn = summarize_collectives if step.name.startswith("collectives") else summarize_train
+        fn = (summarize_collectives if step.name.startswith("collectives")
+              else summarize_resnet50 if step.name.startswith("resnet50") else summarize_train)
     try:
         return fn(step)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, IndexError) as e:
         return [f"(could not summarize: {type(e).__name__}: {e})"]
 
 
+def summary_text(steps: list[Step], header: str) -> str:
+    lines = [header, f"{'step':<26} {'status':<22} {'s':>6}  figures"]
+    for step in steps:
+        figures = summary_lines(step) or [""]
+        seconds = f"{step.seconds:>6.0f}" if step.seconds else f"{'-':>6}"
+        lines.append(f"{step.name:<26} {step.status:<22} {seconds}  {figures[0]}")
+        lines += [f"{'':<26} {'':<22} {'':>6}  {f}" for f in figures[1:]]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the machine and stack
+
+
+def _guard(fn: Callable[[], Any]) -> Any:
+    """``fn()``, or {"error": ...} when it raises: one missing piece never loses the rest."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - recorded, not hidden
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _cuda_version(code: int) -> str:
+    """CUDA's version integer (1000 * major + 10 * minor) as ``major.minor``."""
+    return f"{code // 1000}.{(code % 1000) // 10}"
+
+
+def device_facts() -> dict[str, Any]:
+    """Every CUDA device torch sees: name, memory, compute capability, multiprocessors."""
+    import torch  # noqa: PLC0415
+
+    devices = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        devices.append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / (1 << 30), 1),
+                        "compute_capability": f"{p.major}.{p.minor}",
+                        "multiprocessors": getattr(p, "multi_processor_count", None)})
+    return {"count": len(devices), "devices": devices}
+
+
+def driver_facts() -> dict[str, Any]:
+    """The NVIDIA driver's version and its CUDA API version, from NVML, else from nvidia-smi."""
+    try:
+        import pynvml  # noqa: PLC0415 - package nvidia-ml-py
+
+        pynvml.nvmlInit()
+        try:
+            return {"version": _text(pynvml.nvmlSystemGetDriverVersion()),
+                    "cuda_api": _cuda_version(pynvml.nvmlSystemGetCudaDriverVersion()), "source": "NVML"}
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as nvml_error:  # noqa: BLE001 - try nvidia-smi, then say why neither answered
+        try:
+            r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30, check=True)
+            return {"version": r.stdout.strip().splitlines()[0], "cuda_api": None, "source": "nvidia-smi"}
+        except Exception as smi_error:  # noqa: BLE001
+            return {"error": f"NVML: {type(nvml_error).__name__}: {nvml_error}; "
+                             f"nvidia-smi: {type(smi_error).__name__}: {smi_error}"}
+
+
+def cuda_facts() -> dict[str, Any]:
+    """The CUDA version torch was built for, CuPy's runtime and the driver's, and NCCL's (CuPy's and torch's)."""
+    import torch  # noqa: PLC0415
+
+    def torch_nccl() -> str:
+        v = torch.cuda.nccl.version()  # (major, minor, patch); an int in old releases
+        return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+    out: dict[str, Any] = {"torch_built_for": torch.version.cuda, "torch_nccl": _guard(torch_nccl)}
+
+    def cupy_side() -> dict[str, Any]:
+        import cupy.cuda.runtime as runtime  # noqa: PLC0415
+        from cupy.cuda import nccl  # noqa: PLC0415
+
+        from gpucomm.backends.nccl import version_text  # noqa: PLC0415
+
+        return {"cupy_runtime": _cuda_version(runtime.runtimeGetVersion()),
+                "driver_api": _cuda_version(runtime.driverGetVersion()),
+                "nccl": version_text(nccl.get_version())}
+
+    side = _guard(cupy_side)
+    out.update(side if "error" not in side else {"cupy_side": side})
+    return out
+
+
+DISTRIBUTIONS = ("torch", "torchvision", "cupy", "numba", "numba-cuda", "numpy", "nvidia-ml-py", "cuda-bindings",
+                 "nvidia-nccl-cu13", "nvidia-nccl-cu12", "gpucomm", "pytest")
+
+
+def stack_versions() -> dict[str, str | None]:
+    """Python and each package's installed version (None: not installed); CuPy under whichever wheel
+    (cupy-cuda13x, cupy-cuda12x, cupy) provides it."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    provides = importlib.metadata.packages_distributions()
+    for name in DISTRIBUTIONS:
+        dists = provides.get("cupy", []) + ["cupy"] if name == "cupy" else [name]
+        out[name] = None
+        for dist in dists:
+            try:
+                out[name] = importlib.metadata.version(dist) + (f" ({dist})" if dist != name else "")
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    if out["gpucomm"] is None:  # run from a source tree that was never installed
+        out["gpucomm"] = _guard(lambda: __import__("gpucomm").__version__ + " (source tree)")
+    return out
+
+
+def commit_facts(given: str | None) -> dict[str, Any]:
+    """The checkout's commit and whether tracked files differ from it (git); ``given`` (--commit) when
+    this tree is a copy without .git, or beside git's answer when the two differ."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30,
+                              check=True).stdout.strip()
+
+    try:
+        sha = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError) as e:
+        if given:
+            return {"sha": given, "dirty": None, "source": "--commit (no git checkout here)"}
+        return {"sha": None, "dirty": None, "source": f"unknown: git failed ({type(e).__name__}); pass --commit SHA"}
+    out: dict[str, Any] = {"sha": sha, "dirty": dirty, "source": "git"}
+    if given and not sha.startswith(given) and not given.startswith(sha):
+        out["given"] = given
+    return out
+
+
+def environment(commit: str | None) -> dict[str, Any]:
+    """The machine and software the run measured (each part guarded: a missing one reads as an error)."""
+    now = datetime.datetime.now().astimezone()
+    return {"date": now.date().isoformat(), "started": now.isoformat(timespec="seconds"),
+            "host": platform.node(), "platform": platform.platform(), "gpus": _guard(device_facts),
+            "driver": _guard(driver_facts), "cuda": _guard(cuda_facts), "versions": _guard(stack_versions),
+            "commit": commit_facts(commit)}
+
+
+def gpu_slug(name: str, count: int) -> str:
+    """A folder-name form of the GPU: "NVIDIA H100 80GB HBM3" -> "h100-80gb-hbm3" ("2x-..." for two)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    slug = re.sub(r"^nvidia-", "", slug) or "gpu"
+    return f"{count}x-{slug}" if count > 1 else slug
+
+
+def results_folder(date: str, slug: str, base: Path = RESULTS) -> Path:
+    """``base/<date>-<slug>``, with -2, -3, ... when a run of that day and GPU is already there."""
+    folder, n = base / f"{date}-{slug}", 2
+    while (folder / "summary.json").exists():
+        folder, n = base / f"{date}-{slug}-{n}", n + 1
+    return folder
+
+
+# ----------------------------------------------------------------------------- summary.json and summary.md
+
+
+def build_summary(steps: list[Step], env: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """The committed record: the run (command, budget, time), the environment, every step's status and
+    figure lines, every GPU test's outcome, and the figures with their anchors."""
+    by_name = {s.name: s for s in steps}
+    tests = by_name["gpu tests"].data if "gpu tests" in by_name else None
+    return {
+        "schema": SCHEMA, "tool": "benchmarks/verify_gpu.py", **run, "environment": env,
+        "steps": [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 1), "figures": summary_lines(s)}
+                  for s in steps],
+        "gpu_tests": tests,
+        "figures": {
+            "resnet50_2_ranks": [f for s in steps if s.name.startswith("resnet50")
+                                 for f in [resnet50_figures(s)] if f is not None],
+            "pack_bw": pack_figures(by_name["pack_bw"].data) if "pack_bw" in by_name else None,
+            "collectives": [f for s in steps if s.name.startswith("collectives")
+                            for f in [collectives_figures(s.data)] if f is not None],
+            "train": [row for s in steps if s.name.startswith("train") for row in train_figures(s)],
+        },
+        "raw": f"{RAW}/ beside this file (not committed): every log, full JSON, plot and the junit XML",
+    }
+
+
+def _md(value: Any) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(head: list[str], rows: list[list[Any]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(_md(c) for c in row) + " |" for row in rows]
+    return out + [""]
+
+
+def _err(part: Any) -> str | None:
+    return part["error"] if isinstance(part, dict) and "error" in part else None
+
+
+def _fact(part: Any, show: Callable[[Any], str]) -> str:
+    """A recorded fact as text: "not recorded" when missing, the error when it could not be had."""
+    if part is None or part == {}:
+        return "not recorded"
+    return f"n/a ({_err(part)})" if _err(part) else show(part)
+
+
+STATE_NOTES = {"interrupted": ", interrupted (Ctrl-C)",
+               "running": ", NOT finished: the run was still going, or was killed, after the steps shown"}
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """summary.md: the same facts as summary.json, as tables a reviewer reads top to bottom."""
+    env = doc.get("environment") or {}
+    gpus = env.get("gpus") or {}
+    commit = env.get("commit") or {}
+    devices = gpus.get("devices") or []
+    title = (f"{gpus.get('count', 0)} x {devices[0]['name']}" if devices else "no GPU facts")
+    lines = [f"# gpucomm GPU verification, {env.get('date', 'date unknown')}: {title}", ""]
+    dirty = {True: "tracked files modified", False: "clean tree", None: "tree state unknown"}[commit.get("dirty")]
+    lines += [f"Commit `{commit.get('sha') or 'unknown'}` ({dirty}; {commit.get('source', 'n/a')})"
+              + (f", but --commit said `{commit['given']}`" if commit.get("given") else "") + ".  ",
+              f"Command: `{doc.get('command', 'n/a')}`; {fmt(doc.get('seconds'), '.0f')} s of a "
+              f"{fmt(doc.get('budget_s'), '.0f')} s budget" + STATE_NOTES.get(doc.get("state"), "") + ".  ",
+              f"Full results: `{RAW}/` beside this file (not committed).", "", "## Machine and stack", ""]
+    lines += _table(["item", "value"], machine_rows(env))
+    lines += ["## Steps", ""]
+    lines += _table(["step", "status", "s", "figures"],
+                    [[s["name"], s["status"], fmt(s["seconds"] or None, ".0f"), "<br>".join(s["figures"]) or "-"]
+                     for s in doc.get("steps") or []])
+    lines += _tests_md(doc.get("gpu_tests"))
+    figures = doc.get("figures") or {}
+    lines += _resnet_md(figures.get("resnet50_2_ranks") or [])
+    lines += _pack_md(figures.get("pack_bw"))
+    lines += _collectives_md(figures.get("collectives") or [])
+    lines += _train_md(figures.get("train") or [])
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def machine_rows(env: dict[str, Any]) -> list[list[str]]:
+    """The machine and stack as (item, value) rows; a part that could not be read shows why."""
+    gpus, driver, cuda, versions = (env.get(k) or {} for k in ("gpus", "driver", "cuda", "versions"))
+
+    def gpu_text(d: dict[str, Any]) -> str:
+        return f"{d['name']}, {d['memory_gib']} GiB, compute capability {d['compute_capability']}"
+
+    def driver_text(d: dict[str, Any]) -> str:
+        return f"{d.get('version')} (CUDA API {d.get('cuda_api') or 'n/a'}, from {d.get('source')})"
+
+    def cuda_text(c: dict[str, Any]) -> str:
+        text = (f"torch built for {c.get('torch_built_for')}, CuPy runtime {c.get('cupy_runtime', 'n/a')}, "
+                f"driver API {c.get('driver_api', 'n/a')}")
+        return text + (f" (CuPy: {c['cupy_side']['error']})" if "cupy_side" in c else "")
+
+    def nccl_text(c: dict[str, Any]) -> str:
+        return f"{c.get('nccl', 'n/a')} (CuPy), {_fact(c.get('torch_nccl'), str)} (torch)"
+
+    rows = [[f"GPU {d['index']}", gpu_text(d)] for d in gpus.get("devices") or []]
+    rows = rows or [["GPUs", _fact(gpus, lambda _: "none seen")]]
+    rows += [["NVIDIA driver", _fact(driver, driver_text)], ["CUDA", _fact(cuda, cuda_text)],
+             ["NCCL", _fact(cuda, nccl_text)]]
+    if versions and not _err(versions):
+        return rows + [[name, v if v is not None else "not installed"] for name, v in versions.items()]
+    return rows + [["versions", _fact(versions, str)]]
+
+
+def _tests_md(tests: dict[str, Any] | None) -> list[str]:
+    lines = ["## GPU tests (`pytest -m gpu`)", ""]
+    if not tests:
+        return lines + ["No results: the step did not run or left neither its junit XML nor its log.", ""]
+    c = tests["counts"]
+    lines += [f"{c['passed']} passed, {c['failed']} failed, {c['error']} errors, {c['skipped']} skipped, "
+              f"{c['xfailed']} xfailed (from the {tests['source']}).", ""]
+    bad = [t for t in tests["cases"] if t["outcome"] in ("failed", "error")]
+    if bad:
+        lines += _table(["test", "outcome", "message"], [[f"`{t['id']}`", t["outcome"], t["message"]] for t in bad])
+    lines += ["<details><summary>every test</summary>", ""]
+    lines += _table(["test", "outcome"], [[f"`{t['id']}`", t["outcome"] + (f": {t['message']}" if t["message"]
+                                                                           and t["outcome"] == "skipped" else "")]
+                                          for t in tests["cases"]])
+    return lines + ["</details>", ""]
+
+
+def _resnet_md(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["## ResNet-50, 2 ranks: gpucomm's DistributedOptimizer against DDP", ""]
+    if not rows:
+        return lines + ["No results.", ""]
+    lines += ["Median step time of each, interleaved in one job (`benchmarks/optimizer_vs_ddp.py`); the fusion path "
+              "is rank 0's `gpucomm.kernels.status()` and `hvd.stats()['kernel_fallbacks']` after training.", ""]
+    lines += _table(["fusion asked", "gpucomm ms/step", "DDP ms/step", "gpucomm/DDP time", "gpucomm img/s",
+                     "DDP img/s", "path that ran", "kernels compiled", "kernel_fallbacks", "as asked"],
+                    [[r["fusion_asked"] + (" (GPUCOMM_FUSION_KERNELS=0)" if r["fusion_asked"] == "fallback" else ""),
+                      fmt(r["gpucomm_step_ms"], ".1f"), fmt(r["ddp_step_ms"], ".1f"),
+                      fmt(r["gpucomm_vs_ddp_step_time"], ".3f"), fmt(r["gpucomm_images_per_s"], ".0f"),
+                      fmt(r["ddp_images_per_s"], ".0f"), r["fusion_path"] or "n/a", fmt(r["compiled_kernels"]),
+                      fmt(r["kernel_fallbacks"]), "yes" if r["path_verified"] else "NO"] for r in rows])
+    return lines
+
+
+def _pack_md(pack: dict[str, Any] | None) -> list[str]:
+    lines = ["## Pack / unpack against one device-to-device copy (`benchmarks/pack_bw.py`)", ""]
+    if not pack:
+        return lines + ["No results.", ""]
+    if pack.get("skipped"):
+        return lines + [f"Skipped: {pack['skipped']}", ""]
+    lines += _table(["case", "op", "d2d GB/s (anchor)", "kernel GB/s", "kernel % d2d", "fallback % d2d",
+                     "torch.cat/copy_ % d2d", "kernel host us"],
+                    [[r["case"], r["op"], fmt(r["d2d_gbps"], ".0f"), fmt(r["kernel_gbps"], ".0f"),
+                      fmt(r["kernel_pct_of_d2d"], ".1f"), fmt(r["fallback_pct_of_d2d"], ".1f"),
+                      fmt(r["cat_split_pct_of_d2d"], ".1f"), fmt(r["kernel_host_us"], ".1f")] for r in pack["rows"]])
+    if pack.get("targets"):
+        lines += _table(["target (issue 17)", "met"], [[k, "yes" if v else "NO"] for k, v in pack["targets"].items()])
+    return lines
+
+
+def _collectives_md(runs: list[dict[str, Any]]) -> list[str]:
+    lines = ["## Collectives: gpucomm beside raw NCCL and torch.distributed (`benchmarks/collectives.py`)", "",
+             "Out-of-place calls; ratios are gpucomm / other (time: above 1 is slower; bandwidth: below 1 is slower).",
+             ""]
+    if not runs:
+        return lines + ["No results.", ""]
+    for run in runs:
+        where = "sharing one GPU, NCCL over loopback sockets" if run["single_gpu_test"] else "one GPU each"
+        lines += [f"### {run['ranks']} rank(s), {where}: #wrong {run['wrong']}"
+                  + (" (interrupted: rows so far)" if run["interrupted"] else ""), ""]
+        lines += [f"Not measured: {k}: {v}" for k, v in run["not_measured"].items()] + (
+            [""] if run["not_measured"] else [])
+        head = ["collective", "size", "gpucomm", "nccl", "torch", "gpucomm/nccl", "gpucomm/torch"]
+        for key, unit, spec in (("latency_us", "us per call", ".1f"), ("bandwidth_gbps", f"{run['metric']} GB/s",
+                                                                       ".2f")):
+            lines += [f"{unit}:", ""]
+            lines += _table(head, [[r["collective"], size_text(r["bytes"]), fmt(r["gpucomm"], spec),
+                                    fmt(r["nccl"], spec), fmt(r["torch"], spec), fmt(r["gpucomm_vs_nccl"], ".3f"),
+                                    fmt(r["gpucomm_vs_torch"], ".3f")] for r in run[key]])
+    return lines
+
+
+def _train_md(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["## Training throughput (`benchmarks/train.py`)", ""]
+    if not rows:
+        return lines + ["No results.", ""]
+
+    def eff(r: dict[str, Any], v: str) -> str:
+        return fmt((r["scaling_efficiency"] or {}).get(v), ".2f")
+
+    return lines + _table(["ranks", "model", "gpucomm samples/s", "DDP samples/s", "plain samples/s",
+                           "gpucomm/DDP", "gpucomm/plain", "scaling eff. gpucomm / DDP"],
+                          [[r["ranks"], r["model"], fmt(r["gpucomm_samples_per_s"], ".1f"),
+                            fmt(r["ddp_samples_per_s"], ".1f"), fmt(r["plain_samples_per_s"], ".1f"),
+                            fmt(r["gpucomm_vs_ddp_throughput"], ".3f"), fmt(r["gpucomm_vs_plain"], ".3f"),
+                            f"{eff(r, 'gpucomm')} / {eff(r, 'ddp')}"] for r in rows])
+
+
+def write_summary(out: Path, steps: list[Step], text: str, env: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """summary.txt (the printed table), summary.json and summary.md; returns the JSON document."""
+    doc = build_summary(steps, env, run)
+    (out / "summary.txt").write_text(text + "\n")
+    write_json(str(out / "summary.json"), doc)
+    (out / "summary.md").write_text(markdown(doc))
+    return doc
+
+
+def git_add_line(out: Path) -> str:
+    """The command that commits the summary (a folder outside the checkout must be copied in first)."""
+    try:
+        rel = out.resolve().relative_to(ROOT)
+    except ValueError:
+        return (f"# {out} is outside the checkout: copy {' and '.join(COMMITTED)} into "
+                f"benchmarks/results/<date>-<gpu>/, then git add them")
+    return "git add " + " ".join(str(rel / name) for name in COMMITTED)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench-out", help="folder for JSON, PNG and logs")
-    ap.add_argument("--budget", type=float, default=540, help="seconds for the whole run (default 9 minutes)")
-    ap.add_argument("--quick", action="store_true", help="smaller sweeps (a smoke run)")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(__doc__.splitlines()[2:]))
+    where = ap.add_mutually_exclusive_group()
+    where.add_argument("--out", default=None, help="folder for the summary and raw/ (default bench-out)")
+    where.add_argument("--results", action="store_true",
+                       help="use benchmarks/results/<YYYY-MM-DD>-<gpu>, the folder whose summary is committed")
+    ap.add_argument("--budget", type=float, default=540, help="seconds for the whole run (default 540: 9 minutes)")
+    ap.add_argument("--quick", action="store_true", help="smaller sweeps and runs (a smoke run)")
+    ap.add_argument("--commit", metavar="SHA", help="the commit this tree is, recorded when it has no .git")
     ap.add_argument("--dry-run", action="store_true", help="print the steps and their commands, run nothing")
     ap.add_argument("--summarize-only", action="store_true",
                     help="run nothing: print and write the summary of the results already in --out")
     args = ap.parse_args(argv)
     if args.dry_run and args.summarize_only:
         ap.error("--dry-run and --summarize-only exclude each other; give one")
+    if args.summarize_only and args.results:
+        ap.error("--summarize-only needs the folder to read: give --out benchmarks/results/<date>-<gpu>")
     if args.budget <= 0:
         ap.error(f"--budget {args.budget:g}: give a positive number of seconds")
     return args
 
 
-def run_steps(steps: list[Step], out: Path, budget: float) -> bool:
-    """Run the steps in order within ``budget`` seconds; False when Ctrl-C stopped them."""
-    t0 = time.monotonic()
-    for i, step in enumerate(steps):
-        left = budget - (time.monotonic() - t0)
-        if left < 10:
-            step.status = "skipped (budget spent)"
-            continue
-        try:
-            run_step(step, out, left)
-        except KeyboardInterrupt:
-            for rest in steps[i + 1:]:
-                rest.status = "not run (interrupted)"
-            return False
-    return True
-
-
-def read_existing(steps: list[Step], out: Path) -> None:
-    """--summarize-only: each step's results as an earlier run left them."""
+def print_plan(steps: list[Step], gpus: int, out: Path, budget: float) -> None:
+    """--dry-run: the output folder, every step's limit, environment and command (for 1 GPU when none
+    is visible here)."""
+    print(f"verify_gpu: plan for {max(gpus, 1)} GPU(s){'' if gpus else ' (none visible here: assumed 1)'}, "
+          f"budget {budget:.0f} s, output in {out} (summary.json, summary.md; logs and full results in {RAW}/)")
     for step in steps:
-        load_results(step, out)
-        step.status = "results found" if step.data else "no results"
+        env = "".join(f"{k}={v} " for k, v in step.env.items())
+        print(f"{step.name:<26} limit {step.timeout:>4.0f} s  {env}{' '.join(step.argv[1:])}")
 
 
-def summary_text(steps: list[Step], header: str) -> str:
-    lines = [header, f"{'step':<24} {'status':<22} {'s':>6}  figures"]
-    for step in steps:
-        figures = summary_lines(step) or [""]
-        seconds = f"{step.seconds:>6.0f}" if step.seconds else f"{'-':>6}"
-        lines.append(f"{step.name:<24} {step.status:<22} {seconds}  {figures[0]}")
-        lines += [f"{'':<24} {'':<22} {'':>6}  {f}" for f in figures[1:]]
-    return "\n".join(lines)
-
-
-def write_summary(out: Path, steps: list[Step], text: str, device: str, gpus: int, seconds: float) -> None:
-    (out / "summary.txt").write_text(text + "\n")
-    (out / "summary.json").write_text(json.dumps(
-        {"device": device, "gpus": gpus, "seconds": seconds,
-         "steps": [{"name": s.name, "status": s.status, "seconds": s.seconds, "figures": summary_lines(s)}
-                   for s in steps]}, indent=1))
-
-
-def print_plan(steps: list[Step], gpus: int) -> None:
-    """--dry-run: every step's limit and command (for 1 GPU when none is visible here)."""
-    print(f"verify_gpu: plan for {max(gpus, 1)} GPU(s){'' if gpus else ' (none visible here: assumed 1)'}")
-    for step in steps:
-        print(f"{step.name:<24} limit {step.timeout:>4.0f} s  {' '.join(step.argv[1:])}")
+def choose_out(args: argparse.Namespace, gpus: int) -> Path:
+    """--out, or (--results) benchmarks/results/<today>-<gpu>, or bench-out."""
+    if args.results:
+        slug = gpu_slug(gpu_name(), gpus) if gpus else "GPU-NAME"
+        return results_folder(datetime.date.today().isoformat(), slug)
+    return Path(args.out or "bench-out").resolve()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    command = "python benchmarks/verify_gpu.py " + " ".join(sys.argv[1:] if argv is None else argv)
     gpus = 0 if args.summarize_only else gpu_count()  # summarizing needs no GPU (and no torch import)
-    out = Path(args.out).resolve()
     if args.dry_run:
-        print_plan(plan(out, max(gpus, 1), args.quick), gpus)
+        out = choose_out(args, gpus)
+        print_plan(plan(out, max(gpus, 1), args.quick), gpus, out, args.budget)
         return 0
     if gpus == 0 and not args.summarize_only:
         print("verify_gpu: no CUDA GPU visible to torch; run this on a GPU machine (or --dry-run / "
               "--summarize-only, which need none).", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
+    out = choose_out(args, gpus)
+    (out / RAW).mkdir(parents=True, exist_ok=True)
     steps = plan(out, max(gpus, 1), args.quick)
-    device = gpu_name() if gpus else "not run here"
-    t0 = time.monotonic()
-    finished = True
     if args.summarize_only:
-        read_existing(steps, out)
-        header = f"# gpucomm GPU verification, summary of the results in {out}"
-    else:
-        import torch
+        return summarize_only(out, steps)
+    env = environment(args.commit)
+    write_json(str(out / RAW / "environment.json"), env)
+    run: dict[str, Any] = {"command": command, "budget_s": args.budget, "quick": args.quick, "seconds": 0.0,
+                           "state": "running"}
+    device = gpu_name()
+    print(f"verify_gpu: {gpus} x {device}; output in {out}", flush=True)
+    t0 = time.monotonic()
 
-        print(f"verify_gpu: {gpus} x {device}, torch {torch.__version__}; output in {out}", flush=True)
-        finished = run_steps(steps, out, args.budget)
-        header = (f"# gpucomm GPU verification: {gpus} x {device}, torch {torch.__version__}, "
-                  f"{time.monotonic() - t0:.0f} s in all" + ("" if finished else " (interrupted)"))
-    text = summary_text(steps, header)
+    def record() -> str:
+        run["seconds"] = round(time.monotonic() - t0, 1)
+        header = (f"# gpucomm GPU verification: {gpus} x {device}, {run['seconds']:.0f} s in all"
+                  + ("" if run["state"] == "finished" else f" ({run['state']})"))
+        text = summary_text(steps, header)
+        write_summary(out, steps, text, env, run)
+        return text
+
+    record()
+    finished = run_steps(steps, out, args.budget, after_step=record)
+    run["state"] = "finished" if finished else "interrupted"
+    text = record()
     print("\n" + text)
-    write_summary(out, steps, text, device, gpus, time.monotonic() - t0)
+    print(f"\nwrote {out / 'summary.md'} and summary.json; to commit them:\n  {git_add_line(out)}")
     if not finished:
         return 130
-    if args.summarize_only:
-        return 0
     return 0 if all(s.status == "ok" for s in steps) else 1
+
+
+def summarize_only(out: Path, steps: list[Step]) -> int:
+    """--summarize-only: the summary of what a run left in ``out`` (its environment, when recorded)."""
+    read_existing(steps, out)
+    env_file = out / RAW / "environment.json"
+    env = json.loads(env_file.read_text()) if env_file.exists() else {}
+    old = out / "summary.json"
+    run = {"command": "n/a", "budget_s": None, "quick": None, "seconds": None, "state": None}
+    if old.exists():
+        try:
+            run.update({k: v for k, v in json.loads(old.read_text()).items() if k in run})
+        except ValueError:
+            pass
+    text = summary_text(steps, f"# gpucomm GPU verification, summary of the results in {out}")
+    print(text)
+    write_summary(out, steps, text, env, run)
+    return 0
 
 
 def gpu_name() -> str:

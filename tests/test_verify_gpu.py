@@ -1,23 +1,30 @@
 """The one-command GPU verification run, checked without a GPU: its plan passes each script's own
-argument parser, it shares one GPU through the single-GPU test mode, it refuses to run without a GPU,
-a hanging step is stopped, and its summary survives 1-rank, empty and partial results. The summary of
-real benchmark JSON is in tests/test_benchmarks_smoke.py (``--summarize-only``)."""
+argument parser (ResNet-50 with the kernels and with the forced fallback included), it shares one GPU
+through the single-GPU test mode, it refuses to run without a GPU, a hanging step is stopped (pytest
+with its junit XML still written), and its committed summary (summary.json + summary.md) is built from
+result files in the formats the scripts write: real CPU runs of collectives.py, optimizer_vs_ddp.py and
+pytest, and files written key for key as pack_bw.py, train.py and a CUDA optimizer_vs_ddp.py write them.
+The summary of the CPU smoke runs' JSON is also in tests/test_benchmarks_smoke.py (``--summarize-only``)."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.harness import PYTHON, ROOT
+from tests.harness import PYTHON, ROOT, run
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import verify_gpu  # noqa: E402
 
 MIB = 1 << 20
+NO_GPU = not verify_gpu.gpu_count()
 
 
 def _load(script: str):
@@ -31,19 +38,126 @@ def _load(script: str):
     return sys.modules[name]
 
 
-def test_plan_passes_each_scripts_own_parser(tmp_path):
+# -- the plan -------------------------------------------------------------------------------------------
+
+
+PLAN = ["gpu tests", "pack_bw", "collectives 1 rank(s)", "resnet50 2 ranks kernels", "resnet50 2 ranks fallback",
+        "collectives 2 rank(s)", "train 1 rank", "train 2 ranks", "collectives 4 rank(s)"]
+
+
+def _parse_optimizer_vs_ddp(argv: list[str], monkeypatch, capsys):
+    """optimizer_vs_ddp.py's own parse_args (it reads sys.argv) on ``argv``; without a GPU its last check,
+    --cuda's, stops it, and only then: every flag before it parsed."""
+    module = _load("benchmarks/optimizer_vs_ddp.py")
+    monkeypatch.setattr(sys, "argv", ["optimizer_vs_ddp.py", *argv])
+    monkeypatch.setenv(verify_gpu.KERNELS_ENV, "1")  # its --fusion torch sets 0 here; restored after the test
+    if not NO_GPU:
+        return module.parse_args()
+    with pytest.raises(SystemExit) as stop:
+        module.parse_args()
+    assert stop.value.code == 2 and "--cuda needs a CUDA GPU" in capsys.readouterr().err
+    return None
+
+
+def test_plan_passes_each_scripts_own_parser(tmp_path, monkeypatch, capsys):
     steps = verify_gpu.plan(tmp_path, gpus=1, quick=False)
-    names = [s.name for s in steps]
-    assert names == ["gpu tests", "pack_bw", "collectives 1 rank(s)", "train 1 rank", "collectives 2 rank(s)",
-                     "train 2 ranks", "collectives 4 rank(s)"]
+    (tmp_path / "raw").mkdir()  # train.py checks that its --json folder exists
+    assert [s.name for s in steps] == PLAN
+    assert sum(s.timeout for s in steps[:6]) <= 540  # the most telling steps fit the default budget
     for step in steps[1:]:
         script = next(a for a in step.argv if a.startswith("benchmarks/"))
-        args = _load(script).parse_args(step.argv[step.argv.index(script) + 1:])  # SystemExit on a bad flag
-        assert args.json == str(step.json_path)
+        argv = step.argv[step.argv.index(script) + 1:]
+        assert step.json_path.parent == tmp_path / "raw" and str(step.json_path) in argv
+        if script.endswith("optimizer_vs_ddp.py"):
+            args = _parse_optimizer_vs_ddp(argv, monkeypatch, capsys)
+        else:
+            args = _load(script).parse_args(argv)  # SystemExit on a bad flag
+        assert args is None or args.json == str(step.json_path)
         n = int(step.argv[step.argv.index("-np") + 1]) if "-np" in step.argv else 1
         assert ("--single-gpu-test" in step.argv) == (n > 1), step.argv  # one GPU: ranks share it
     assert all("--single-gpu-test" not in s.argv for s in verify_gpu.plan(tmp_path, gpus=4, quick=False))
-    assert "-m" in steps[0].argv and "gpu" in steps[0].argv  # pytest -m gpu
+    assert "-m" in steps[0].argv and "gpu" in steps[0].argv and steps[0].interrupt_first  # pytest -m gpu
+
+
+def test_the_resnet50_pair_differs_only_in_the_fusion_path(tmp_path):
+    by_name = {s.name: s for s in verify_gpu.plan(tmp_path, gpus=1, quick=False)}
+    kernels, fallback = by_name["resnet50 2 ranks kernels"], by_name["resnet50 2 ranks fallback"]
+    assert kernels.env == {"GPUCOMM_FUSION_KERNELS": "1"} and fallback.env == {"GPUCOMM_FUSION_KERNELS": "0"}
+    for step, fusion in ((kernels, "kernels"), (fallback, "torch")):
+        argv = step.argv
+        assert argv[argv.index("-np") + 1] == "2" and argv[argv.index("--model") + 1] == "resnet50"
+        assert argv[argv.index("--fusion") + 1] == fusion and "--cuda" in argv
+
+    def without_fusion(argv: list[str], path: Path) -> list[str]:
+        i = argv.index("--fusion")
+        return [a for a in argv[:i] + argv[i + 2:] if a != str(path)]
+
+    assert without_fusion(kernels.argv, kernels.json_path) == without_fusion(fallback.argv, fallback.json_path)
+
+
+def test_dry_run_prints_the_plan_and_creates_nothing(tmp_path, capsys):
+    assert verify_gpu.main(["--dry-run", "--out", str(tmp_path / "plan")]) == 0
+    out = capsys.readouterr().out
+    for name in PLAN:
+        assert f"\n{name} " in out, name
+    lines = {line.split("  limit")[0].strip(): line for line in out.splitlines()[1:]}
+    assert "GPUCOMM_FUSION_KERNELS=0" in lines["resnet50 2 ranks fallback"]
+    assert "--fusion torch" in lines["resnet50 2 ranks fallback"] and "--model resnet50" in lines[
+        "resnet50 2 ranks kernels"]
+    assert "GPUCOMM_FUSION_KERNELS=1" in lines["resnet50 2 ranks kernels"]
+    assert not (tmp_path / "plan").exists()
+    assert verify_gpu.main(["--dry-run", "--results"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    folder = Path(re.search(r"output in (\S+)", header)[1])
+    assert folder.parent == ROOT / "benchmarks" / "results" and re.match(r"\d{4}-\d\d-\d\d-", folder.name)
+    assert not folder.exists()
+
+
+def test_refuses_to_run_without_a_gpu(tmp_path):
+    if not NO_GPU:
+        pytest.skip("checks the no-GPU refusal; a GPU is visible here")
+    for where in (["--out", str(tmp_path / "out")], ["--results"]):
+        before = set((ROOT / "benchmarks" / "results").glob("*"))
+        r = subprocess.run([PYTHON, "benchmarks/verify_gpu.py", *where], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+        assert r.returncode == 2 and r.stdout == ""
+        (line,) = r.stderr.strip().splitlines()
+        assert "no CUDA GPU" in line and "--dry-run" in line
+        assert not (tmp_path / "out").exists() and set((ROOT / "benchmarks" / "results").glob("*")) == before
+
+
+def test_conflicting_flags_are_refused(capsys):
+    for argv in (["--out", "x", "--results"], ["--summarize-only", "--results"], ["--dry-run", "--summarize-only"],
+                 ["--budget", "0"]):
+        with pytest.raises(SystemExit) as stop:
+            verify_gpu.parse_args(argv)
+        assert stop.value.code == 2
+    assert "--summarize-only needs the folder" in capsys.readouterr().err
+
+
+def test_results_folder_names(tmp_path):
+    assert verify_gpu.gpu_slug("NVIDIA H100 80GB HBM3", 1) == "h100-80gb-hbm3"
+    assert verify_gpu.gpu_slug("NVIDIA H200", 8) == "8x-h200"
+    first = verify_gpu.results_folder("2030-01-02", "h200", tmp_path)
+    assert first == tmp_path / "2030-01-02-h200"
+    first.mkdir()
+    assert verify_gpu.results_folder("2030-01-02", "h200", tmp_path) == first  # no summary yet: reuse it
+    (first / "summary.json").write_text("{}")
+    assert verify_gpu.results_folder("2030-01-02", "h200", tmp_path) == tmp_path / "2030-01-02-h200-2"
+    inside = ROOT / "benchmarks" / "results" / "2030-01-02-h200"
+    assert verify_gpu.git_add_line(inside) == ("git add benchmarks/results/2030-01-02-h200/summary.json "
+                                               "benchmarks/results/2030-01-02-h200/summary.md")
+    assert "outside the checkout" in verify_gpu.git_add_line(tmp_path)
+
+
+def test_raw_results_are_ignored_and_the_summary_is_not():
+    base = "benchmarks/results/2030-01-02-h200/"
+    r = subprocess.run(["git", "check-ignore", "--no-index", base + "raw/gpu_tests.xml", base + "summary.txt",
+                        base + "summary.json", base + "summary.md"], cwd=ROOT, capture_output=True, text=True)
+    assert r.stdout.split() == [base + "raw/gpu_tests.xml", base + "summary.txt"], r.stderr
+
+
+# -- running steps ----------------------------------------------------------------------------------------
 
 
 def test_a_silent_hanging_step_is_stopped_at_its_limit(tmp_path):
@@ -55,27 +169,63 @@ def test_a_silent_hanging_step_is_stopped_at_its_limit(tmp_path):
     assert step.status == "timed out (1 s)" and time.monotonic() - t0 < 60  # 60: only a hang fails this
 
 
-def test_refuses_to_run_without_a_gpu(tmp_path):
-    if verify_gpu.gpu_count():
-        pytest.skip("checks the no-GPU refusal; a GPU is visible here")
-    r = subprocess.run([PYTHON, "benchmarks/verify_gpu.py", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
-    assert r.returncode == 2 and r.stdout == ""
-    (line,) = r.stderr.strip().splitlines()
-    assert "no CUDA GPU" in line and "--dry-run" in line
+SAMPLE_TESTS = '''
+import time
+import pytest
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("fixture broke")
+
+def test_passes():
+    pass
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_param(n):
+    assert n == 1, "n is not one\\nsecond line"
+
+def test_skipped():
+    pytest.skip("needs something absent")
+
+@pytest.mark.xfail(reason="known")
+def test_xfails():
+    assert False
+
+def test_errors(broken):
+    pass
+
+class TestGroup:
+    def test_in_class(self):
+        pass
+'''
+
+
+def test_a_stopped_pytest_still_leaves_its_outcomes(tmp_path):
+    """The GPU-test step's limit sends SIGINT first: pytest writes its junit XML with what finished."""
+    sample = tmp_path / "tests_src" / "test_hangs.py"
+    sample.parent.mkdir()
+    sample.write_text("import time\n\ndef test_quick():\n    pass\n\ndef test_hangs():\n    time.sleep(300)\n")
+    out = tmp_path / "out"
+    step = verify_gpu.Step("gpu tests", [PYTHON, "-m", "pytest", str(sample), "-v", "-p", "no:cacheprovider",
+                                         "--rootdir", str(sample.parent), "--junitxml",
+                                         str(out / "raw" / "gpu_tests.xml")], 20.0, interrupt_first=True)
+    verify_gpu.run_step(step, out, budget_left=100.0)
+    assert step.status == "timed out (20 s)"
+    assert (out / "raw" / "gpu_tests.xml").exists() and step.data["source"] == "junit XML"
+    assert [(c["id"].rsplit("::", 1)[-1], c["outcome"]) for c in step.data["cases"]] == [("test_quick", "passed")]
 
 
 def test_dry_run_and_summary_only_need_no_gpu(tmp_path, capsys):
-    assert verify_gpu.main(["--dry-run", "--out", str(tmp_path / "plan")]) == 0
-    out = capsys.readouterr().out
-    assert "collectives 2 rank(s)" in out and "benchmarks/train.py" in out and not (tmp_path / "plan").exists()
     assert verify_gpu.main(["--summarize-only", "--out", str(tmp_path)]) == 0  # nothing there yet
     doc = json.loads((tmp_path / "summary.json").read_text())
     assert {s["status"] for s in doc["steps"]} == {"no results"} and all(s["figures"] == [] for s in doc["steps"])
+    md = (tmp_path / "summary.md").read_text()
+    assert "| NVIDIA driver | not recorded |" in md and md.count("No results") >= 4
 
 
 def test_an_interrupted_run_summarizes_what_finished(tmp_path, monkeypatch):
     steps = [verify_gpu.Step(f"s{i}", [], 60) for i in range(3)]
+    after = []
 
     def fake_run(step, out, left):
         if step.name == "s1":
@@ -84,11 +234,295 @@ def test_an_interrupted_run_summarizes_what_finished(tmp_path, monkeypatch):
         step.status = "ok"
 
     monkeypatch.setattr(verify_gpu, "run_step", fake_run)
-    assert verify_gpu.run_steps(steps, tmp_path, 100.0) is False
-    assert [s.status for s in steps] == ["ok", "interrupted", "not run (interrupted)"]
+    assert verify_gpu.run_steps(steps, tmp_path, 100.0, after_step=lambda: after.append(1)) is False
+    assert [s.status for s in steps] == ["ok", "interrupted", "not run (interrupted)"] and after == [1]
 
 
-# -- the summary lines, on results of every shape -----------------------------------------------
+# -- junit and pytest logs ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sample_pytest(tmp_path_factory):
+    """A real pytest run over SAMPLE_TESTS: its junit XML and its -v output."""
+    where = tmp_path_factory.mktemp("sample")
+    (where / "suite").mkdir()
+    (where / "suite" / "test_sample.py").write_text(SAMPLE_TESTS)
+    r = run([PYTHON, "-m", "pytest", "suite/test_sample.py", "-v", "-p", "no:cacheprovider", "--rootdir",
+             str(where), "--junitxml", str(where / "junit.xml")], cwd=where, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr  # some tests fail, on purpose
+    return where, r.stdout
+
+
+EXPECTED_OUTCOMES = {
+    "suite/test_sample.py::test_passes": "passed",
+    "suite/test_sample.py::test_param[1]": "passed",
+    "suite/test_sample.py::test_param[2]": "failed",
+    "suite/test_sample.py::test_skipped": "skipped",
+    "suite/test_sample.py::test_xfails": "xfailed",
+    "suite/test_sample.py::test_errors": "error",
+    "suite/test_sample.py::TestGroup::test_in_class": "passed",
+}
+
+
+def test_junit_gives_every_test_its_outcome_and_first_message_line(sample_pytest):
+    where, _ = sample_pytest
+    parsed = verify_gpu.parse_junit(where / "junit.xml", where)
+    assert {c["id"]: c["outcome"] for c in parsed["cases"]} == EXPECTED_OUTCOMES
+    messages = {c["id"].rsplit("::", 1)[-1]: c["message"] for c in parsed["cases"]}
+    assert "n is not one" in messages["test_param[2]"] and "second line" not in messages["test_param[2]"]
+    assert "fixture broke" in messages["test_errors"] and "needs something absent" in messages["test_skipped"]
+    assert parsed["counts"] == {"passed": 3, "failed": 1, "error": 1, "skipped": 1, "xfailed": 1}
+    assert verify_gpu.summarize_tests(verify_gpu.Step("gpu tests", [], 1, data=parsed)) == [
+        "3 passed, 1 failed, 1 errors, 1 skipped, 1 xfailed"]
+
+
+def test_the_pytest_log_stands_in_when_no_xml_was_written(sample_pytest, tmp_path):
+    where, stdout = sample_pytest
+    from_log = verify_gpu.parse_pytest_log(stdout)
+    assert {c["id"]: c["outcome"] for c in from_log["cases"]} == EXPECTED_OUTCOMES
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "gpu_tests.log").write_text(stdout)
+    step = verify_gpu.Step("gpu tests", [], 1)
+    verify_gpu.load_results(step, tmp_path)
+    lines = verify_gpu.summarize_tests(step)
+    assert lines[0] == "3 passed, 1 failed, 1 errors, 1 skipped, 1 xfailed" and "pytest log" in lines[1]
+    (tmp_path / "raw" / "gpu_tests.xml").write_text("<testsuites><testsuite")  # cut off while written
+    verify_gpu.load_results(step, tmp_path)
+    assert "pytest log" in step.data["source"]
+
+
+# -- the committed summary, from result files in the scripts' formats ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cpu_runs(tmp_path_factory):
+    """Real 1-rank CPU runs of collectives.py and optimizer_vs_ddp.py, the JSON they wrote."""
+    where = tmp_path_factory.mktemp("cpu_runs")
+    runs = {"collectives": ["benchmarks/collectives.py", "--device", "cpu", "--quick", "--plot", ""],
+            "optimizer": ["benchmarks/optimizer_vs_ddp.py", "--quick", "--model", "cnn"]}
+    docs = {}
+    for name, argv in runs.items():
+        path = where / f"{name}.json"
+        r = run([PYTHON, *argv, "--json", str(path)], timeout=180)
+        assert r.returncode == 0 and not r.leftovers, r.stdout[-2000:] + r.stderr[-2000:]
+        docs[name] = json.loads(path.read_text())
+    return docs
+
+
+def as_cuda_sweep(doc: dict, ranks: int) -> dict:
+    """A 1-rank CPU sweep's JSON as a GPU run at ``ranks`` writes it: the same rows with busbw from
+    collectives.py's own factor for ``ranks``, plus raw NCCL rows (a CPU sweep has none) at 0.8 x
+    gpucomm's time."""
+    factor = _load("benchmarks/collectives.py").busbw_factor
+    doc = copy.deepcopy(doc)
+    doc["env"].update(ranks=ranks, device="cuda", single_gpu_test=ranks > 1, not_measured={})
+    for r in doc["results"]:
+        for place in ("out_of_place", "in_place"):
+            if r[place]:
+                r[place]["busbw"] = r[place]["algbw"] * factor(r["collective"], ranks)
+    nccl = []
+    for r in doc["results"]:
+        if r["impl"] == "gpucomm":
+            twin = copy.deepcopy(r)
+            twin["impl"] = "nccl"
+            for place in ("out_of_place", "in_place"):
+                if twin[place]:
+                    twin[place]["time_us"] *= 0.8
+                    twin[place]["algbw"] /= 0.8
+                    twin[place]["busbw"] /= 0.8
+            nccl.append(twin)
+    doc["results"] += nccl
+    return doc
+
+
+def cuda_optimizer_run(cpu_doc: dict, asked: str, *, compiled: list[str], step_s: dict[str, float]) -> dict:
+    """optimizer_vs_ddp.py's JSON as a 2-rank ResNet-50 run on GPU writes it: ``fusion`` is its
+    kernel_status() (run here, for its keys), with the kernels compiled on a GPU."""
+    module = _load("benchmarks/optimizer_vs_ddp.py")
+    doc = copy.deepcopy(cpu_doc)
+    doc.update(model="resnet50", ranks=2, device="cuda", batch_size=32, median_step_s=step_s,
+               ratio=step_s["gpucomm"] / step_s["ddp"])
+    status = module.kernel_status()
+    status.update(path="torch" if asked == "fallback" else "kernels", compiled=compiled,
+                  launch="driver" if compiled else None)
+    doc["fusion"] = status
+    return doc
+
+
+def pack_run(device_gbps: float) -> dict:
+    """pack_bw.py's JSON, row for row as run_case() writes it (GB/s chosen here), targets by its targets()."""
+    module = _load("benchmarks/pack_bw.py")
+    share = {"kernel": 0.9, "kernel_api": 0.85, "fallback": 0.6, "cat_split": 0.5, "d2d": 1.0}
+    rows = []
+    for case, count, wire, nbytes in (("one_64MiB", 1, "float32", 128 * MIB), ("resnet50", 161, "float32", 204448256)):
+        for method, part in share.items():
+            for op in ("pack", "unpack"):
+                gbps = device_gbps * part
+                rows.append({"case": case, "tensors": count, "wire": wire, "method": method, "op": op,
+                             "gpu_us": nbytes / gbps / 1e3, "bytes": nbytes, "gbps": gbps, "host_us": 12.5,
+                             "pct_of_d2d": 100.0 * part})
+    costs = {"driver_pack": 12.5, "driver_unpack": 13.0, "driver_ran_as_driver": 1.0}
+    return {"benchmark": "pack_bw", "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "python": "3.12.3",
+            "iters": 10, "warmup": 3, "rows": rows, "host_costs_us": costs, "targets": module.targets(rows, costs),
+            "kernels": {"usable": True, "reason": "", "numpy_shims": [], "launch": "driver"}}
+
+
+def train_run(ranks: int) -> dict:
+    """train.py's JSON as its summarize() and main() write it, for one model."""
+    def variant(rate: float) -> dict:
+        return {"samples_per_s_per_device": rate, "samples_per_s_total": rate * ranks,
+                "per_device_quartiles": [rate * 0.98, rate * 1.02], "per_device_range": [rate * 0.95, rate * 1.05],
+                "round_samples_per_s_per_device": [rate] * 4, "round_seconds": [160 / rate] * 4}
+
+    variants = {"gpucomm": variant(1000.0), "ddp": variant(1010.0)}
+    if ranks == 1:
+        variants["plain"] = variant(1050.0)
+    model = {"parameters": 25557032, "sample_shape": [3, 224, 224], "variants": variants,
+             "ratio_gpucomm_vs_ddp": {"throughput_ratio": 1000 / 1010, "round_ratios": [0.99] * 4, "median": 0.99,
+                                      "quartiles": [0.98, 1.0], "range": [0.97, 1.01]},
+             "overhead_vs_plain": {"gpucomm": 1000 / 1050, "ddp": 1010 / 1050} if ranks == 1 else None,
+             "scaling_efficiency": {"gpucomm": 0.9, "ddp": 0.91} if ranks > 1 else None}
+    return {"benchmark": "train", "ranks": ranks, "device": "cuda", "device_name": "NVIDIA H100 80GB HBM3",
+            "threads_per_rank": 1, "batch_size": 32, "warmup": 3, "rounds": 4, "steps_per_round": 5, "quick": False,
+            "torch": "2.11.0+cu130", "gpucomm": "0.1.0", "baseline": None, "notes": [], "models": {"resnet50": model}}
+
+
+@pytest.fixture(scope="module")
+def summarized(cpu_runs, sample_pytest, tmp_path_factory):
+    """A results folder as a GPU run leaves it (raw/ only), summarized by ``--summarize-only``."""
+    out = tmp_path_factory.mktemp("results")
+    raw = out / "raw"
+    raw.mkdir()
+    where, _ = sample_pytest
+    (raw / "gpu_tests.xml").write_text((where / "junit.xml").read_text())
+    files = {
+        "collectives_1.json": as_cuda_sweep(cpu_runs["collectives"], 1),
+        "collectives_2.json": as_cuda_sweep(cpu_runs["collectives"], 2),
+        "resnet50_2_kernels.json": cuda_optimizer_run(cpu_runs["optimizer"], "kernels",
+                                                      compiled=["pack_f32_f32", "unpack_f32_f32"],
+                                                      step_s={"gpucomm": 0.125, "ddp": 0.100}),
+        "resnet50_2_fallback.json": cuda_optimizer_run(cpu_runs["optimizer"], "fallback", compiled=[],
+                                                       step_s={"gpucomm": 0.150, "ddp": 0.100}),
+        "pack_bw.json": pack_run(2000.0),
+        "train_1.json": train_run(1),
+        "environment.json": verify_gpu.environment("0123abc"),
+    }
+    for name, doc in files.items():
+        (raw / name).write_text(json.dumps(doc))
+    assert verify_gpu.main(["--summarize-only", "--out", str(out)]) == 0
+    doc = json.loads((out / "summary.json").read_text())
+    return out, doc, (out / "summary.md").read_text(), files
+
+
+def test_summary_json_holds_every_part(summarized):
+    out, doc, _, files = summarized
+    assert doc["schema"] == 1 and doc["environment"] == files["environment.json"]
+    statuses = {s["name"]: s["status"] for s in doc["steps"]}
+    assert statuses == {**{n: "results found" for n in PLAN},
+                        "train 2 ranks": "no results", "collectives 4 rank(s)": "no results"}
+    tests = {c["id"]: c["outcome"] for c in doc["gpu_tests"]["cases"]}
+    assert len(tests) == len(EXPECTED_OUTCOMES) and tests["suite.test_sample::test_param[2]"] == "failed"
+    assert set(doc["figures"]) == {"resnet50_2_ranks", "pack_bw", "collectives", "train"}
+    assert [c["ranks"] for c in doc["figures"]["collectives"]] == [1, 2]
+    assert sorted(p.name for p in out.iterdir()) == ["raw", "summary.json", "summary.md", "summary.txt"]
+
+
+def test_collectives_figures_put_gpucomm_beside_nccl_and_torch(summarized):
+    _, doc, md, files = summarized
+    sweep = files["collectives_2.json"]
+    one, two = doc["figures"]["collectives"]
+    assert one["metric"] == "algbw" and two["metric"] == "busbw" and two["single_gpu_test"]
+    colls = list(dict.fromkeys(r["collective"] for r in sweep["results"]))
+    assert [r["collective"] for r in two["latency_us"]] == colls == [r["collective"] for r in two["bandwidth_gbps"]]
+    for coll in colls:
+        def cell(impl: str, size: int) -> dict:
+            return next(r["out_of_place"] for r in sweep["results"]
+                        if (r["collective"], r["impl"], r["bytes"]) == (coll, impl, size))
+
+        sizes = sorted(r["bytes"] for r in sweep["results"] if (r["collective"], r["impl"]) == (coll, "gpucomm"))
+        small = next(r for r in two["latency_us"] if r["collective"] == coll)
+        large = next(r for r in two["bandwidth_gbps"] if r["collective"] == coll)
+        assert (small["bytes"], large["bytes"]) == (sizes[0], sizes[-1])
+        for impl in ("gpucomm", "nccl", "torch"):
+            assert small[impl] == cell(impl, sizes[0])["time_us"] and large[impl] == cell(impl, sizes[-1])["busbw"]
+        assert small["gpucomm_vs_nccl"] == pytest.approx(small["gpucomm"] / small["nccl"])
+        assert large["gpucomm_vs_torch"] == pytest.approx(large["gpucomm"] / large["torch"])
+        row = (f"| {coll} | {verify_gpu.size_text(sizes[0])} | {small['gpucomm']:.1f} | {small['nccl']:.1f} | "
+               f"{small['torch']:.1f} | {small['gpucomm_vs_nccl']:.3f} | {small['gpucomm_vs_torch']:.3f} |")
+        assert row in md, row
+    assert "### 2 rank(s), sharing one GPU, NCCL over loopback sockets: #wrong 0" in md
+    assert "### 1 rank(s), one GPU each" in md and "algbw GB/s:" in md and "busbw GB/s:" in md
+
+
+def test_resnet50_rows_prove_which_fusion_path_ran(summarized):
+    _, doc, md, _ = summarized
+    kernels, fallback = doc["figures"]["resnet50_2_ranks"]
+    assert (kernels["fusion_asked"], kernels["fusion_path"], kernels["compiled_kernels"]) == ("kernels", "kernels", 2)
+    assert (fallback["fusion_asked"], fallback["fusion_path"], fallback["compiled_kernels"]) == ("fallback", "torch", 0)
+    assert kernels["path_verified"] and fallback["path_verified"] and kernels["kernel_fallbacks"] == 0
+    assert kernels["gpucomm_images_per_s"] == pytest.approx(2 * 32 / 0.125)
+    assert ("| kernels | 125.0 | 100.0 | 1.250 | 512 | 640 | kernels | 2 | 0 | yes |" in md)
+    assert ("| fallback (GPUCOMM_FUSION_KERNELS=0) | 150.0 | 100.0 | 1.500 | 427 | 640 | torch | 0 | 0 | yes |" in md)
+
+
+def test_a_resnet50_run_on_the_wrong_path_is_flagged(cpu_runs):
+    step = verify_gpu.Step("resnet50 2 ranks kernels", [], 1)
+    # kernels asked, but the run compiled none and gave them up (a broken CUDA Python stack)
+    step.data = cuda_optimizer_run(cpu_runs["optimizer"], "kernels", compiled=[], step_s={"gpucomm": 0.2, "ddp": 0.1})
+    step.data.update(kernel_fallbacks=1)
+    step.data["fusion"].update(path="torch", reason="KernelUnavailableError: no driver")
+    assert verify_gpu.path_flag(step) == ", fusion path NOT as asked"
+    assert verify_gpu.summary_lines(step)[1] == ("fusion path torch (0 kernels compiled, kernel_fallbacks 1): NOT as "
+                                                 "asked; reason: KernelUnavailableError: no driver")
+    fallback = verify_gpu.Step("resnet50 2 ranks fallback", [], 1)
+    fallback.data = cuda_optimizer_run(cpu_runs["optimizer"], "fallback", compiled=["pack_f32_f32"],
+                                       step_s={"gpucomm": 0.2, "ddp": 0.1})  # the variable did not reach it
+    assert verify_gpu.path_flag(fallback) == ", fusion path NOT as asked"
+    cpu = verify_gpu.Step("resnet50 2 ranks kernels", [], 1, data=cpu_runs["optimizer"])  # fusion: null on CPU
+    assert verify_gpu.path_flag(cpu) == ", fusion path NOT as asked"
+
+
+def test_pack_figures_show_each_method_as_a_share_of_d2d(summarized):
+    _, doc, md, files = summarized
+    pack = doc["figures"]["pack_bw"]
+    assert [(r["case"], r["op"]) for r in pack["rows"]] == [("one_64MiB", "pack"), ("one_64MiB", "unpack"),
+                                                            ("resnet50", "pack"), ("resnet50", "unpack")]
+    assert all(r["kernel_pct_of_d2d"] == pytest.approx(90.0) and r["fallback_pct_of_d2d"] == pytest.approx(60.0)
+               for r in pack["rows"])
+    assert "| resnet50 | unpack | 2000 | 1800 | 90.0 | 60.0 | 50.0 | 12.5 |" in md
+    assert pack["targets"] == files["pack_bw.json"]["targets"]
+    assert "| pack_unpack_ge_85pct_d2d_64MiB_and_resnet50 | yes |" in md
+    steps = {s["name"]: s["figures"] for s in doc["steps"]}
+    assert "one_64MiB pack: 1800 GB/s = 90% of D2D, host 12.5 us" in steps["pack_bw"]
+
+
+def test_markdown_names_the_machine_the_commit_and_each_failing_test(summarized):
+    _, doc, md, _ = summarized
+    commit = doc["environment"]["commit"]
+    assert f"Commit `{commit['sha']}`" in md and commit["sha"]  # git's, or --commit's in a copy without .git
+    assert "## Machine and stack" in md and re.search(r"\| NVIDIA driver \| (n/a \(NVML|\d)", md)
+    for package in ("torch", "cupy", "numba", "numba-cuda", "numpy", "nvidia-ml-py", "cuda-bindings", "gpucomm"):
+        assert re.search(rf"^\| {re.escape(package)} \| ", md, re.M), package
+    assert "| NCCL | " in md
+    failing = [line for line in md.splitlines() if "| failed |" in line or "| error |" in line]
+    assert any("test_param[2]" in line and "n is not one" in line for line in failing)
+    assert any("test_errors" in line and "fixture broke" in line for line in failing)
+    assert "| train 2 ranks | no results | n/a | - |" in md
+    assert "| 1 | resnet50 | 1000.0 | 1010.0 | 1050.0 | 0.990 | 0.952 | n/a / n/a |" in md
+
+
+def test_the_commit_comes_from_git_or_from_the_flag(tmp_path, monkeypatch):
+    facts = verify_gpu.commit_facts(None)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert facts["sha"] == head and facts["dirty"] in (True, False) and "given" not in facts
+    assert verify_gpu.commit_facts("f" * 40)["given"] == "f" * 40  # disagrees with git: both kept
+    monkeypatch.setattr(verify_gpu, "ROOT", tmp_path)  # a copied tree without .git
+    assert verify_gpu.commit_facts("abc1234") == {"sha": "abc1234", "dirty": None,
+                                                  "source": "--commit (no git checkout here)"}
+    assert verify_gpu.commit_facts(None)["sha"] is None and "--commit" in verify_gpu.commit_facts(None)["source"]
+
+
+# -- the one-line figures, on results of every shape -----------------------------------------------
 
 
 def _collectives(ranks: int, rows: dict[str, dict[int, float]], metric: str = "busbw", **env) -> verify_gpu.Step:
@@ -120,9 +554,12 @@ def test_collectives_summary_without_comparable_rows():
         "allreduce busbw gpucomm/torch at 32768 B (the largest size; none >= 1 MiB): 0.500 (2 vs 4 GB/s)"]
     assert verify_gpu.summary_lines(_collectives(2, {})) == [
         "#wrong over all collectives and sizes: 0", "allreduce: gpucomm has no out-of-place allreduce rows: n/a"]
+    assert verify_gpu.collectives_figures(_collectives(2, {}).data)["latency_us"] == []
     unchecked = _collectives(2, {"gpucomm": {MIB: 1.0}})
     unchecked.data["results"][0]["out_of_place"]["wrong"] = None  # -c 0
     assert verify_gpu.summary_lines(unchecked) == ["#wrong over all collectives and sizes: 0"]
+    (row,) = verify_gpu.collectives_figures(unchecked.data)["bandwidth_gbps"]
+    assert row["nccl"] is None and row["gpucomm_vs_nccl"] is None  # only gpucomm ran: no ratio, no error
 
 
 def test_train_and_pack_summaries_of_partial_results():
@@ -134,5 +571,7 @@ def test_train_and_pack_summaries_of_partial_results():
     pack = verify_gpu.Step("pack_bw", [], 1)
     pack.data = {"benchmark": "pack_bw", "skipped": "needs a CUDA GPU", "rows": [], "targets": {}}
     assert verify_gpu.summary_lines(pack) == ["skipped: needs a CUDA GPU"]
+    assert verify_gpu.pack_figures(pack.data) == {"skipped": "needs a CUDA GPU"}
+    assert "Skipped: needs a CUDA GPU" in verify_gpu.markdown({"figures": {"pack_bw": {"skipped": "needs a CUDA GPU"}}})
     tests = verify_gpu.Step("gpu tests", [], 1)
     assert verify_gpu.summary_lines(tests) == []  # no junit XML: the step shows its status only
