@@ -39,13 +39,29 @@ def _like(result: torch.Tensor, template: Any) -> Any:
     return cupy.asarray(result)
 
 
+def stream_handle(stream: Any) -> int:
+    """The ``cudaStream_t`` of ``stream``: a raw handle (int), a CuPy stream (``.ptr``; 0 for its
+    default stream ``cupy.cuda.Stream.null``) or a torch stream (``.cuda_stream``)."""
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return stream
+    ptr = getattr(stream, "ptr", None)  # CuPy; 0 is a valid handle (the default stream), not "missing"
+    if ptr is None:
+        ptr = getattr(stream, "cuda_stream", None)  # torch
+    if not isinstance(ptr, int):
+        raise TypeError(f"stream must be a CuPy or torch CUDA stream, or a raw cudaStream_t (int); got "
+                        f"{type(stream).__name__} {stream!r}.")
+    return ptr
+
+
 @contextlib.contextmanager
-def _on_stream(stream: Any):
-    if stream is None:
+def _on_stream(stream: Any, device: torch.device):
+    if stream is None or device.type != "cuda":
         yield
         return
-    ptr = stream if isinstance(stream, int) else getattr(stream, "ptr", None) or stream.cuda_stream
-    with torch.cuda.stream(torch.cuda.ExternalStream(ptr)):
+    ptr = stream_handle(stream)
+    # handle 0 is the default stream (CuPy's Stream.null): torch's own object for it on this device
+    target = torch.cuda.default_stream(device) if ptr == 0 else torch.cuda.ExternalStream(ptr, device=device)
+    with torch.cuda.stream(target):
         yield
 
 
@@ -70,7 +86,7 @@ class Communicator:
             check_op(kind, fields["op"])
         out = None if recv is None else _as_tensor(recv)
         in_place = kind in ("allreduce", "broadcast") and out is not None and out.shape == src.shape
-        with _on_stream(stream):
+        with _on_stream(stream, device):
             if in_place and out is not src:
                 out.copy_(src)
             target = out if in_place else src

@@ -24,6 +24,10 @@ class Counters:
     layout_checks: int = 0  # cross-rank verifications of an optimizer's parameters and buckets
     elastic_resets: int = 0  # times hvd.elastic.run left a job and joined the launcher's next round
     kernel_fallbacks: int = 0  # times this process gave up the fusion kernels for torch ops (at most once; see gpucomm.kernels.status())
+    cuda_events_created: int = 0  # CUDA events made because the pool had none free (steady state: 0 per step)
+    issue_deferred: int = 0  # agreed CUDA collectives that waited for an optimizer step's launches (one order per device)
+    nccl_aborts: int = 0  # NCCL communicators aborted (the job failed)
+    nccl_destroys: int = 0  # NCCL communicators destroyed (a healthy job's shutdown, an optimizer's close)
 
 
 COUNTERS = Counters()

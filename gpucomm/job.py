@@ -4,7 +4,8 @@ collective takes (``submit``).
 A one-rank job has nothing to agree on: its collectives run inline on the caller's thread (no
 control plane, no background thread, no negotiation). A larger job negotiates ad-hoc collectives
 through ``gpucomm.control``, while DistributedOptimizer buckets bypass it on fixed schedules
-(``new_schedule``), each on a group of its own.
+(``new_schedule``), each on a group of its own. Both end in the job's data plane
+(``gpucomm.dataplane.plane``), which owns the communicators, the CUDA events and the watchdog.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -29,11 +29,12 @@ from .bootstrap.world import World
 from .control.controller import ControlConfig, Controller, ControlLinks, Send
 from .control.coordinator import Coordinator
 from .control.local import LocalPlane
-from .dataplane.events import EventPool
-from .dataplane.executor import Executor, prepare
+from .control.standins import StandIns
+from .dataplane.executor import prepare
 from .dataplane.groups import Group
 from .dataplane.handles import Handle
 from .dataplane.inline import reduce_inline
+from .dataplane.plane import DataPlane
 from .dataplane.requests import Request
 from .dataplane.schedule import Schedule
 from .errors import CollectiveError
@@ -65,13 +66,11 @@ class Job:
     dynamic_sets: bool = False
     elastic_round: int = 0  # the launcher's round this job is (elastic mode), else 0
     plane: Controller | LocalPlane = field(init=False)
+    data: DataPlane = field(init=False)  # the data plane: communicators, CUDA events, watchdog, issue orders
     groups: dict[int, Group] = field(init=False)
-    events: EventPool = field(default_factory=EventPool)
     join_device: int = -1  # hvd.join(device=...): the GPU for zero stand-ins; -1: this rank's GPU
     unnamed: dict = field(default_factory=dict)  # process set id -> counter numbering its unnamed ops
     tracer: Tracer | None = None  # rank 0's timeline while one is recording
-    _nccl: Any = None
-    _nccl_lock: threading.Lock = field(default_factory=threading.Lock)
     _set_counter: int = 0
     _schedule_counters: dict = field(default_factory=dict)  # process set id -> schedules made on it
     _schedules: list[Schedule] = field(default_factory=list)
@@ -80,21 +79,26 @@ class Job:
     def __post_init__(self) -> None:
         rank, size = self.world.rank, self.world.size
         self.one_host = len(set(self.hosts)) == 1
-        self.groups = {0: Group(0, range(size), rank, lambda g: self.gloo, lambda g: self.nccl())}
+        self.data = DataPlane(rank, self.timeout, tracer=self._current_tracer, select_device=self.select_device,
+                              report=self._report_data_failure)
+        self.groups = {0: self.data.register(Group(0, range(size), rank, lambda g: self.gloo, self._make_nccl))}
         for set_id, ranks in enumerate(self.static_sets, start=1):
-            self.groups[set_id] = self._group(set_id, ranks)
+            self.groups[set_id] = self.data.register(self._group(set_id, ranks))
         self._coordinator = None
+        self._negotiated = size > 1
+        self._execute = self.data.executor(self.group)
         if size == 1:
-            execute = Executor(self.group, self._current_tracer, events=self.events, pool_done_events=True)
-            self.plane = LocalPlane(execute, self.timeout, on_done=self._on_done, process_sets=self.static_sets)
+            self.plane = LocalPlane(self._execute, self.timeout, on_done=self._on_done, process_sets=self.static_sets)
             return
         if rank == 0:
             self._coordinator = Coordinator(size, cache_capacity=self.control.cache_capacity,
                                             process_sets=self.static_sets, reduce_inline=reduce_inline)
-        execute = Executor(self.group, self._current_tracer, events=self.events)
-        self.plane = Controller(rank, size, execute, self.control, coordinator=self._coordinator, links=self.links,
-                                on_done=self._on_done, zeros_device=self._zeros_device, tracer=self._current_tracer,
-                                nccl_health=self._nccl_health, events=self.events)
+        standins = StandIns(lambda request, meta, keep: self.data.run_unowned(request, meta, self._execute, keep),
+                            self._zeros_device, self.data.events)
+        self.plane = Controller(rank, size, lambda handle, meta: self.data.run(handle, meta, self._execute),
+                                self.control, coordinator=self._coordinator, links=self.links, on_done=self._on_done,
+                                standins=standins, tracer=self._current_tracer, on_fail=self.data.fail,
+                                select_device=self.select_device)
 
     def unnamed_name(self, kind: str, set_id: int) -> str:
         """The name of an unnamed operation: numbered per process set, so that operations only a
@@ -122,14 +126,29 @@ class Job:
             request.stream = torch.cuda.current_stream(request.device)
             request.waited_at_once = send is Send.ON_WAIT
             prepare(request)
-            request.ready_event = self.events.record(request.stream)
+            request.ready_event = self.data.events.record(request.stream)
         elif request.kind in ("allreduce", "broadcast"):
             prepare(request)
-        return self.plane.submit(request, send=send)
+        handle = self.plane.submit(request, send=send)
+        if self._negotiated and (request.device.type == "cuda" or self.data.orders_cpu) and request.tensors:
+            self.data.submitted(handle)  # its device's next optimizer step waits for its agreement
+        return handle
 
     def failure(self) -> CollectiveError | None:
-        """Why the job's collectives stopped (a rank failed, a stall shutdown), if they did."""
-        return self.plane.failure()
+        """Why the job's collectives stopped (a rank failed, a stall shutdown, the NCCL watchdog), if they did."""
+        return self.plane.failure() or self.data.failure()
+
+    def _report_data_failure(self, text: str) -> None:
+        """The data plane found the job broken (the NCCL watchdog): tell every rank."""
+        controller = self.controller
+        if controller is not None:
+            controller.report_failure(text)
+
+    def select_device(self) -> None:
+        """Make this rank's GPU current in the calling thread (no-op on a CPU rank). Every thread of
+        gpucomm that touches CUDA calls this first."""
+        if self.device is not None:
+            devices.select_device(self.device.cuda_ordinal)
 
     # -- fixed schedules (DistributedOptimizer) --------------------------------------------------
     def new_schedule(self, set_id: int) -> Schedule:
@@ -144,15 +163,13 @@ class Job:
                                            one_host=self.one_host, iface=gloo_iface(os.environ)),
                       lambda g: create_nccl(self.client, where + "nccl", g.rank, g.size,
                                             self._cuda_device().index, self.timeout))
-        controller = self.controller
-        schedule = Schedule(group, timeout=self.timeout, events=self.events, tracer=self._current_tracer,
-                            watch=controller.watch if controller is not None else None, failure=self.failure)
-        schedule.number = number
+        schedule = Schedule(group, self.data, number=number)
         self._schedules.append(schedule)
         return schedule
 
     def close_schedule(self, schedule: Schedule) -> None:
-        """Release a schedule's group (its optimizer is gone)."""
+        """Release a schedule's communicators: its optimizer's explicit close, a collective point
+        (never a finalizer: garbage collection runs at a different moment on every rank)."""
         if schedule in self._schedules:
             self._schedules.remove(schedule)
             schedule.close()
@@ -193,6 +210,12 @@ class Job:
             raise ValueError(f"process set {set_id} is not registered on this rank (it was removed, or never added).")
         return group
 
+    def _make_nccl(self, group: Group):
+        """The NCCL backend of the whole job, created by the first CUDA collective (the same call on
+        every rank, since every rank runs collectives in the same order)."""
+        return create_nccl(self.client, f"{self.prefix}nccl/uid", self.world.rank, self.world.size,
+                           self._cuda_device().index, self.timeout)
+
     def _group(self, set_id: int, ranks) -> Group:
         return Group(set_id, ranks, self.world.rank,
                      lambda g: SelfBackend() if g.size == 1 else gloo_group(self.client, f"{self.prefix}gloo/ps{set_id}/", g.rank, g.size,
@@ -204,11 +227,11 @@ class Job:
         """Responses that change process sets (applied in response order)."""
         if name.startswith("process_set.add.") and isinstance(value, tuple):
             set_id, ranks = value
-            self.groups[set_id] = self._group(set_id, ranks)
+            self.groups[set_id] = self.data.register(self._group(set_id, ranks))
         elif name.startswith("process_set.remove.") and isinstance(value, int):
             group = self.groups.pop(value, None)
             if group is not None:
-                group.close()
+                self.data.release(group)  # a collective point: every member removes it in answer order
 
     def next_set_name(self, what: str) -> str:
         self._set_counter += 1
@@ -222,29 +245,8 @@ class Job:
         return torch.device("cuda", self.join_device) if self.join_device >= 0 else self._cuda_device()
 
     def nccl(self):
-        """The NCCL backend of the whole job, created by the first CUDA collective (the same call on
-        every rank, since every rank runs collectives in the same order)."""
-        with self._nccl_lock:
-            if self._nccl is None:
-                self._nccl = create_nccl(self.client, f"{self.prefix}nccl/uid", self.world.rank, self.world.size,
-                                         self._cuda_device().index, self.timeout)
-            return self._nccl
-
-    def _nccl_health(self, set_id: int, abort: bool) -> str | None:
-        """For the watchdog: NCCL's asynchronous error on ``set_id``'s communicators, or abort them."""
-        backends = [g.nccl_if_created() for g in self.groups.values() if g.id == set_id]
-        backends += [s.group.nccl_if_created() for s in self._schedules if s.group.id == set_id]
-        for backend in backends:
-            if backend is None:
-                continue
-            if abort:
-                backend.abort()
-                continue
-            try:
-                backend.check_async_error()
-            except Exception as e:  # noqa: BLE001 - reported as the job's failure
-                return str(e)
-        return None
+        """The NCCL backend of the whole job (process set 0), created on first use."""
+        return self.groups[0].nccl()
 
     # -- shutdown --------------------------------------------------------------------------------
     def close(self) -> None:
@@ -260,12 +262,10 @@ class Job:
         else:
             self.plane.close()
         failed = self.failure() is not None
-        for schedule in self._schedules:
-            schedule.close(abort=failed)  # a stopped peer would hold a graceful close until Gloo's timeout
-        for group in list(self.groups.values())[1:]:
-            group.close(abort=failed)
-        if self._nccl is not None:
-            self._nccl.close()
+        # every communicator: destroyed once its CUDA work finished, aborted if the job failed (a
+        # stopped peer would hold a graceful close until Gloo's timeout, NCCL's forever)
+        self.data.close(failed=failed)
+        self._schedules.clear()
         self.gloo.close(abort=failed)
         try:
             self.client.add(f"{self.prefix}shutdown", 1)

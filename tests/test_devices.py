@@ -197,11 +197,12 @@ def test_apply_single_gpu_test_env_keeps_user_values():
 
 @pytest.fixture
 def fake_gpus(monkeypatch):
-    """Make nvml_gpus return ALL and record the ordinal pin_local_gpu would activate."""
+    """NVML's answer is SHUFFLED and CUDA's (every device, bus-id order) is ALL; records the
+    ordinal pin_local_gpu selects."""
     activated: list[int] = []
     monkeypatch.setattr(devices, "nvml_gpus", lambda: list(SHUFFLED))
-    monkeypatch.setattr(devices, "_activate_ordinal", activated.append)
-    monkeypatch.setattr(devices, "_torch_cuda_initialized", lambda: False)
+    monkeypatch.setattr(devices, "cuda_bus_ids", lambda: [g.pci_bus_id for g in ALL])
+    monkeypatch.setattr(devices, "select_device", activated.append)
     return activated
 
 
@@ -213,9 +214,34 @@ def test_pin_sets_device_order_and_uses_bus_id_index(fake_gpus):
     assert fake_gpus == [2]
 
 
-def test_pin_respects_cuda_visible_devices(fake_gpus):
+def test_pin_respects_cuda_visible_devices(fake_gpus, monkeypatch):
+    monkeypatch.setattr(devices, "cuda_bus_ids", lambda: [G3.pci_bus_id, G1.pci_bus_id])  # CUDA sees "3,1"
     pinned = pin_local_gpu(1, 2, env={"CUDA_VISIBLE_DEVICES": "3,1"})
     assert pinned == devices.PinnedDevice(G1, 1)
+
+
+def test_pin_takes_cudas_ordinal_when_the_driver_order_was_fixed_earlier(monkeypatch):
+    """A host with two GPU models: the script called torch.cuda.is_available() before
+    hvd.init(), so CUDA enumerated FASTEST_FIRST (the faster GPU, at the higher bus id, is
+    ordinal 0) before gpucomm set CUDA_DEVICE_ORDER. Local rank 0 owns the GPU at the lowest bus
+    id, which is CUDA ordinal 1 here: the bus-id index (0) would be the other rank's GPU."""
+    slow = GpuInfo(0, "0000:1a:00.0", "GPU-slow0000-0000-0000-0000-000000000000", "Slow GPU", 16 << 30)
+    fast = GpuInfo(1, "0000:3b:00.0", "GPU-fast0000-0000-0000-0000-000000000000", "Fast GPU", 80 << 30)
+    selected: list[int] = []
+    monkeypatch.setattr(devices, "nvml_gpus", lambda: [slow, fast])  # NVML's answer
+    monkeypatch.setattr(devices, "select_device", selected.append, raising=False)
+    monkeypatch.setattr(devices, "_activate_ordinal", selected.append, raising=False)  # its name before
+    import torch  # torch's answer: two devices, the fast one first, CUDA itself not initialised yet
+
+    props = {0: (0, 0x3B, 0), 1: (0, 0x1A, 0)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("Props", (), dict(zip(
+        ("pci_domain_id", "pci_bus_id", "pci_device_id"), props[i])))())
+    pinned = pin_local_gpu(0, 2, env={})
+    assert pinned == devices.PinnedDevice(slow, 1)
+    assert selected == [1]
 
 
 def test_pin_outnumbered_raises(fake_gpus):
@@ -229,9 +255,15 @@ def test_pin_all_hidden_returns_none(fake_gpus):
 
 
 def test_pin_other_device_order_matches_by_bus_id(fake_gpus, monkeypatch):
-    monkeypatch.setattr(devices, "cuda_ordinal_for_bus_id", lambda bus_id: {G1.pci_bus_id: 0}[bus_id])
+    monkeypatch.setattr(devices, "cuda_bus_ids", lambda: [G1.pci_bus_id, G0.pci_bus_id, G3.pci_bus_id, G2.pci_bus_id])
     pinned = pin_local_gpu(1, 4, env={"CUDA_DEVICE_ORDER": "FASTEST_FIRST"})
     assert pinned == devices.PinnedDevice(G1, 0)
+
+
+def test_pin_names_the_gpu_cuda_cannot_see(fake_gpus, monkeypatch):
+    monkeypatch.setattr(devices, "cuda_bus_ids", lambda: [G0.pci_bus_id])
+    with pytest.raises(DevicePinningError, match="no CUDA device of this process has PCI bus id 0000:3b:00.0"):
+        pin_local_gpu(1, 4, env={})
 
 
 # --- real behaviour on this machine -----------------------------------------

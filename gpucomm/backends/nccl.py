@@ -8,11 +8,13 @@ from a 128-byte unique id that rank 0 publishes through the rendezvous store.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
+from ..counters import COUNTERS
 from ..errors import CollectiveError
 from .base import WireOp
 
@@ -64,6 +66,32 @@ def _tables(nccl):
     return dtypes, ops
 
 
+def unique_id_bytes(uid: Any) -> bytes:
+    """The 128-byte NCCL unique id as bytes, from what ``cupy.cuda.nccl.get_unique_id()`` returns:
+    bytes since CuPy 14, a tuple of 128 C ``char`` values (signed, -128..127) before."""
+    if isinstance(uid, (bytes, bytearray)):
+        return bytes(uid)
+    return bytes(int(b) & 0xFF for b in uid)
+
+
+def unique_id_for_cupy(raw: bytes, cupy_major: int) -> Any:
+    """``raw`` in the form CuPy ``cupy_major``'s ``NcclCommunicator`` takes: bytes since CuPy 14,
+    before that the tuple of 128 signed ``char`` values its ``get_unique_id()`` returned."""
+    if cupy_major >= 14:
+        return bytes(raw)
+    return tuple(b - 256 if b > 127 else b for b in raw)
+
+
+def cupy_major() -> int:
+    """CuPy's major version (0 if it cannot be read)."""
+    try:
+        import cupy  # noqa: PLC0415
+
+        return int(str(cupy.__version__).split(".")[0])
+    except (ImportError, ValueError):
+        return 0
+
+
 def nccl_reducible(dtype: torch.dtype) -> bool:
     """True if NCCL can reduce this dtype (it has no int16 or bool kernels)."""
     nccl = nccl_module()
@@ -88,9 +116,13 @@ class NcclBackend:
         self._nccl = nccl
         self._dtypes, self._ops = _tables(nccl)
         self.rank, self.size, self.device = rank, size, device_ordinal
+        self._state = "live"  # -> "aborted" or "destroyed"; both final
+        self._state_lock = threading.Lock()
         try:
-            with cupy.cuda.Device(device_ordinal):
-                self.comm = nccl.NcclCommunicator(size, unique_id, rank)
+            # select, never ``with Device(...)``: leaving that block would select the device that was
+            # current before, and in a thread that had selected none that is GPU 0 (a new context there)
+            cupy.cuda.Device(device_ordinal).use()
+            self.comm = nccl.NcclCommunicator(size, unique_id_for_cupy(unique_id, cupy_major()), rank)
         except Exception as e:
             raise CollectiveError(
                 f"creating the NCCL communicator failed on rank {rank} of {size} (GPU {device_ordinal}): {e}. "
@@ -157,17 +189,41 @@ class NcclBackend:
         self._call("async error check", self.comm.check_async_error)
 
     def abort(self) -> None:
-        """Abort in-flight work so no stream waits forever on a dead peer."""
-        try:
-            self.comm.abort()
-        except Exception as e:  # already destroyed or failed: nothing left to abort
-            log.debug("NCCL abort: %s", e)
+        """The job failed: abort in-flight work so no stream waits forever on a dead peer (what a
+        failed job does with its communicators; never ``destroy``, which waits for that work)."""
+        if self._end("aborted"):
+            COUNTERS.nccl_aborts += 1
+            try:
+                self.comm.abort()
+            except Exception as e:  # noqa: BLE001 - failing anyway: nothing left to abort
+                log.debug("NCCL abort: %s", e)
 
-    def close(self) -> None:
-        try:
-            self.comm.destroy()
-        except Exception as e:
-            log.debug("NCCL destroy: %s", e)
+    def destroy(self) -> None:
+        """Release the communicator at a collective point of a healthy job (shutdown, or an
+        optimizer's close), once its work has finished."""
+        if self._end("destroyed"):
+            COUNTERS.nccl_destroys += 1
+            try:
+                self.comm.destroy()
+            except Exception as e:  # noqa: BLE001
+                log.debug("NCCL destroy: %s", e)
+
+    def _end(self, state: str) -> bool:
+        """Move from live to ``state``; False if it had already ended (the first ending stands: an
+        abort after a destroy, or a second abort, does nothing)."""
+        with self._state_lock:
+            if self._state != "live":
+                return False
+            self._state = state
+            return True
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def close(self, *, abort: bool = False) -> None:
+        """``abort()`` if ``abort`` (the job failed), else ``destroy()``."""
+        self.abort() if abort else self.destroy()
 
 
 def create_nccl(client, key: str, rank: int, size: int, device_ordinal: int, timeout: float) -> NcclBackend:
@@ -180,7 +236,7 @@ def create_nccl(client, key: str, rank: int, size: int, device_ordinal: int, tim
             "Install the extra that matches your CUDA: pip install 'gpucomm[cuda12]' or 'gpucomm[cuda13]'.")
     t0 = time.monotonic()
     if rank == 0:
-        client.set(key, bytes(nccl.get_unique_id()))
+        client.set(key, unique_id_bytes(nccl.get_unique_id()))
     backend = NcclBackend(client.get(key, timeout), rank, size, device_ordinal)
     log.info("NCCL communicator (%s, rank %d of %d) created in %.3f s", key, rank, size, time.monotonic() - t0)
     return backend

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import sys
 from collections import defaultdict
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 __all__ = [
     "DevicePinningError", "GpuInfo", "PinnedDevice", "normalize_bus_id", "nvml_gpus",
     "visible_gpus", "select_gpu", "check_unique_assignment", "pin_local_gpu",
-    "cuda_ordinal_for_bus_id", "bind_cpu_affinity", "single_gpu_test_enabled",
+    "cuda_bus_ids", "cuda_ordinal_for_bus_id", "select_device", "bind_cpu_affinity", "single_gpu_test_enabled",
     "apply_single_gpu_test_env",
 ]
 
@@ -207,49 +206,62 @@ def check_unique_assignment(assignments: Sequence[tuple[int, str, str]], *, sing
         )
 
 
-def _torch_cuda_initialized() -> bool:
-    torch = sys.modules.get("torch")  # not imported yet => CUDA not initialised by torch
-    return bool(torch is not None and torch.cuda.is_initialized())
-
-
-def cuda_ordinal_for_bus_id(bus_id: str) -> int:
-    """The CUDA ordinal in this process of the GPU at ``bus_id`` (any device order)."""
-    want = _parse_bus_id(bus_id)[:3]  # domain, bus, device: CUDA omits the function
+def cuda_bus_ids() -> list[str]:
+    """The PCI bus id of every CUDA device of this process, by CUDA ordinal (CUDA's own answer:
+    whatever device order and ``CUDA_VISIBLE_DEVICES`` it started with); ``[]`` without CUDA.
+    Asks torch, else CuPy; creates no CUDA context."""
     try:
         import torch
 
         if torch.cuda.is_available():
+            ids = []
             for i in range(torch.cuda.device_count()):
                 p = torch.cuda.get_device_properties(i)
                 if not all(hasattr(p, a) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
-                    break
-                if (p.pci_domain_id, p.pci_bus_id, p.pci_device_id) == want:
-                    return i
+                    break  # a torch too old to say: ask CuPy
+                ids.append(f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0")
             else:
-                raise DevicePinningError(f"no CUDA device of this process has PCI bus id {bus_id}")
+                return ids
     except ImportError:
         pass
     try:
         import cupy
 
         if cupy.cuda.is_available():
-            for i in range(cupy.cuda.runtime.getDeviceCount()):
-                if _parse_bus_id(cupy.cuda.runtime.deviceGetPCIBusId(i))[:3] == want:
-                    return i
+            return [normalize_bus_id(cupy.cuda.runtime.deviceGetPCIBusId(i))
+                    for i in range(cupy.cuda.runtime.getDeviceCount())]
     except ImportError:
         pass
-    raise DevicePinningError(f"no CUDA device of this process has PCI bus id {bus_id}")
+    return []
 
 
-def _activate_ordinal(ordinal: int) -> None:
-    """Make ``ordinal`` the current device of torch and CuPy, where they have CUDA."""
+def cuda_ordinal_for_bus_id(bus_id: str) -> int:
+    """The CUDA ordinal in this process of the GPU at ``bus_id``, asked of CUDA itself (so any
+    device order is right, also one fixed before gpucomm set ``CUDA_DEVICE_ORDER``)."""
+    want = _parse_bus_id(bus_id)[:3]  # domain, bus, device: CUDA omits the function
+    ids = cuda_bus_ids()
+    for ordinal, theirs in enumerate(ids):
+        if _parse_bus_id(theirs)[:3] == want:
+            return ordinal
+    raise DevicePinningError(
+        f"no CUDA device of this process has PCI bus id {bus_id} (CUDA sees {ids or 'no devices'}), although NVML "
+        f"lists that GPU. Likely causes: CUDA_VISIBLE_DEVICES hides it from CUDA but not from gpucomm's view, or "
+        f"torch/CuPy cannot use the driver. Fix: check CUDA_VISIBLE_DEVICES and `python -c 'import torch; "
+        f"print(torch.cuda.device_count())'`.")
+
+
+def select_device(ordinal: int) -> None:
+    """Make CUDA ordinal ``ordinal`` the current device of the calling thread, for torch and CuPy
+    (one ``cudaSetDevice``: both read CUDA's per-thread current device). Every thread of gpucomm
+    that touches CUDA calls this first: a thread that has not selected a device works on device
+    0, and its first CUDA call there creates a context on GPU 0 (~0.5 GiB) for every rank."""
     try:
         import torch
     except ImportError:
-        pass
-    else:
-        if torch.cuda.is_available():
-            torch.cuda.set_device(ordinal)
+        torch = None
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.set_device(ordinal)
+        return
     try:
         import cupy
     except ImportError:
@@ -291,9 +303,9 @@ def pin_local_gpu(
 ) -> PinnedDevice | None:
     """Pin this process to the GPU of its local rank; ``None`` on a CPU-only machine.
 
-    ``env`` (default ``os.environ``) gets ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` unless set,
-    which only takes effect if CUDA is not initialised yet; otherwise the ordinal is
-    found by PCI bus id.  Binds CPU affinity if ``GPUCOMM_CPU_AFFINITY`` is truthy.
+    ``env`` (default ``os.environ``) gets ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` unless set (so
+    ``cuda:N`` follows bus order where CUDA starts after this); the ordinal is always the one
+    CUDA reports for the GPU's bus id.  Binds CPU affinity if ``GPUCOMM_CPU_AFFINITY`` is truthy.
     """
     env = os.environ if env is None else env
     gpus = nvml_gpus()
@@ -304,12 +316,13 @@ def pin_local_gpu(
     if not visible:
         log.debug("CUDA_VISIBLE_DEVICES hides every GPU; running on CPU")
         return None
-    gpu, index = select_gpu(local_rank, local_size, visible, single_gpu_test=single_gpu_test, hostname=hostname)
-    if env.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID" and not _torch_cuda_initialized():
-        ordinal = index
-    else:
-        ordinal = cuda_ordinal_for_bus_id(gpu.pci_bus_id)
-    _activate_ordinal(ordinal)
+    gpu, _ = select_gpu(local_rank, local_size, visible, single_gpu_test=single_gpu_test, hostname=hostname)
+    # CUDA's own answer, never the index into NVML's list: ``torch.cuda.is_available()`` (which
+    # Horovod's examples call before ``hvd.init()``) may already have fixed the driver's device
+    # order before CUDA_DEVICE_ORDER was set here, and on a host with mixed GPU models that order
+    # is not the bus-id order.
+    ordinal = cuda_ordinal_for_bus_id(gpu.pci_bus_id)
+    select_device(ordinal)
     if env.get("GPUCOMM_CPU_AFFINITY", "").strip().lower() in _TRUE:
         bind_cpu_affinity(gpu)
     return PinnedDevice(gpu=gpu, cuda_ordinal=ordinal)

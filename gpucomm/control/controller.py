@@ -16,15 +16,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import torch
-
 from . import channel as wire
 from ..counters import COUNTERS
-from ..dataplane.events import EventPool
 from ..dataplane.handles import Handle, Issued
 from ..dataplane.inline import inline_payload, write_inline
 from ..dataplane.requests import Request
-from ..dataplane.watchdog import NcclWatchdog
 from ..errors import CollectiveError, ShutdownError
 from .config import ControlConfig, ControlLinks, Send
 from .cache import ResponseCache, with_bits
@@ -38,7 +34,7 @@ from .standins import StandIns
 log = logging.getLogger("gpucomm.control")
 
 Key = tuple[int, str]
-Execute = Callable[[Request, dict], Issued]
+Run = Callable[[Handle, dict], None]  # the data plane: issue an agreed request (now or in order) and settle it
 
 BLOCKED_NOTE_AFTER = 0.5  # s a caller waits on an unfinished negotiation before rank 0 hears of it
 
@@ -52,28 +48,30 @@ class _Local:
 
 
 class Controller:
-    """Submits requests to the coordinator and executes its responses; one per initialized job."""
+    """Submits requests to the coordinator and hands its answers to the data plane (``run``); one
+    per initialized job. ``standins`` takes part with zeros once this rank joined; ``on_fail``
+    learns the job failed (the data plane then aborts its communicators); ``select_device`` makes
+    this rank's GPU current on the control thread before anything else runs there."""
 
-    def __init__(self, rank: int, size: int, execute: Execute, config: ControlConfig, *,
+    def __init__(self, rank: int, size: int, run: Run, config: ControlConfig, *,
                  coordinator: Coordinator | None = None, links: ControlLinks = ControlLinks(),
                  on_done: Callable[[str, str, Any], None] | None = None,
-                 zeros_device: Callable[[], torch.device] | None = None,
+                 standins: StandIns,
                  tracer: Callable[[], Any] = lambda: None,
-                 nccl_health: Callable[[int, bool], str | None] = lambda set_id, abort: None,
-                 events: EventPool | None = None) -> None:
+                 on_fail: Callable[[CollectiveError], None] = lambda error: None,
+                 select_device: Callable[[], None] = lambda: None) -> None:
         self.rank, self.size, self.config = rank, size, config
         self.timeout = config.timeout
-        self._execute = execute
+        self._run_agreed = run
+        self._on_fail = on_fail
+        self._select_device = select_device
         self._link = links.to_root  # other ranks: the channel to rank 0
         self._hub = None  # rank 0: the coordinator and the channels to the others
         if coordinator is not None:
             self._hub = CoordinatorHub(size, coordinator, links.workers, config, apply=self._apply,
                                        stopping=lambda: self._closed, failed=lambda: self._failure is not None)
         self._on_done = on_done or (lambda kind, name, value: None)
-        self._zeros_device = zeros_device or (lambda: torch.device("cpu"))
         self._tracer = tracer
-        self._watchdog = NcclWatchdog(rank, config.timeout, nccl_health,
-                                      lambda why: self.report_failure(why, locked=True))
         self._liveness = (Liveness([0], config.liveness_timeout)  # other ranks: is rank 0 still there?
                           if self._link is not None and config.liveness_timeout else None)
         self._blocked_since: dict[Key, float] = {}  # operations a caller waits on, since when
@@ -90,7 +88,7 @@ class Controller:
         self._stop_beating = (start_beating(beats.interval, self._beat, f"gpucomm-heartbeat-{rank}")
                               if beats is not None else None)
         self._waiting = 0  # threads inside wait_ready
-        self._standins = StandIns(execute, self._zeros_device, events or EventPool())
+        self._standins = standins
         self._stall_info: dict[Key, list[int]] = {}
         self.frames_sent = 0  # request frames this rank sent (rank 0: coordinator steps that took requests)
         self.frames_received = 0
@@ -137,10 +135,6 @@ class Controller:
             self._waker.wake()
         return handle
 
-    def watch(self, done_event: Any, request: Request) -> None:
-        """Hand a CUDA collective issued elsewhere (a fixed schedule) to the NCCL watchdog."""
-        self._watchdog.watch(done_event, request)
-
     # ------------------------------------------------------------------ waiting
 
     def wait_ready(self, handle: Handle, timeout: float) -> None:
@@ -151,7 +145,7 @@ class Controller:
             self._waiting += 1  # the background thread stays out of the way meanwhile
             self._blocked_since.setdefault(key, time.monotonic())
         try:
-            while not handle._ready():
+            while not handle.agreed():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise CollectiveError(self._timeout_message(handle, timeout))
@@ -162,7 +156,7 @@ class Controller:
                         self._release()
                 else:
                     with self._cv:
-                        self._cv.wait_for(lambda: handle._ready() or not self._lock.locked(), min(remaining, 0.05))
+                        self._cv.wait_for(lambda: handle.agreed() or not self._lock.locked(), min(remaining, 0.05))
         finally:
             with self._cv:
                 self._waiting -= 1
@@ -195,7 +189,7 @@ class Controller:
         """Send what is queued, execute what has arrived; with ``until``, keep going until it is ready."""
         while True:
             self._flush()
-            if until is not None and until._ready():
+            if until is not None and until.agreed():
                 return
             wait = 0.0 if until is None else min(deadline - time.monotonic(), self._stall_tick())
             ready = wire.readable(self._sockets() + [self._waker.fd], max(0.0, wait))
@@ -205,7 +199,7 @@ class Controller:
                 else:
                     self._receive_from(sock)
             self._housekeeping()
-            if until is None or until._ready() or time.monotonic() >= deadline:
+            if until is None or until.agreed() or time.monotonic() >= deadline:
                 return
 
     def _sockets(self) -> list:
@@ -317,13 +311,11 @@ class Controller:
             self._settle(local.handle, issued=Issued(finalize=lambda: write_inline(request, result)))
             return
         try:
-            issued = self._execute(local.handle.request, meta)
+            self._run_agreed(local.handle, meta)  # issued now, or queued in its device's order
         except BaseException as e:  # noqa: BLE001 - the error belongs to whoever waits on the handle
-            self._settle(local.handle, error=e)
-            return
-        if issued.done_event is not None:  # watched: a CUDA collective never blocks the host
-            self._watchdog.watch(issued.done_event, local.handle.request)
-        self._settle(local.handle, issued=issued)
+            local.handle.settle(error=e)
+        with self._cv:
+            self._cv.notify_all()
 
     def _stand_in(self, key: Key, meta: dict) -> None:
         """This rank joined: take part in ``key``'s collective with zeros, as the others expect."""
@@ -338,27 +330,27 @@ class Controller:
 
     def _settle(self, handle: Handle, *, issued: Issued | None = None, error: BaseException | None = None) -> None:
         with self._cv:
-            if error is not None:
-                handle._error = error
-            else:
-                handle._issued = issued
+            handle.settle(issued=issued, error=error)
             self._cv.notify_all()
 
     def _fail(self, reason: str) -> None:
-        """Stop this rank's collectives: every pending and later operation raises ``reason``."""
+        """Stop this rank's collectives: every pending and later operation raises ``reason``, and
+        the data plane aborts its communicators (``on_fail``)."""
         if self._stop_beating is not None:
             self._stop_beating.set()
         with self._cv:
-            if self._failure is None:
-                self._failure = CollectiveError(reason)
-                self._fail_pending(lambda local: self._failure)
+            if self._failure is not None:
+                return
+            self._failure = failure = CollectiveError(reason)
+            self._fail_pending(lambda local: failure)
+        self._on_fail(failure)
 
     def _fail_pending(self, error: Callable[[_Local], BaseException]) -> None:
-        """(holding ``_cv``) Settle every request not yet issued with ``error(local)``."""
+        """(holding ``_cv``) Settle every request not yet agreed with ``error(local)``."""
         pending, self._inflight, self._unsent = list(self._inflight.values()), {}, []
         for local in pending:
-            if not local.handle._ready():
-                local.handle._error = error(local)
+            if not local.handle.agreed():
+                local.handle.settle(error=error(local))
         self._cv.notify_all()
 
     # ------------------------------------------------------------------ housekeeping
@@ -371,8 +363,6 @@ class Controller:
 
     def _housekeeping(self) -> None:
         self._standins.prune()
-        if self._watchdog:
-            self._watchdog.check()
         if self._liveness is not None and self._failure is None:
             self._beat_to_root()
         if self._blocked_since and self._failure is None:
@@ -402,10 +392,11 @@ class Controller:
 
     def _beat(self) -> None:
         """One heartbeat (the beating thread: no control lock needed; channels serialise sends)."""
+        link = self._link  # read once: the reader may clear it meanwhile
         if self._hub is not None:
             self._hub.beat()
-        elif self._link is not None:
-            wire.send(self._link, [("hb",)])
+        elif link is not None:
+            wire.send(link, [("hb",)])
 
     def _beat_to_root(self) -> None:
         """Other ranks: fail if rank 0 has fallen silent."""
@@ -417,6 +408,11 @@ class Controller:
     # ------------------------------------------------------------------ background thread
 
     def _background(self) -> None:
+        try:
+            self._select_device()  # before any CUDA work on this thread (answers it issues, stand-ins)
+        except Exception as e:  # noqa: BLE001 - without its GPU this thread must not touch CUDA at all
+            log.exception("gpucomm control thread could not select this rank's GPU")
+            self._fail(f"the gpucomm control thread of rank {self.rank} could not select this rank's GPU: {e}")
         while not self._closed:
             if self._waiting:  # a waiting caller drives: stay out of its way until it is done
                 with self._cv:
@@ -436,7 +432,7 @@ class Controller:
                 self._waker.drain()
             with self._cv:
                 due = bool(self._unsent) and time.monotonic() >= self._unsent_since + self.config.cycle_time
-            if not (due or len(ready) > (self._waker.fd in ready) or self._hub is not None or self._watchdog
+            if not (due or len(ready) > (self._waker.fd in ready) or self._hub is not None
                     or self._liveness is not None):
                 continue
             if not self._lock.acquire(timeout=self._stall_tick()):
@@ -481,11 +477,14 @@ class Controller:
                 return
             self._fail_pending(lambda local: ShutdownError(
                 f"{local.handle.request.describe()} never ran: gpucomm was shut down while it was pending."))
-        if self._link is not None:
-            with self._lock:
-                self._closed = True
+        if self._link is None:  # rank 0 keeps serving until close; another rank already lost rank 0
+            return
+        with self._lock:  # the reader clears ``_link`` (rank 0 went away) under this lock: read it here
+            self._closed = True
+            link = self._link
+            if link is not None:
                 try:
-                    wire.send(self._link, [("bye",)])
+                    wire.send(link, [("bye",)])
                 except OSError:
                     pass
 

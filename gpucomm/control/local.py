@@ -39,7 +39,7 @@ class LocalPlane:
             issued = self._execute(request, _own_meta(request) if request.kind in _META_KINDS else _NO_META)
         except BaseException as e:  # noqa: BLE001 - raised to whoever waits, as in a larger job
             handle = Handle(request, self)
-            handle._error = e
+            handle.settle(error=e)
             return handle
         return Handle(request, self, issued)
 
@@ -48,13 +48,13 @@ class LocalPlane:
         handle = Handle(request, self)
         for _, response in self._coordinator.submit(0, [("req", key_set, name, descriptor_of(request), None)]):
             if response[0] == "error":
-                handle._error = CollectiveError(response[3])
+                handle.settle(error=CollectiveError(response[3]))
             elif response[0] == "done":
                 self._on_done(request.kind, name, response[3])
-                handle._issued = Issued(finalize=lambda v=response[3]: v)
-        if not handle._ready():
-            handle._error = CollectiveError(f"internal error: {request.describe()} got no answer in a one-rank job; "
-                                            f"please report this as a gpucomm bug.")
+                handle.settle(issued=Issued(finalize=lambda v=response[3]: v))
+        if not handle.agreed():
+            handle.settle(error=CollectiveError(f"internal error: {request.describe()} got no answer in a one-rank "
+                                                f"job; please report this as a gpucomm bug."))
         return handle
 
     def wait_ready(self, handle: Handle, timeout: float) -> None:

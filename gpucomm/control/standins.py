@@ -15,12 +15,13 @@ from .negotiation import Descriptor
 
 
 class StandIns:
-    """``execute(request, meta)`` issues a collective; ``zeros_device()`` is where CUDA zeros go;
+    """``run(request, meta, keep)`` issues a collective nobody waits on (in its device's issue
+    order) and hands what was issued to ``keep``; ``zeros_device()`` is where CUDA zeros go;
     ``events`` gives the ready events (the executor returns them to it)."""
 
-    def __init__(self, execute: Callable[[Request, dict], Issued], zeros_device: Callable[[], torch.device],
-                 events: EventPool) -> None:
-        self._execute, self._zeros_device, self._events = execute, zeros_device, events
+    def __init__(self, run: Callable[[Request, dict, Callable[[Issued], None]], None],
+                 zeros_device: Callable[[], torch.device], events: EventPool) -> None:
+        self._run, self._zeros_device, self._events = run, zeros_device, events
         self.joining = False
         self._issued: list[Issued] = []
 
@@ -39,7 +40,7 @@ class StandIns:
             prepare(request)
         if device.type == "cuda":
             request.ready_event = self._events.record(request.stream)
-        self._issued.append(self._execute(request, meta))
+        self._run(request, meta, self._issued.append)
 
     def prune(self) -> None:
         """Forget the stand-ins that have finished: their zeros (held by ``finalize``) stay alive

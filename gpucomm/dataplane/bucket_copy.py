@@ -27,7 +27,11 @@ __all__ = ["BucketCopy", "TorchCopy", "kernels_wanted"]
 def kernels_wanted(flat: torch.Tensor) -> bool:
     """Whether a copy into/out of ``flat`` should try the kernels: a CUDA buffer, unless
     ``GPUCOMM_FUSION_KERNELS=0``."""
-    if not flat.is_cuda:
+    return _wants_kernels(flat.device)
+
+
+def _wants_kernels(device: torch.device) -> bool:
+    if device.type != "cuda":
         return False
     return os.environ.get(fusion.KERNELS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
@@ -107,6 +111,27 @@ class BucketCopy:
         self._scales = {"pack": float(pack_scale), "unpack": float(unpack_scale)}
         self._bound: dict[str, Any] = {}
         self._torch = {d: TorchCopy(d, s) for d, s in self._scales.items()}
+
+    def prepare(self, tensor_dtype: torch.dtype, flat_dtype: torch.dtype, device: torch.device) -> None:
+        """Compile both directions' kernels now (a DistributedOptimizer builds its buckets before the
+        first backward, which would otherwise stall 0.2-1 s per variant at its first bucket). Where
+        the kernels cannot run this settles on torch ops now, with the usual warning; argument
+        errors surface at the first copy, as before."""
+        if self._kernels is None:
+            self._kernels = _wants_kernels(device)
+        if not self._kernels:
+            return
+
+        def compile_both() -> None:
+            from ..kernels import compile_variant  # noqa: PLC0415 - imports numba
+
+            compile_variant(tensor_dtype, flat_dtype, self._scales["pack"] != 1.0, device)
+            compile_variant(flat_dtype, tensor_dtype, self._scales["unpack"] != 1.0, device)
+
+        try:
+            availability.try_kernels(compile_both)
+        except ValueError:  # no kernel for this conversion: the first copy says why, as it always did
+            pass
 
     def pack(self, tensors: Sequence[torch.Tensor], flat: torch.Tensor, stream: Any = None) -> None:
         """``tensors`` back to back into ``flat`` (from element 0), times ``pack_scale``."""

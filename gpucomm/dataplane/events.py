@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from ..counters import COUNTERS
+
 
 class EventPool:
     """Free events per device; ``record`` takes one (or makes one) and records it on ``stream``."""
@@ -27,6 +29,7 @@ class EventPool:
             event = free.pop() if free else None
         if event is None:
             event = torch.cuda.Event()
+            COUNTERS.cuda_events_created += 1
         event.record(stream)
         return event
 

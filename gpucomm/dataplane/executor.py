@@ -54,14 +54,17 @@ class Executor:
     ``groups(set_id)`` gives the process set a request runs on (its members, this rank's index in
     it, its Gloo and NCCL backends); ``meta`` is what the coordinator added: the other ranks' first
     dimensions for allgather and the matrix of splits for alltoall, so no extra exchange is needed.
-    ``events`` takes back each request's ready event once the communication stream waits on it."""
+    ``events`` takes back each request's ready event once the communication stream waits on it and
+    gives the done events; ``watch(done_event, device, request)`` hands a CUDA collective to the
+    data plane's watchdog, which returns the done event to ``events`` once it is finished and waited
+    for (the returned callable is what the waiter calls)."""
 
     def __init__(self, groups: Callable[[int], Any], tracer: Callable[[], Any] = lambda: None, *,
-                 events: EventPool | None = None, pool_done_events: bool = False) -> None:
+                 events: EventPool, watch: Callable[[Any, int, Request], Callable[[], None]]) -> None:
         self._groups = groups
         self._tracer = tracer  # the timeline's tracer while one is recording (rank 0), else None
-        self._events = events or EventPool()
-        self._pool_done = pool_done_events  # no watchdog holds done events: the waiter may recycle them
+        self._events = events
+        self._watch = watch
         self._streams: dict[int, Any] = {}
 
     def __call__(self, req: Request, meta: dict) -> Issued:
@@ -102,12 +105,11 @@ class Executor:
             trace.step(f"NCCL_{req.kind.upper()}", comm)
             trace.submit(req.tensors[0].dtype if req.tensors else None,
                          req.tensors[0].shape if len(req.tensors) == 1 else f"[{len(req.tensors)} tensors]")
-        done = self._events.record(comm) if self._pool_done else _recorded(comm)
+        done = self._events.record(comm)
         if on_comm:
             for t in req.tensors:
                 t.record_stream(comm)  # the caching allocator must not reuse them while NCCL reads them
-        return Issued(works, done, after, results_on_comm=on_comm,
-                      release_done=(lambda: self._events.release(done, index)) if self._pool_done else None)
+        return Issued(works, done, after, results_on_comm=on_comm, release_done=self._watch(done, index, req))
 
     def _plan(self, req: Request, meta: dict, group, backend, stream: int | None) -> Plan:
         return getattr(self, "_" + req.kind)(req, meta, group, backend, stream)
@@ -237,12 +239,6 @@ class Executor:
             return outs
 
         return works, after
-
-
-def _recorded(stream: Any) -> Any:
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
 
 
 __all__ = ["Executor", "prepare"]

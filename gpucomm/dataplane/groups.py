@@ -41,11 +41,20 @@ class Group:
         """The NCCL backend if a collective has created it (the watchdog must not create one)."""
         return self._nccl
 
+    def abort_nccl(self) -> None:
+        """The job failed: abort the NCCL communicator now (kernels waiting for a dead peer end);
+        it is never destroyed after that. Takes no lock: a thread may hold ``_lock`` while it
+        creates the communicator, and an abort must not wait for that."""
+        nccl = self._nccl
+        if nccl is not None:
+            nccl.abort()
+
     def close(self, *, abort: bool = False) -> None:
-        """Release the backends (``abort``: the job failed; do not wait for transfers in flight)."""
+        """Release the backends: destroyed at a collective point of a healthy job, aborted once it
+        has failed (``abort``: do not wait for transfers in flight)."""
         with self._lock:
             if self._nccl is not None:
-                self._nccl.close()
+                self._nccl.close(abort=abort)
             if self._gloo is not None:
                 self._gloo.close(abort=abort)
             self._gloo = self._nccl = None

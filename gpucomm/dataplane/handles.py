@@ -1,9 +1,11 @@
 """Handles: what a submitted collective gives its caller, from submission to result.
 
-A handle becomes *issued* when its request has been handed to a backend (at once in a one-rank job
-or on a fixed schedule, after negotiation otherwise); ``wait`` then waits for the backend's work and
-produces the result. Its *owner* (the control plane, or the one-rank plane) drives a handle that is
-not issued yet and knows why the job failed, if it did.
+A handle is *agreed* when its owner knows what runs (at once in a one-rank job or on a fixed
+schedule, after negotiation otherwise). An agreed handle is either *issued* (handed to a backend)
+or *queued* in its device's issue order (``order.py``: CUDA work waits there for a point that is
+the same on every rank), or it *failed*. ``wait`` waits for agreement (its owner drives that),
+issues a queued handle in order, waits for the backend's work and produces the result. Owners
+settle handles through ``settle`` / ``queue``, never by writing their fields.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class Issued:
     done_event: Any = None  # stream-ordered completion (a CUDA event), or None
     finalize: Callable[[], Any] = lambda: None  # runs once, after completion, on the waiting thread
     results_on_comm: bool = False  # CUDA results allocated on the communication stream
-    release_done: Callable[[], None] | None = None  # recycles the done event once the caller waits on it
+    release_done: Callable[[], None] | None = None  # the waiter has enqueued its wait on ``done_event``
 
 
 class Handle:
@@ -30,7 +32,7 @@ class Handle:
 
     A handle is waited on by one thread (``synchronize`` hands it out once)."""
 
-    __slots__ = ("request", "_issued", "_error", "_result", "_finished", "_owner")
+    __slots__ = ("request", "_issued", "_error", "_result", "_finished", "_owner", "_queued")
 
     def __init__(self, request: Any, owner: Any, issued: Issued | None = None) -> None:
         self.request, self._owner = request, owner
@@ -38,17 +40,49 @@ class Handle:
         self._error: BaseException | None = None
         self._result: Any = None
         self._finished = False
+        self._queued: Any = None  # the issue order holding it (``order.IssueOrder``), until issued
 
-    def _ready(self) -> bool:
-        return self._issued is not None or self._error is not None
+    # -- the owner's side ------------------------------------------------------------------------
+    def settle(self, *, issued: Issued | None = None, error: BaseException | None = None) -> None:
+        """The owner's verdict: ``issued`` work to wait for, or the ``error`` ``wait`` raises.
+        The first verdict stands (a failure after issue is reported by the work itself)."""
+        if self._issued is not None or self._error is not None:
+            return
+        if error is not None:
+            self._error = error
+        else:
+            self._issued = issued
+        self._queued = None
 
+    def queue(self, order: Any) -> None:
+        """Agreed, but issued later by ``order`` (its device's issue order) at a rank-consistent point."""
+        if self._issued is None and self._error is None:
+            self._queued = order
+
+    def agreed(self) -> bool:
+        """True once the owner decided: issued (or already finished), queued for issue, or failed."""
+        return (self._issued is not None or self._error is not None or self._queued is not None
+                or self._finished)
+
+    @property
+    def issued(self) -> bool:
+        return self._issued is not None
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    # -- the caller's side -----------------------------------------------------------------------
     def poll(self) -> bool:
         """True when ``wait`` would return (or raise) without blocking on communication."""
         if self._finished or self._error is not None:
             return True
+        order = self._queued
+        if order is not None:
+            order.issue_for_poll(self)
         issued = self._issued
         if issued is None:
-            return False
+            return self._error is not None
         if issued.done_event is not None and not issued.done_event.query():
             return False
         return all(w.done() for w in issued.works)
@@ -57,11 +91,17 @@ class Handle:
         """The request's result, once it has completed; raises ``CollectiveError`` on failure."""
         if self._finished:
             return self._result
-        if self._issued is None and self._error is None:
+        if not self.agreed():
             self._owner.wait_ready(self, self._owner.timeout)
+        order = self._queued
+        if order is not None:
+            order.issue_for_wait(self)
         if self._error is not None:
             raise self._error
         issued = self._issued
+        if issued is None:  # an owner bug: agreed, neither issued nor failed nor queued
+            raise CollectiveError(f"internal error: {_describe(self.request)} was agreed but never issued; please "
+                                  f"report this as a gpucomm bug.")
         try:
             for w in issued.works:
                 w.wait(self._owner.timeout, self._owner.failure)
@@ -114,3 +154,6 @@ def _used_on(result: Any, stream: Any) -> None:
 def _describe(request: Any) -> str:
     describe = getattr(request, "describe", None)
     return describe() if callable(describe) else repr(request)
+
+
+__all__ = ["Handle", "Issued"]

@@ -1,11 +1,12 @@
-"""A fixed schedule: one DistributedOptimizer's bucket allreduces, launched strictly in bucket
-order on every rank, with no control-plane message.
+"""A fixed schedule: one DistributedOptimizer's collectives (its bucket allreduces, its sparse
+gradients' allgathers), launched in the same order on every rank with no control-plane message.
 
 Agreement happens once, when the optimizer verifies its parameters and buckets across ranks; from
 then on every rank issues the same collectives in the same order by construction. The schedule
-runs on a group of its own (its own Gloo process group, or NCCL communicator and stream), so the
-order of its collectives never interleaves with negotiated ad-hoc collectives, whose order the
-coordinator decides at run time.
+runs on a group of its own (its own Gloo process group, or NCCL communicator and stream), so its
+collectives never pair with negotiated ones. A training step is a *step* of the schedule
+(``begin_step``/``end_step``): an epoch of each CUDA device's issue order (``order.py``), which
+places the step's NCCL calls among the negotiated ones the same way on every rank.
 """
 
 from __future__ import annotations
@@ -15,49 +16,76 @@ from typing import Any, Callable
 import torch
 
 from ..errors import CollectiveError
-from .events import EventPool
-from .executor import Executor, prepare
 from .groups import Group
 from .handles import Handle
 from .requests import Request
+from .executor import prepare
 
 
 class Schedule:
     """Launches requests on ``group`` in the order given; the caller keeps that order the same on
-    every rank. ``watch(done_event, request)`` hands CUDA work to the NCCL watchdog; ``failure()``
-    names the job's first failure, if any."""
+    every rank. ``plane`` is the job's data plane (executor, events, watchdog, issue orders,
+    failure); the schedule touches nothing of the control plane."""
 
-    def __init__(self, group: Group, *, timeout: float, events: EventPool,
-                 tracer: Callable[[], Any] = lambda: None,
-                 watch: Callable[[Any, Request], None] | None = None,
-                 failure: Callable[[], CollectiveError | None] = lambda: None) -> None:
+    def __init__(self, group: Group, plane: Any, *, number: int = 0) -> None:
         self.group = group
-        self.timeout = timeout
-        self._events = events
-        self._executor = Executor(lambda set_id: group, tracer, events=events)
-        self._watch = watch
-        self._failure = failure
+        self.number = number
+        self.timeout = plane.timeout
+        self._plane = plane
+        self._executor = plane.executor(lambda set_id: group)
+        self._devices: list[torch.device] = []
+        self._epochs: list[tuple[Any, int]] | None = None  # the open step: (issue order, token) per device
+        plane.register(group)
 
     def open(self, device: torch.device) -> None:
         """Build the group's backend for ``device`` now (a collective call: every member builds it
         at the same point), so the first step does not pay for it inside backward."""
+        if device not in self._devices:
+            self._devices.append(device)
         if device.type == "cuda":
             self.group.nccl()
         else:
             self.group.gloo()
 
-    def launch(self, request: Request) -> Handle:
-        """Issue ``request`` now, on the caller's thread."""
+    # -- steps -------------------------------------------------------------------------------------
+    def begin_step(self, flush: Callable[[], None]) -> None:
+        """Open the step on every device of the schedule (no-op when open): negotiated collectives
+        this rank submitted before are issued first. ``flush()`` launches the rest of the step and
+        ends it (run when a caller outside backward needs the devices' queues)."""
+        if self._epochs is not None:
+            return
+        epochs = []
+        try:
+            for device in self._devices:
+                order = self._plane.order(device)
+                if order is not None:
+                    epochs.append((order, order.open_epoch(flush)))
+        except BaseException:
+            for order, token in epochs:
+                order.close_epoch(token)
+            raise
+        self._epochs = epochs
+
+    def end_step(self) -> None:
+        """Close the step: negotiated work that waited for it is issued."""
+        epochs, self._epochs = self._epochs, None
+        for order, token in epochs or ():
+            order.close_epoch(token)
+
+    @property
+    def in_step(self) -> bool:
+        return self._epochs is not None
+
+    def launch(self, request: Request, meta: dict | None = None) -> Handle:
+        """Issue ``request`` now, on the caller's thread (``meta``: what a coordinator would add,
+        e.g. the ranks' first dimensions of an allgather)."""
         if request.device.type == "cuda":
             request.stream = torch.cuda.current_stream(request.device)
             prepare(request)  # before the ready event: the communication stream must see its work
-            request.ready_event = self._events.record(request.stream)
+            request.ready_event = self._plane.events.record(request.stream)
         else:
             prepare(request)
-        issued = self._executor(request, {})
-        if self._watch is not None and issued.done_event is not None:
-            self._watch(issued.done_event, request)
-        return Handle(request, self, issued)
+        return Handle(request, self, self._executor(request, meta or {}))
 
     # -- the handle owner's side ---------------------------------------------------------------
     def wait_ready(self, handle: Handle, timeout: float) -> None:
@@ -65,11 +93,12 @@ class Schedule:
                               f"schedule; please report this as a gpucomm bug.")
 
     def failure(self) -> CollectiveError | None:
-        return self._failure()
+        return self._plane.failure()
 
-    def close(self, *, abort: bool = False) -> None:
-        """Release the schedule's communicators (``abort``: the job failed, do not wait for transfers)."""
-        self.group.close(abort=abort)
+    def close(self) -> None:
+        """Release the schedule's communicators (a collective point: every member calls it)."""
+        self.end_step()
+        self._plane.release(self.group)
 
 
 __all__ = ["Schedule"]

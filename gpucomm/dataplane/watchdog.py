@@ -1,48 +1,105 @@
-"""The NCCL watchdog: CUDA collectives in flight are checked for NCCL's asynchronous errors and for
-finishing within the timeout; either failure aborts the communicator (so no stream waits forever
-on a peer that will never arrive) and is reported as the job's failure."""
+"""The NCCL watchdog and the retirement of done events, on a thread of the data plane.
+
+Every CUDA collective issued anywhere in the job (negotiated, on a fixed schedule, a join stand-in)
+is watched from issue until its done event has completed: NCCL's asynchronous errors and a
+collective overdue by the timeout are reported as the job's failure (the data plane then aborts
+its communicators, so no stream waits forever on a peer that will never arrive).
+
+Done events come from the job's ``EventPool`` and go back to it once two things happened: the GPU
+finished the collective (seen here), and its waiter enqueued its wait on the event (the handle
+calls ``release``). Either may come first; only both make reuse safe, since this thread still
+queries an event that a waiter has already waited on.
+"""
 
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from typing import Any, Callable
 
 from ..backends.nccl import NCCL_HINT
+from .events import EventPool
+
+log = logging.getLogger("gpucomm.nccl")
+
+TICK = 0.1  # seconds between checks
+
+
+class _InFlight:
+    __slots__ = ("started", "event", "device", "request", "waited", "finished", "watchdog")
+
+    def __init__(self, watchdog: "NcclWatchdog", event: Any, device: int, request: Any) -> None:
+        self.watchdog, self.event, self.device, self.request = watchdog, event, device, request
+        self.started = time.monotonic()
+        self.waited = self.finished = False
+
+    def release(self) -> None:
+        """The waiter enqueued its wait on the event."""
+        self.watchdog._waited(self)
 
 
 class NcclWatchdog:
-    """``health(set_id, abort)`` returns NCCL's asynchronous error for a process set's
-    communicators (or aborts them); ``fail(text)`` reports the failure."""
+    """``health(set_id)`` returns NCCL's asynchronous error on a process set's communicators (or
+    None); ``fail(text)`` reports the failure (the caller aborts); ``select_device()`` runs first
+    on the watchdog's thread, which starts with the first watched collective."""
 
-    def __init__(self, rank: int, timeout: float, health: Callable[[int, bool], str | None],
-                 fail: Callable[[str], None]) -> None:
+    def __init__(self, rank: int, timeout: float, events: EventPool, *, health: Callable[[int], str | None],
+                 fail: Callable[[str], None], select_device: Callable[[], None] = lambda: None) -> None:
         self.rank, self.timeout = rank, timeout
-        self._health, self._fail = health, fail
-        self._inflight: collections.deque = collections.deque()  # (issued at, done event, request)
+        self._events = events
+        self._health, self._fail, self._select_device = health, fail, select_device
+        self._inflight: collections.deque = collections.deque()
         self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.retired = 0  # done events returned to the pool
 
-    def watch(self, done_event: Any, request: Any) -> None:
+    def watch(self, done_event: Any, device: int, request: Any) -> Callable[[], None]:
+        """Watch a collective whose completion is ``done_event`` (on GPU ``device``); returns what its
+        waiter calls once it has enqueued its wait."""
+        entry = _InFlight(self, done_event, device, request)
         with self._lock:
-            self._inflight.append((time.monotonic(), done_event, request))
+            self._inflight.append(entry)
+            if self._thread is None and not self._stop.is_set():
+                self._thread = threading.Thread(target=self._run, name="gpucomm-nccl-watchdog", daemon=True)
+                self._thread.start()
+        return entry.release
 
-    def __bool__(self) -> bool:
-        return bool(self._inflight)
+    def __len__(self) -> int:
+        return len(self._inflight)
+
+    def _waited(self, entry: _InFlight) -> None:
+        with self._lock:
+            entry.waited = True
+            if entry.finished:
+                self._retire(entry)
+
+    def _retire(self, entry: _InFlight) -> None:
+        self._events.release(entry.event, entry.device)
+        self.retired += 1
+
+    def _retire_finished(self) -> bool:
+        """(holding the lock) Retire the collectives finished in issue order; True if none is left."""
+        inflight = self._inflight
+        while inflight and inflight[0].event.query():
+            entry = inflight.popleft()
+            entry.finished = True
+            if entry.waited:
+                self._retire(entry)
+        return not inflight
 
     def check(self) -> None:
         """Retire finished collectives; report the oldest unfinished one if NCCL failed or it is overdue."""
         with self._lock:
-            inflight = self._inflight
-            while inflight and inflight[0][1].query():
-                inflight.popleft()
-            if not inflight:
+            if self._retire_finished():
                 return
-            started, _, request = inflight[0]
-        error = self._health(request.set_id, False)
-        if error is None and time.monotonic() - started <= self.timeout:
+            oldest = self._inflight[0]
+        error = self._health(oldest.request.set_id)
+        if error is None and time.monotonic() - oldest.started <= self.timeout:
             return
-        self._health(request.set_id, True)  # abort
+        request = oldest.request
         if error is not None:
             why = f"NCCL reported an error while {request.describe()} was in flight on rank {self.rank}: {error}"
         else:
@@ -52,7 +109,38 @@ class NcclWatchdog:
                    f"hangs before this collective, or cannot reach this one")
         with self._lock:
             self._inflight.clear()
-        self._fail(why + ". The NCCL communicator was aborted. " + NCCL_HINT)
+        self._stop.set()
+        self._fail(why + ". The NCCL communicators were aborted. " + NCCL_HINT)
+
+    def drain(self, grace: float) -> bool:
+        """Wait up to ``grace`` seconds for every watched collective to finish; True if they did."""
+        deadline = time.monotonic() + grace
+        while True:
+            with self._lock:
+                if self._retire_finished():
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        """Stop watching (the job is ending)."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+        with self._lock:
+            self._inflight.clear()
+
+    def _run(self) -> None:
+        try:
+            self._select_device()
+            while not self._stop.wait(TICK):
+                self.check()
+        except Exception as e:  # never die silently: a collective that hangs would then never be reported
+            log.exception("gpucomm NCCL watchdog failed")
+            self._fail(f"the gpucomm NCCL watchdog failed on rank {self.rank} ({type(e).__name__}: {e}); this is a "
+                       f"gpucomm bug")
 
 
 __all__ = ["NcclWatchdog"]

@@ -19,7 +19,7 @@ from ..errors import KernelUnavailableError
 from ..lazy import lazy_names
 from .rules import CASTS, FLOAT_DTYPES, INT_WIDTHS, compute_dtype, conversion, validate
 
-_LAZY = {"pack": "api", "unpack": "api", "clear_cache": "api", "cache_info": "api", "SIMULATOR": "devicefns",
+_LAZY = {"pack": "api", "unpack": "api", "clear_cache": "api", "cache_info": "api", "compile_variant": "api", "SIMULATOR": "devicefns",
          "KERNELS": "specs", "KernelSpec": "specs", "select_kernel": "specs", "BoundCopy": "bound",
          "status": "availability", "prepare_numba_cuda": "compat"}
 

@@ -24,7 +24,7 @@ from .rules import tensor_list, validate
 from .specs import KernelSpec, select_kernel
 from .table import CHUNK_ELEMS, Table, TableCache, chunk_rows
 
-__all__ = ["pack", "unpack", "clear_cache", "cache_info", "Layout", "new_layout"]
+__all__ = ["pack", "unpack", "clear_cache", "cache_info", "compile_variant", "Layout", "new_layout"]
 
 _CACHE = TableCache()
 _PTR, _NUMEL, _CONTIG = torch.Tensor.data_ptr, torch.Tensor.numel, torch.Tensor.is_contiguous
@@ -52,6 +52,15 @@ def unpack(src: torch.Tensor, dsts: Sequence[torch.Tensor], *, scale: float = 1.
     """Copy consecutive pieces of the flat ``src`` into ``dsts`` (the reverse of ``pack``), times
     ``scale``, cast to the destinations' dtype: one kernel launch, as ``pack``."""
     _run("unpack", dsts, src, scale, stream, validate)
+
+
+def compile_variant(src: torch.dtype, dst: torch.dtype, scaled: bool, device: torch.device) -> None:
+    """Compile now the kernel that copies ``src`` elements into ``dst`` ones (times a scale when
+    ``scaled``) for ``device``; KernelUnavailableError when the kernels cannot run there,
+    ValueError for a conversion no kernel makes. Compiling happens once per process and variant."""
+    spec = select_kernel(src, dst, scaled)
+    _check_runnable("pack", device)
+    _launch.compile_kernel(spec, device)
 
 
 def clear_cache() -> None:

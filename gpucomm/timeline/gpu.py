@@ -151,16 +151,18 @@ class GpuActivities:
 
     def _run(self) -> None:
         try:
-            with self._torch.cuda.device(self.device):
-                while True:
-                    self._wake.wait(0.5)
-                    self._wake.clear()
-                    stopping = self._closed
-                    while self._pending:
-                        self._finalize(*self._pending.popleft())
-                    if stopping:
-                        return
-                    self._maybe_reanchor()
+            # select, never ``with torch.cuda.device(...)``: leaving that block would select the device
+            # current before, which in a new thread is GPU 0 (a context there for every rank)
+            self._torch.cuda.set_device(self.device)
+            while True:
+                self._wake.wait(0.5)
+                self._wake.clear()
+                stopping = self._closed
+                while self._pending:
+                    self._finalize(*self._pending.popleft())
+                if stopping:
+                    return
+                self._maybe_reanchor()
         except Exception as exc:  # never take the training job down
             self._failed = self._closed = True
             log.warning("timeline GPU finalizer stopped (%s: %s); GPU activities after this point "

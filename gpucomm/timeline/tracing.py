@@ -82,7 +82,8 @@ class Tracer:
         if self._gpu is None:
             from .gpu import GpuActivities  # noqa: PLC0415
 
-            self._gpu = GpuActivities(self.timeline)
+            # the stream's own device: the thread tracing may not have selected it (nor GPU 0)
+            self._gpu = GpuActivities(self.timeline, device=stream.device)
         return self._gpu.trace(name, kind, stream=stream)
 
     # -- optimizer ----------------------------------------------------------------------------

@@ -6,6 +6,13 @@ order; ``finish`` waits for them in order and unpacks each buffer into the gradi
 average in the same pass. No control-plane message is sent: every rank verified the same layout
 when the optimizer was built.
 
+A gradient travels in its parameter's memory order: a ``channels_last`` gradient (or any gradient
+whose elements fill one dense block) is packed and unpacked through a flat view of its memory, with
+no ``.contiguous()`` copy and no temporary, and every rank packs the same order because parameters'
+strides are verified alike across ranks with their shapes. A training step is a *step* of the
+schedule (``Schedule.begin_step``/``end_step``): it places the step's NCCL calls among the
+negotiated ones the same way on every rank (``gpucomm.dataplane.order``).
+
 Joined ranks (``hvd.join``): bucket 0 carries one extra element, a *training flag*: 1 from a rank
 that trains this step, 0 from a rank that stands in with zeros. A joined rank runs the schedule
 with zeros and reads the reduced flag of bucket 0: when it is 0, no rank trained, so every rank has
@@ -67,16 +74,19 @@ class GradientBuckets:
     """The buckets of one layout, launched in order on ``schedule``.
 
     ``prescale``/``postscale``: the factors packed in and unpacked out (Horovod's average with a
-    predivide factor); ``tracer()``: the timeline's tracer while one records."""
+    predivide factor); ``flush()``: finishes the step's launches when a caller outside backward
+    needs the GPU's issue order (the optimizer's); ``tracer``: the timeline's tracer for the
+    current step, set by the optimizer once per step (None: no timeline)."""
 
     def __init__(self, schedule: Schedule, trainable: Sequence[torch.Tensor], plans: Sequence[fusion.Bucket],
                  compression: Any, prescale: float, postscale: float, set_id: int,
-                 tracer: Callable[[], Any] = lambda: None) -> None:
+                 flush: Callable[[], None] = lambda: None) -> None:
         self._schedule = schedule
         self._compression = compression
         self._prescale, self._postscale = prescale, postscale
         self._set_id = set_id
-        self._tracer = tracer
+        self._flush = flush
+        self.tracer: Any = None
         self._buffers = fusion.FusionBuffers()
         self.buckets = [BucketState(plan, [trainable[i] for i in plan.param_indices], wire,
                                     f"DistributedOptimizer.bucket.{plan.index}", _direct(plan, wire),
@@ -85,7 +95,10 @@ class GradientBuckets:
         for bucket in self.buckets:
             if bucket.wire_dtype is not None and not bucket.direct:
                 bucket.copy = BucketCopy(pack_scale=prescale, unpack_scale=postscale)
+                # compiled now, when the optimizer is built, not inside the first backward
+                bucket.copy.prepare(bucket.plan.dtype, bucket.wire_dtype, bucket.plan.device)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._strides = {p: _layout(p) for p in self.bucket_of}  # the order each gradient travels in
         self._next = 0
 
     @property
@@ -110,7 +123,7 @@ class GradientBuckets:
             bucket.in_flight = []
         g, slot = _gradient_to_send(p), bucket.slots[p]
         scale = self._prescale * self._postscale
-        tracer = self._tracer()
+        tracer = self.tracer
         start = tracer.now_us() if tracer is not None else 0.0
         with torch.no_grad():
             if g.data_ptr() != slot.data_ptr():
@@ -142,6 +155,7 @@ class GradientBuckets:
         self._next = len(self.buckets)
 
     def _launch(self, bucket: BucketState) -> None:
+        self._schedule.begin_step(self._flush)  # the step's first launch opens it (then a no-op)
         first = bucket.plan.index == 0
         if bucket.direct:  # the gradients whose hooks did not fire are copied now (zeros if they have none)
             for p in bucket.params:
@@ -152,11 +166,11 @@ class GradientBuckets:
             bucket.reduced = [bucket.full]
             bucket.handle = self._schedule.launch(self._request(bucket, bucket.reduced))
             return
-        grads = [_gradient_to_send(p) for p in bucket.params]
         if bucket.wire_dtype is not None:
+            grads = [self._send_view(p) for p in bucket.params]
             numel = bucket.plan.numel
             full = self._buffers.get(bucket.plan.device, bucket.wire_dtype, numel + first, slot=bucket.plan.index)
-            tracer = self._tracer()
+            tracer = self.tracer
             start = tracer.now_us() if tracer is not None else 0.0
             with torch.no_grad():
                 bucket.copy.pack(grads, full[:numel])
@@ -166,6 +180,7 @@ class GradientBuckets:
                 tracer.span(bucket.name, "MEMCPY_IN_FUSION_BUFFER", start, tracer.now_us())
             bucket.reduced = [full]
         else:  # a user compressor: compress each gradient, reduce them as one grouped call
+            grads = [_gradient_to_send(p) for p in bucket.params]
             for g in grads:
                 c, ctx = self._compression.compress(g.mul(self._prescale) if self._prescale != 1.0 else g)
                 bucket.reduced.append(c.contiguous())
@@ -193,11 +208,11 @@ class GradientBuckets:
                 targets.append(None)  # frozen since the layout was agreed: leave its gradient alone
                 continue
             if p.grad is None:
-                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                p.grad = torch.zeros_like(p)  # the parameter's layout: unpacked into in place
             elif p.grad.is_sparse:
                 p.grad = p.grad.to_dense()
             targets.append(p.grad)
-        tracer = self._tracer()
+        tracer = self.tracer
         start = tracer.now_us() if tracer is not None else 0.0
         with torch.no_grad():
             if bucket.direct:  # averaged when copied in: each gradient becomes its slot of the buffer
@@ -205,13 +220,13 @@ class GradientBuckets:
                     if p.requires_grad:
                         p.grad = bucket.slots[p]
             elif bucket.wire_dtype is not None:
-                dests = [t if t is not None and t.is_contiguous() else torch.empty(p.shape, dtype=p.dtype,
-                                                                                    device=p.device)
-                         for t, p in zip(targets, bucket.params)]
+                views = [self._view_in_order(t, p) for t, p in zip(targets, bucket.params)]
+                dests = [v if v is not None else torch.empty(p.numel(), dtype=p.dtype, device=p.device)
+                         for v, p in zip(views, bucket.params)]
                 bucket.copy.unpack(bucket.reduced[0][:bucket.plan.numel], dests)
-                for t, d in zip(targets, dests):
-                    if t is not None and t is not d:
-                        t.copy_(d)
+                for t, v, d, p in zip(targets, views, dests, bucket.params):
+                    if t is not None and v is None:  # a gradient in another layout: one copy back
+                        t.copy_(d.as_strided(p.shape, self._strides[p]))
             else:
                 for t, r, ctx in zip(targets, bucket.reduced, bucket.contexts):
                     if t is not None:
@@ -220,7 +235,30 @@ class GradientBuckets:
         if tracer is not None and bucket.plan.device.type == "cpu" and not bucket.direct:
             tracer.span(bucket.name, "MEMCPY_OUT_FUSION_BUFFER", start, tracer.now_us())
 
+    def _send_view(self, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s gradient as a flat tensor in ``p``'s memory order (see the module doc): a view of
+        the gradient itself when it has ``p``'s layout, one copy otherwise; zeros when it has none."""
+        g = p.grad
+        if g is None or not p.requires_grad:
+            return torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+        if g.is_sparse:
+            g = g.to_dense()
+        view = self._view_in_order(g, p)
+        if view is not None:
+            return view
+        laid_out = torch.empty_strided(p.shape, self._strides[p], dtype=g.dtype, device=g.device)
+        laid_out.copy_(g)
+        return laid_out.as_strided((p.numel(),), (1,))
+
+    def _view_in_order(self, t: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor | None:
+        """A flat view of ``t``'s memory when it is laid out like ``p`` (one dense block in ``p``'s
+        order), else None."""
+        if t is None or t.stride() != self._strides[p] or t.shape != p.shape:
+            return None
+        return t.view(-1) if t.is_contiguous() else t.as_strided((t.numel(),), (1,))
+
     def reset(self) -> None:
+        self.tracer = None
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
             bucket.handle = None
@@ -246,7 +284,12 @@ class GradientBuckets:
         device = grads[0].device
         request = Request("allreduce", name, grads, outputs=grads, op=ReduceOp.SUM, prescale=self._prescale,
                           postscale=self._postscale, device=device, set_id=self._set_id)
-        self._schedule.launch(request).wait()
+        self._schedule.begin_step(lambda: None)  # a step of its own: placed among negotiated work alike
+        try:
+            handle = self._schedule.launch(request)
+        finally:
+            self._schedule.end_step()
+        handle.wait()
         with torch.no_grad():
             for p, g in zip(params, grads):
                 if p.grad is None:
@@ -260,15 +303,19 @@ class GradientBuckets:
         if not self.buckets:  # nothing dense to stand in for (sparse reductions cannot be stood in for)
             return False
         handles = []
-        for bucket in self.buckets:
-            tensors = self._zeros(bucket)
-            handle = self._schedule.launch(self._request(bucket, tensors))
-            if bucket.plan.index != 0:
-                handles.append(handle)
-                continue
-            handle.wait()
-            if float(tensors[-1].reshape(-1)[-1]) == 0.0:
-                return False
+        self._schedule.begin_step(lambda: None)
+        try:
+            for bucket in self.buckets:
+                tensors = self._zeros(bucket)
+                handle = self._schedule.launch(self._request(bucket, tensors))
+                if bucket.plan.index != 0:
+                    handles.append(handle)
+                    continue
+                handle.wait()
+                if float(tensors[-1].reshape(-1)[-1]) == 0.0:
+                    return False
+        finally:
+            self._schedule.end_step()
         for handle in handles:
             handle.wait()
         return True
@@ -292,6 +339,20 @@ def _direct(plan: fusion.Bucket, wire: torch.dtype | None) -> bool:
     overwritten by the next step, so a gradient kept across steps must be cloned. On GPU one pack
     kernel per bucket and one unpack kernel write them instead."""
     return plan.device.type == "cpu" and wire == plan.dtype and plan.dtype in (torch.float32, torch.float64)
+
+
+def _layout(p: torch.Tensor) -> tuple[int, ...]:
+    """The strides a gradient of ``p`` travels in: ``p``'s own when its elements fill one dense
+    block with no overlap (contiguous, channels_last, any permutation of dims; a gradient then
+    has them too, by autograd's layout contract), else contiguous strides."""
+    if p.is_contiguous():
+        return p.stride()
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(p.shape, p.stride()) if sz != 1):
+        if stride != expected:
+            return torch.empty(p.shape, device="meta").stride()
+        expected *= size
+    return p.stride()
 
 
 def _gradient_to_send(p: torch.Tensor) -> torch.Tensor:

@@ -343,7 +343,7 @@ def join(device: int = -1) -> int:
     # the join leaves for the coordinator before the stand-ins start: a rank still training can only
     # finish a step with this rank's zeros after its join was sent, so "joined last" is that rank
     joined = job.submit(Request("join", "join", [], set_id=0), send=Send.NOW)
-    stand_ins = [_StandIn(party) for party in job.join_parties()]
+    stand_ins = [_StandIn(party, job.select_device) for party in job.join_parties()]
     try:
         last = joined.wait()  # a failure here also ends the stand-ins' collectives
     finally:
@@ -356,15 +356,18 @@ def join(device: int = -1) -> int:
 
 class _StandIn:
     """Runs ``party.stand_in_until_all_joined()`` (an optimizer's fixed schedule, with zeros) on a
-    thread of its own while ``join`` waits for the other ranks."""
+    thread of its own while ``join`` waits for the other ranks; ``select_device()`` makes this
+    rank's GPU current on that thread first."""
 
-    def __init__(self, party: Any) -> None:
+    def __init__(self, party: Any, select_device: Callable[[], None]) -> None:
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(party,), name="gpucomm-join-stand-in", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(party, select_device), name="gpucomm-join-stand-in",
+                                        daemon=True)
         self._thread.start()
 
-    def _run(self, party: Any) -> None:
+    def _run(self, party: Any, select_device: Callable[[], None]) -> None:
         try:
+            select_device()
             party.stand_in_until_all_joined()
         except BaseException as e:  # noqa: BLE001 - raised from join()
             self.error = e

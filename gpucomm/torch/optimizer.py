@@ -76,15 +76,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hooks: dict[torch.Tensor, Any] = {}
         self._lock = threading.Lock()  # hooks of CPU and CUDA parameters run on different autograd threads
         self._job_ref: Any = None
-        self._finalizer: Any = None  # closes this optimizer's schedule when it is garbage-collected
+        self._schedule: Any = None
+        self._closed = False
         self._hooked = False  # a gradient hook fired since the last synchronize
         self._bind(runtime.current())
 
     def _bind(self, job) -> None:
         """Attach to ``job``: its size sets the scaling, its schedule carries the buckets, and the
         layout is agreed among its ranks (a collective)."""
-        if self._finalizer is not None:
-            self._finalizer.detach()  # the old job closed its schedules; do not keep it alive
         self._job_ref = weakref.ref(job)
         self._hooked = False
         self._set_id = _set_id(self._process_set)
@@ -94,6 +93,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._postscale = self._predivide / self._size if self._op == Average else 1.0
         self._fired: set[torch.Tensor] = set()
         self._backward_span: tuple[float, float] | None = None  # first and last gradient of this step (timeline)
+        self._tracer: Any = None  # the timeline's tracer, looked up once per step (at its first gradient)
         self._schedule = job.new_schedule(self._set_id) if self._size > 1 else None
         self._layouts = 0
         self._ready_us: list[float | None] | None = None  # when each gradient arrived in the watched step
@@ -103,7 +103,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._hooks.clear()
         self._sparse = SparseGradients(self._params, self._parameter_names, self._op, self._process_set,
                                        self._sparse_as_dense,
-                                       f"DistributedOptimizer.sparse.{getattr(self._schedule, 'number', 0)}")
+                                       f"DistributedOptimizer.sparse.{getattr(self._schedule, 'number', 0)}",
+                                       self._schedule, self._size)
         self._buckets = self._agree_on_layout(job)
         # On CPU the first step is watched, and the buckets are cut again where backward pauses
         # (``fusion.plan_by_readiness``), once, from rank 0's timings (DDP rebuilds after step 1 too).
@@ -112,10 +113,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 and all(b.plan.device.type == "cpu" for b in self._buckets.buckets)):
             self._watch = {}
         if self._schedule is not None:
-            for device in {b.plan.device for b in self._buckets.buckets}:
+            # every device it may launch on, in parameter order (building a backend is a collective)
+            for device in dict.fromkeys(p.device for p in self._params):
                 self._schedule.open(device)
             job.add_join_party(self)
-            self._finalizer = weakref.finalize(self, job.close_schedule, self._schedule)  # its communicator goes with it
+        # no finalizer releases the schedule: garbage collection runs at a different moment on every
+        # rank, and a communicator is released only at a collective point (``close()``, or shutdown)
 
     def _rebind(self) -> None:
         """Elastic training re-formed the job (``hvd.elastic.run``): attach to the new one. Every
@@ -143,7 +146,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         else:
             plans = fusion.plan_buckets(dense)
         buckets = GradientBuckets(self._schedule, dense, plans, self._compression, self._prescale,
-                                  self._postscale, self._set_id, lambda: job.tracer)
+                                  self._postscale, self._set_id, self._flush_step)
         self._layouts += 1
         if self._size > 1:
             self._verify_everywhere(buckets)
@@ -211,7 +214,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._delay[p] = delay = delay - 1
             if delay > 0:
                 return
-            tracer = runtime.current().tracer
+            if not self._fired:  # the step's first gradient: it opens the step on the schedule (before any
+                # launch: a bucket missing a gradient on one rank would otherwise open it later there than
+                # elsewhere), and the tracer is looked up once for the step
+                self._schedule.begin_step(self._flush_step)
+                self._tracer = self._buckets.tracer = runtime.current().tracer
+            tracer = self._tracer
             if tracer is not None:  # the backward pass, as seen from its gradients (timeline)
                 now = tracer.now_us()
                 self._backward_span = (self._backward_span[0] if self._backward_span else now, now)
@@ -226,22 +234,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if g is not None and g.is_sparse:
                     self._sparse.arrived(p, g)
                 self._buckets.gradient_ready(p)
-            else:  # agreed sparse: reduced on its own
-                self._sparse.launch(p)
+            # an agreed sparse parameter is reduced at synchronize(), after the buckets
 
     # ------------------------------------------------------------------ Horovod API
 
     def synchronize(self) -> None:
         """Finish averaging every gradient: launch the buckets not yet launched, wait for all in
         order, and write the averaged gradients into ``p.grad``."""
+        if self._closed:
+            raise ValueError("this DistributedOptimizer was closed (optimizer.close()): it averages no more gradients "
+                             "and has released its communicator. Build a new DistributedOptimizer to keep training.")
         if self._job_ref() is not runtime._job:
             self._rebind()
         if self._size == 1:
             self._synchronized = True
             return
         with self._lock:
-            self._buckets.launch_rest()
-            self._sparse.launch_missing()
+            self._launch_step()
         try:
             self._buckets.finish()
             self._sparse.finish()
@@ -280,6 +289,35 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._adopt_new_layout()
         return True
 
+    def _launch_step(self) -> None:
+        """(holding ``_lock``) Launch what is left of this step on the schedule: the buckets still
+        waiting for gradients (missing ones count as zeros), then the sparse reductions; the step
+        then ends (negotiated CUDA work that waited for it is issued)."""
+        self._buckets.launch_rest()
+        self._sparse.launch_all()
+        self._schedule.end_step()
+
+    def _flush_step(self) -> None:
+        """A caller outside backward needs the GPU's issue order while this step is open (e.g. an
+        ``hvd.allreduce`` between ``backward()`` and ``step()``): finish the step's launches now, as
+        ``synchronize()`` would; ``synchronize()`` then only waits."""
+        with self._lock:
+            if self._schedule.in_step:
+                self._launch_step()
+
+    def close(self) -> None:
+        """Release this optimizer's communicator now (a collective: call it on every rank at the same
+        point). Without it, the communicator lives until ``hvd.shutdown()``; it is never released
+        when the optimizer is garbage-collected, which happens at a different moment on every rank."""
+        job = self._job_ref() if self._job_ref is not None else None
+        schedule, self._schedule = self._schedule, None
+        self._closed = True
+        for hook in self._hooks.values():
+            hook.remove()
+        self._hooks.clear()
+        if schedule is not None and job is not None:
+            job.close_schedule(schedule)
+
     def stand_in_until_all_joined(self) -> None:
         """This rank joined (``hvd.join``): take part in the other ranks' steps with zeros until
         every rank has joined."""
@@ -288,6 +326,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _reset_step(self) -> None:
         self._hooked = False
+        self._tracer = None
         self._buckets.reset()
         self._sparse.reset()
         for p in self._delay:
@@ -437,6 +476,9 @@ class _OutsideProcessSet(torch.optim.Optimizer):
 
     set_backward_passes_per_step = _DistributedOptimizer.set_backward_passes_per_step  # no countdowns: _delay is empty
     step = _DistributedOptimizer.step
+
+    def close(self) -> None:
+        """Nothing to release: a rank outside the process set holds no communicator."""
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None = None,

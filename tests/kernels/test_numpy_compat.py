@@ -1,6 +1,7 @@
 """The kernels build on NumPy 2.5 (which removed ``np.row_stack``) with numba-cuda 0.30.x.
 
-CI runs Python 3.11, where NumPy 2.5 cannot be installed, so each test recreates NumPy 2.5's
+CI's main venv runs Python 3.11 with NumPy 2.4, where NumPy 2.5 cannot be installed (its Python 3.12
+step, ``.ci/run``, runs these tests on a real NumPy 2.5 as well), so each test recreates NumPy 2.5's
 condition in a fresh interpreter: the removed names are deleted from ``numpy`` before numba-cuda
 is imported, then every kernel variant is compiled to PTX the way gpucomm compiles it. Without
 gpucomm's shim (``gpucomm/kernels/compat.py``) numba-cuda 0.30.4 fails on the first compile.

@@ -1,0 +1,195 @@
+"""The job's data plane in this process: what turns agreed collectives into backend calls, and what
+owns the steady state.
+
+It holds the job's pooled CUDA events, the NCCL watchdog (which also retires done events), one
+issue order per device (``order.py``: one order of NCCL calls per device, the same on every rank),
+and every group with backends (the job's process sets and the optimizers' fixed schedules), whose
+communicators it releases: aborted, never destroyed, once the job has failed; destroyed only at a
+collective point of a healthy job (``close`` at shutdown, ``release`` for an optimizer's explicit
+close), after their work has finished. A steady-state step goes from the optimizer to a fixed
+schedule to this plane and touches no control-plane object. The control plane hands agreed
+requests to ``run`` and tells ``fail`` when the job failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Callable
+
+import torch
+
+from ..errors import CollectiveError
+from .events import EventPool
+from .executor import Executor
+from .groups import Group
+from .handles import Handle, Issued
+from .order import IssueOrder
+from .requests import Request
+from .watchdog import NcclWatchdog
+
+log = logging.getLogger("gpucomm")
+
+ORDER_ENV = "GPUCOMM_ISSUE_ORDER"  # "cuda" (default): order CUDA collectives; "all": CPU ones too (tests, debugging)
+
+
+class DataPlane:
+    """One job's data plane (see the module doc).
+
+    ``tracer()``: the timeline's tracer while one records; ``select_device()``: makes this rank's
+    GPU current in the calling thread (every thread of the data plane runs it first);
+    ``report(text)``: tells the control plane this rank is failing (so every rank learns it)."""
+
+    def __init__(self, rank: int, timeout: float, *, tracer: Callable[[], Any] = lambda: None,
+                 select_device: Callable[[], None] = lambda: None,
+                 report: Callable[[str], None] = lambda text: None, order_cpu: bool | None = None) -> None:
+        self.rank, self.timeout = rank, timeout
+        self.events = EventPool()
+        self._tracer = tracer
+        self.select_device = select_device
+        self._report = report
+        self._failure: CollectiveError | None = None
+        self._groups: list[Group] = []
+        self._orders: dict[Any, IssueOrder] = {}
+        self._lock = threading.Lock()
+        if order_cpu is None:
+            order_cpu = os.environ.get(ORDER_ENV, "cuda").strip().lower() == "all"
+        self.orders_cpu = order_cpu
+        self.watchdog = NcclWatchdog(rank, timeout, self.events, health=self._health, fail=self._watchdog_failed,
+                                     select_device=select_device)
+
+    # -- executing ------------------------------------------------------------------------------
+    def executor(self, groups: Callable[[int], Group]) -> Executor:
+        """An executor over ``groups`` (set id -> Group) sharing this plane's events and watchdog."""
+        return Executor(groups, self._tracer, events=self.events, watch=self.watchdog.watch)
+
+    def order(self, device: torch.device) -> IssueOrder | None:
+        """The issue order of ``device`` (None: its collectives are issued as they come, CPU ones
+        unless GPUCOMM_ISSUE_ORDER=all)."""
+        if device.type != "cuda" and not self.orders_cpu:
+            return None
+        key = (device.type, device.index)
+        order = self._orders.get(key)
+        if order is None:
+            with self._lock:
+                order = self._orders.get(key)
+                if order is None:
+                    order = self._orders[key] = IssueOrder(str(device), timeout=self.timeout, failure=self.failure)
+                    if self._failure is not None:
+                        order.fail(self._failure)
+        return order
+
+    def submitted(self, handle: Handle) -> None:
+        """This rank submitted ``handle`` for negotiation (its device's next epoch waits for its agreement)."""
+        order = self.order(handle.request.device)
+        if order is not None:
+            order.submitted(handle)
+
+    def run(self, handle: Handle, meta: dict, execute: Executor) -> None:
+        """``handle``'s request is agreed (``meta``: the coordinator's additions): issue it through
+        ``execute`` now, or in its device's order, and settle the handle."""
+        order = self.order(handle.request.device)
+
+        def issue() -> None:
+            try:
+                issued = execute(handle.request, meta)
+            except BaseException as e:  # noqa: BLE001 - the error belongs to whoever waits on the handle
+                handle.settle(error=e)
+                return
+            handle.settle(issued=issued)
+
+        if order is None:
+            issue()
+        else:
+            order.agreed(handle, issue)
+
+    def run_unowned(self, request: Request, meta: dict, execute: Executor, keep: Callable[[Issued], None]) -> None:
+        """Issue a request nobody waits on (a joined rank's zeros), in its device's order; ``keep``
+        receives what was issued (to keep its tensors alive until it finishes)."""
+        order = self.order(request.device)
+
+        def issue() -> None:
+            keep(execute(request, meta))
+
+        if order is None:
+            issue()
+        else:
+            order.agreed(None, issue)
+
+    # -- groups and their communicators ---------------------------------------------------------
+    def register(self, group: Group) -> Group:
+        """Track ``group``'s communicators (aborted on failure, released at close)."""
+        with self._lock:
+            self._groups.append(group)
+        if self._failure is not None:
+            group.abort_nccl()
+        return group
+
+    def release(self, group: Group) -> None:
+        """Release ``group`` at a collective point of its members (a removed process set, an
+        optimizer's close): destroyed once its work has finished, aborted if the job failed."""
+        with self._lock:
+            if group in self._groups:
+                self._groups.remove(group)
+        failed = self._failure is not None or not self.watchdog.drain(self.timeout)
+        group.close(abort=failed)
+
+    def _health(self, set_id: int) -> str | None:
+        """NCCL's asynchronous error on ``set_id``'s communicators, if any."""
+        with self._lock:
+            groups = [g for g in self._groups if g.id == set_id]
+        for group in groups:
+            backend = group.nccl_if_created()
+            if backend is None:
+                continue
+            try:
+                backend.check_async_error()
+            except Exception as e:  # noqa: BLE001 - reported as the job's failure
+                return str(e)
+        return None
+
+    # -- failure ---------------------------------------------------------------------------------
+    def failure(self) -> CollectiveError | None:
+        """Why the job's collectives stopped, as far as the data plane knows."""
+        return self._failure
+
+    def fail(self, error: CollectiveError) -> None:
+        """The job failed (told by the control plane, or found by the watchdog): abort every NCCL
+        communicator at once, so no kernel keeps waiting for a dead peer, and fail queued work."""
+        with self._lock:
+            if self._failure is not None:
+                return
+            self._failure = error
+            groups, orders = list(self._groups), list(self._orders.values())
+        for group in groups:
+            group.abort_nccl()
+        for order in orders:
+            order.fail(error)
+
+    def _watchdog_failed(self, text: str) -> None:
+        self.fail(CollectiveError(text))
+        try:
+            self._report(text)
+        except Exception as e:  # noqa: BLE001 - the failure is recorded here whatever the control plane does
+            log.debug("reporting the watchdog's failure: %s", e)
+
+    # -- shutdown --------------------------------------------------------------------------------
+    def close(self, *, failed: bool) -> None:
+        """Release every communicator: a healthy job (``failed`` False) first waits up to the
+        timeout for its CUDA work to finish, then destroys them; a failed one (or one whose work
+        does not finish) aborts them."""
+        if not failed and not self.watchdog.drain(self.timeout):
+            log.warning("gpucomm shutdown: CUDA collectives were still running after %.0f s; aborting the NCCL "
+                        "communicators instead of destroying them", self.timeout)
+            failed = True
+        if failed and self._failure is None:
+            self.fail(CollectiveError("the job was shut down while CUDA collectives were still running"))
+        self.watchdog.close()
+        with self._lock:
+            groups, self._groups = self._groups, []
+        for group in groups:
+            group.close(abort=failed or self._failure is not None)
+
+
+__all__ = ["DataPlane", "ORDER_ENV"]

@@ -1,0 +1,427 @@
+"""Rank-side bodies of tests/test_data_plane.py: the data plane's threads, communicators, issue
+order and gradient layouts, shown on CPU ranks (the same code the GPU path runs)."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+import time
+
+import torch
+import torch.nn as nn
+
+import gpucomm.torch as hvd
+from gpucomm import runtime
+from gpucomm.bootstrap import devices
+from gpucomm.counters import COUNTERS
+
+
+# -- every thread that may touch CUDA selects this rank's GPU first ------------------------------
+
+def threads_select_the_device() -> dict:
+    """Pretend this rank was pinned to GPU ``3 + rank`` (a bus id of its own) and record which
+    threads select which device; then run what starts gpucomm's threads: collectives (the control
+    thread) and a join while the other rank still steps a DistributedOptimizer (the stand-in)."""
+    import os
+
+    rank = int(os.environ["GPUCOMM_RANK"])
+    selected: list[tuple[str, int]] = []
+    gpu = devices.GpuInfo(rank, f"0000:{0x10 + rank:02x}:00.0", f"GPU-test-{rank}", "Test GPU", 1 << 30)
+    pinned = devices.PinnedDevice(gpu, 3 + rank)
+    real_pin, real_select = devices.pin_local_gpu, getattr(devices, "select_device", None)
+    devices.pin_local_gpu = lambda *a, **k: pinned
+    devices.select_device = lambda ordinal: selected.append((threading.current_thread().name, ordinal))
+    try:
+        hvd.init()
+        r = hvd.rank()
+        hvd.allreduce(torch.ones(3), name="warm")
+        model = nn.Linear(4, 2)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        if r == 0:
+            for _ in range(2):
+                opt.zero_grad()
+                model(torch.ones(2, 4)).sum().backward()
+                opt.step()
+        last = hvd.join()
+        hvd.shutdown()
+    finally:
+        devices.pin_local_gpu = real_pin
+        if real_select is not None:
+            devices.select_device = real_select
+    return {"selected": selected, "last": last}
+
+
+# -- failure aborts, success destroys --------------------------------------------------------------
+
+class RecordingComm:
+    """Stands in for CuPy's ``NcclCommunicator`` on a CPU rank (no NCCL can run here): records the
+    lifecycle calls the backend makes on it."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def abort(self) -> None:
+        self.calls.append("abort")
+
+    def destroy(self) -> None:
+        self.calls.append("destroy")
+
+    def check_async_error(self) -> None:
+        pass
+
+
+def recording_backend(rank: int, size: int):
+    from gpucomm.backends.nccl import NcclBackend
+
+    backend = object.__new__(NcclBackend)  # its CuPy communicator cannot be made without a GPU
+    backend.rank, backend.size, backend.device = rank, size, 0
+    backend._state, backend._state_lock = "live", threading.Lock()
+    backend.comm = RecordingComm()
+    return backend
+
+
+def communicators_on_failure(fail: bool) -> dict:
+    """A job whose data plane holds an NCCL communicator (recording); with ``fail``, rank 1 reports
+    a failure mid-job (as an uncaught exception does) and every rank learns it from the control
+    plane. Returns the calls each rank's communicator got before shutdown and in all."""
+    from gpucomm.dataplane.groups import Group
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    job = runtime.current()
+    backend = recording_backend(r, n)
+    group = job.data.register(Group(77, range(n), r, lambda g: job.gloo, lambda g: backend))
+    group.nccl()  # created, as the first CUDA collective on the set would
+    hvd.allreduce(torch.ones(2), name="before")
+    error = ""
+    if fail:
+        if r == 1:
+            job.controller.report_failure("rank 1 fails on purpose")
+        try:
+            for i in range(200):
+                hvd.allreduce(torch.ones(2), name=f"after.{i}")
+        except hvd.HorovodInternalError as e:
+            error = str(e)
+    before_shutdown = list(backend.comm.calls)  # the control plane's failure path, before any shutdown
+    hvd.shutdown()
+    return {"before_shutdown": before_shutdown, "all": backend.comm.calls, "error": error}
+
+
+def optimizer_schedules_outlive_garbage_collection() -> dict:
+    """An optimizer that is garbage-collected keeps its schedule's communicator (released only at a
+    collective point); ``close()`` releases it."""
+    hvd.init()
+    job = runtime.current()
+
+    def make() -> torch.optim.Optimizer:  # model and optimizer unreachable once it returns (but a cycle)
+        model = nn.Linear(3, 1)
+        return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    opt = make()
+    before = len(job._schedules)
+    del opt
+    gc.collect()
+    after_gc = len(job._schedules)
+    model = nn.Linear(3, 1)
+    opt2 = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    group = opt2._schedule.group
+    opt2.close()
+    closed = group.nccl_if_created() is None and group._gloo is None
+    after_close = len(job._schedules)
+    opt2_closed_error = ""
+    try:
+        opt2.step()
+    except ValueError as e:
+        opt2_closed_error = str(e)
+    hvd.shutdown()
+    return {"before": before, "after_gc": after_gc, "after_close": after_close, "closed": closed,
+            "closed_error": opt2_closed_error}
+
+
+# -- sparse gradients ride the fixed schedule ------------------------------------------------------
+
+def sparse_steps_negotiate_nothing(steps: int = 4) -> dict:
+    """After the step in which the ranks agree which gradients are sparse, a step with a sparse
+    embedding gradient sends no control message: its reduction is on the fixed schedule."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(20, 4, sparse=True), nn.Linear(4, 1)
+    params = list(emb.parameters()) + list(head.parameters())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1),
+                                   named_parameters=[("emb.weight", emb.weight)] + list(head.named_parameters()))
+    deltas = []
+    for s in range(steps):
+        before = hvd.stats()
+        opt.zero_grad()
+        idx = torch.tensor([(s + r) % 20, (3 * s + 2 * r) % 20])
+        head(emb(idx)).sum().backward()
+        opt.step()
+        after = hvd.stats()
+        deltas.append({k: after[k] - before[k] for k in ("negotiated", "control_rounds", "collectives")})
+    weight = emb.weight.detach().clone()
+    every = hvd.allgather_object(weight)
+    hvd.shutdown()
+    return {"deltas": deltas, "same": all(torch.equal(every[0], w) for w in every),
+            "sparse": sorted(opt._parameter_names[p] for p in opt._sparse.reduced)}
+
+
+# -- a steady-state step touches no control object ---------------------------------------------------
+
+def control_calls_in_steady_steps(steps: int = 5) -> dict:
+    """Profile the rank's own thread through steady-state steps (after two warm-up steps): the
+    functions called from gpucomm/control/ (none expected) and from gpucomm/dataplane/."""
+    hvd.init()
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+
+    def step(s: int) -> None:
+        opt.zero_grad()
+        model(torch.full((4, 16), float(s))).sum().backward()
+        opt.step()
+
+    for s in range(2):
+        step(s)
+    seen: dict[str, set] = {"control": set(), "dataplane": set()}
+
+    def profile(frame, event, arg) -> None:
+        if event == "call":
+            path = frame.f_code.co_filename.replace("\\", "/")
+            for part in seen:
+                if f"/gpucomm/{part}/" in path:
+                    seen[part].add(f"{path.rsplit('/', 1)[-1]}:{frame.f_code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        for s in range(steps):
+            step(s + 2)
+    finally:
+        sys.setprofile(None)
+    hvd.shutdown()
+    return {k: sorted(v) for k, v in seen.items()}
+
+
+# -- gradients in channels_last travel without a copy -------------------------------------------------
+
+def copies_per_step(channels_last: bool, device: str = "cpu", steps: int = 3) -> dict:
+    """A conv net whose buckets are fused (on CPU through fp16 compression: pack and unpack, as on
+    GPU), contiguous or channels_last; counts the copying aten ops of the last step (backward, pack,
+    allreduce, unpack) and checks the averaged gradients keep their layout."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    hvd.init()
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).to(device)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    compression = hvd.Compression.fp16 if device == "cpu" else hvd.Compression.none
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(), compression=compression)
+    x = torch.randn(2, 3, 10, 10, device=device) + hvd.rank()
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            self.ops[name] = self.ops.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    counted = None
+    for s in range(steps):
+        opt.zero_grad()
+        loss = model(x).sum()
+        if s == steps - 1:
+            counted = Count()
+            with counted:
+                loss.backward()
+                opt.synchronize()
+        else:
+            loss.backward()
+            opt.synchronize()
+        with opt.skip_synchronize():
+            opt.step()
+    conv = model[0].weight
+    layout_kept = conv.grad.stride() == conv.stride()
+    hvd.shutdown()
+    copying = {k: v for k, v in counted.ops.items() if k in ("clone", "contiguous", "copy_", "empty_strided", "empty")}
+    return {"copying": copying, "layout_kept": layout_kept}
+
+
+# -- the one-order rule, exercised on CPU (GPUCOMM_ISSUE_ORDER=all) ------------------------------------
+
+def issue_sequence(unused_on_rank: int, device: str = "cpu", steps: int = 3) -> dict:
+    """Records, per rank, the sequence in which the data plane issues collectives (negotiated and
+    scheduled alike), through a training loop that mixes them as real scripts do: an async
+    allreduce submitted before backward and waited after the step, a synchronous metric allreduce
+    between backward and step, a parameter unused on one rank only (so its bucket is complete at
+    different points on different ranks), a sparse embedding, and a SyncBatchNorm whose backward
+    runs a negotiated allreduce in the middle of backward."""
+    from gpucomm.dataplane.executor import Executor
+
+    hvd.init()
+    r = hvd.rank()
+    issued: list[str] = []
+    real_call = Executor.__call__
+
+    def recording_call(self, req, meta):
+        issued.append(req.name)
+        return real_call(self, req, meta)
+
+    Executor.__call__ = recording_call
+    try:
+        torch.manual_seed(0)
+        emb = nn.Embedding(10, 4, sparse=True).to(device)
+        body = nn.Sequential(nn.Linear(4, 6), hvd.SyncBatchNorm(6), nn.ReLU(), nn.Linear(6, 2)).to(device)
+        spare = nn.Linear(4, 2).to(device)  # unused on rank ``unused_on_rank``
+        named = [("emb.weight", emb.weight)] + [(f"body.{k}", v) for k, v in body.named_parameters()] \
+            + [(f"spare.{k}", v) for k, v in spare.named_parameters()]
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.05), named_parameters=named)
+        for s in range(steps):
+            opt.zero_grad()
+            # large enough not to ride the control round (small CPU allreduces do; CUDA ones never)
+            pending = hvd.allreduce_async(torch.full((5000,), float(r), device=device), name=f"early.{s}")
+            h = emb(torch.tensor([s % 10, (s + r + 1) % 10, 4], device=device))
+            out = body(h).sum()
+            if r != unused_on_rank:
+                out = out + spare(h).sum()
+            out.backward()
+            metric = hvd.allreduce(out.detach().expand(5000).contiguous(), name=f"metric.{s}")[0]
+            opt.step()
+            hvd.synchronize(pending)
+        weights = [p.detach().cpu() for _, p in named]
+        every = hvd.allgather_object(weights)
+        same = all(all(torch.allclose(a, b) for a, b in zip(every[0], theirs)) for theirs in every)
+    finally:
+        Executor.__call__ = real_call
+    hvd.shutdown()
+    return {"issued": [name for name in issued if not name.startswith("allgather.noname")],
+            "same": same, "metric": float(metric)}
+
+
+# -- GPU only ------------------------------------------------------------------------------------------
+
+def kernels_compiled_when_built() -> dict:
+    """A CUDA model: the fusion kernels are compiled when DistributedOptimizer is built, and the first
+    backward compiles nothing more."""
+    from gpucomm import kernels
+
+    hvd.init()
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)).cuda()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    built = sorted(kernels.status()["compiled"])
+    opt.zero_grad()
+    model(torch.randn(8, 32, device="cuda")).sum().backward()
+    opt.step()
+    torch.cuda.synchronize()
+    after = sorted(kernels.status()["compiled"])
+    hvd.shutdown()
+    return {"built": built, "after_step": after}
+
+
+def events_per_step(steps: int = 12) -> dict:
+    """CUDA events made per steady-state step (pooled: none) and done events retired."""
+    hvd.init()
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).cuda()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    x = torch.randn(16, 64, device="cuda")
+    before = None
+    for s in range(steps):
+        if s == 4:
+            torch.cuda.synchronize()
+            time.sleep(0.5)  # the watchdog retires what finished
+            before = hvd.stats()
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+    torch.cuda.synchronize()
+    time.sleep(0.5)
+    after = hvd.stats()
+    retired = runtime.current().data.watchdog.retired
+    hvd.shutdown()
+    return {"created": after["cuda_events_created"] - before["cuda_events_created"], "retired": retired,
+            "collectives": after["collectives"] - before["collectives"]}
+
+
+def cuda_job_failure(steps: int = 50) -> dict:
+    """Rank 1 fails mid-training on CUDA; every rank's NCCL communicators are aborted (never destroyed)."""
+    hvd.init()
+    r = hvd.rank()
+    model = nn.Linear(16, 16).cuda()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    error = ""
+    start = time.monotonic()
+    try:
+        for s in range(steps):
+            if s == 3 and r == 1:
+                runtime.current().controller.report_failure("rank 1 fails on purpose")
+            opt.zero_grad()
+            model(torch.randn(4, 16, device="cuda")).sum().backward()
+            opt.step()
+            hvd.allreduce(torch.ones(4, device="cuda"), name=f"cuda.{s}")
+    except hvd.HorovodInternalError as e:
+        error = str(e)
+    seconds = time.monotonic() - start
+    counts = hvd.stats()
+    hvd.shutdown()
+    final = hvd.stats()
+    return {"error": error, "aborts": counts["nccl_aborts"], "destroys": final["nccl_destroys"], "seconds": seconds}
+
+
+def contexts_per_gpu() -> dict:
+    """Train a step, join, and shut down on this rank's GPU (one per rank), then list the GPUs on
+    which this process holds a CUDA context, by NVML."""
+    import os
+
+    import pynvml
+
+    hvd.init()
+    r = hvd.rank()
+    model = nn.Linear(8, 8).cuda()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    if r == 0:
+        opt.zero_grad()
+        model(torch.randn(2, 8, device="cuda")).sum().backward()
+        opt.step()
+    hvd.join()
+    hvd.allreduce(torch.ones(2, device="cuda"), name="last")
+    mine = torch.cuda.current_device()
+    torch.cuda.synchronize()
+    pynvml.nvmlInit()
+    try:
+        on = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            pids = {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+            if os.getpid() in pids:
+                on.append(pynvml.nvmlDeviceGetPciInfo(handle).busId)
+    finally:
+        pynvml.nvmlShutdown()
+    bus = runtime.current().device.gpu.pci_bus_id
+    hvd.shutdown()
+    return {"mine": mine, "bus": bus, "contexts_on": [devices.normalize_bus_id(b) for b in on]}
+
+
+def communicator_on_cupy_default_stream() -> list[float]:
+    """gpucomm.Communicator on CuPy arrays with CuPy's default stream."""
+    import cupy
+
+    from gpucomm.communicator import Communicator
+
+    comm = Communicator()
+    x = cupy.full((4,), float(comm.rank + 1), dtype=cupy.float32)
+    out = comm.allreduce(x, stream=cupy.cuda.Stream.null)
+    result = cupy.asnumpy(out).tolist()
+    hvd.shutdown()
+    return result

@@ -1,0 +1,246 @@
+"""The GPU data plane made right by construction (issue 25), shown where a CPU can show it: the
+threads that may touch CUDA select the rank's GPU, a failed job aborts its communicators and a
+healthy one destroys them only at collective points, every NCCL call of a device follows one order
+(sparse reductions on the fixed schedule), channels_last gradients travel without a copy, done
+events are pooled, a steady-state step touches no control object, and the stack-facing helpers
+(CuPy's default stream, CuPy < 14's unique ids) behave. GPU-only checks are in test_gpu_data_plane.py."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tests import data_plane_scenarios as sc
+from tests.harness import run_ranks
+
+
+# -- 1. every thread that touches CUDA selects the rank's GPU ----------------------------------------
+
+def test_gpucomm_threads_select_the_ranks_gpu_before_any_work():
+    results = run_ranks(sc.threads_select_the_device, 2)
+    for rank, seen in enumerate(results):
+        threads = {name for name, _ in seen["selected"]}
+        assert {ordinal for _, ordinal in seen["selected"]} == {3 + rank}, seen  # never another GPU
+        assert "gpucomm-control" in threads, (rank, seen)
+    assert "gpucomm-join-stand-in" in {name for name, _ in results[1]["selected"]}, results[1]  # rank 1 joined first
+    assert [seen["last"] for seen in results] == [0, 0]
+
+
+# -- 2. failure aborts, success destroys ---------------------------------------------------------------
+
+def test_a_failed_job_aborts_its_nccl_communicators_at_once_and_never_destroys_them():
+    for rank, seen in enumerate(run_ranks(sc.communicators_on_failure, 2, args=(True,))):
+        assert "rank 1 fails on purpose" in seen["error"], (rank, seen)
+        assert seen["before_shutdown"] == ["abort"], (rank, seen)  # the control plane's failure path
+        assert seen["all"] == ["abort"], (rank, seen)  # shutdown never destroys it afterwards
+
+
+def test_a_healthy_job_destroys_its_communicators_at_shutdown():
+    for seen in run_ranks(sc.communicators_on_failure, 2, args=(False,)):
+        assert seen["before_shutdown"] == [] and seen["all"] == ["destroy"], seen
+
+
+def test_nccl_backend_lifecycle_first_ending_stands():
+    aborted = sc.recording_backend(0, 2)
+    aborted.abort()
+    aborted.destroy()
+    aborted.abort()
+    assert aborted.comm.calls == ["abort"] and aborted.state == "aborted"
+    destroyed = sc.recording_backend(0, 2)
+    destroyed.destroy()
+    destroyed.abort()  # the watchdog's late abort after a destroy: nothing
+    assert destroyed.comm.calls == ["destroy"] and destroyed.state == "destroyed"
+    racing = sc.recording_backend(0, 2)
+    threads = [threading.Thread(target=racing.abort) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert racing.comm.calls == ["abort"]
+
+
+def test_data_plane_aborts_on_failure_and_destroys_on_success():
+    from gpucomm.dataplane.groups import Group
+    from gpucomm.dataplane.plane import DataPlane
+    from gpucomm.errors import CollectiveError
+
+    def plane_with(n: int):
+        plane = DataPlane(0, 5.0)
+        backends = [sc.recording_backend(0, 2) for _ in range(n)]
+        for i, backend in enumerate(backends):
+            plane.register(Group(i, range(2), 0, lambda g: None, lambda g, b=backend: b)).nccl()
+        return plane, backends
+
+    plane, backends = plane_with(3)
+    plane.fail(CollectiveError("rank 1 died"))
+    assert [b.comm.calls for b in backends] == [["abort"]] * 3  # at once, before any shutdown
+    plane.close(failed=True)
+    assert [b.comm.calls for b in backends] == [["abort"]] * 3  # never destroyed afterwards
+    plane, backends = plane_with(2)
+    plane.close(failed=False)
+    assert [b.comm.calls for b in backends] == [["destroy"]] * 2
+
+
+def test_garbage_collection_never_releases_an_optimizers_communicator():
+    for seen in run_ranks(sc.optimizer_schedules_outlive_garbage_collection, 2):
+        assert seen["after_gc"] == seen["before"], seen  # the collected optimizer's schedule stays
+        assert seen["after_close"] == seen["before"] and seen["closed"], seen  # close() releases it
+        assert "was closed" in seen["closed_error"], seen
+
+
+# -- 3. one order per device: sparse reductions on the fixed schedule ---------------------------------
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_sparse_gradient_steps_send_no_control_message(size):
+    for rank, seen in enumerate(run_ranks(sc.sparse_steps_negotiate_nothing, size)):
+        assert seen["sparse"] == ["emb.weight"], seen
+        steady = seen["deltas"][2:]  # step 0: the ranks agree what is sparse; step 1: the new layout
+        assert all(d["negotiated"] == 0 and d["control_rounds"] == 0 for d in steady), (rank, seen["deltas"])
+        assert all(d["collectives"] > 0 for d in steady), (rank, seen["deltas"])
+        assert seen["same"], rank
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_one_issue_order_on_every_rank(size):
+    """Negotiated and scheduled collectives, issued through the same rule the GPU path follows
+    (GPUCOMM_ISSUE_ORDER=all applies it to CPU tensors): the same sequence on every rank."""
+    results = run_ranks(sc.issue_sequence, size, args=(size - 1,), env={"GPUCOMM_ISSUE_ORDER": "all"})
+    reference = results[0]["issued"]
+    assert any(name.startswith("DistributedOptimizer.bucket") for name in reference), reference
+    assert any(name.startswith("allreduce.early") for name in reference), reference
+    for rank, seen in enumerate(results):
+        assert seen["issued"] == reference, (rank, seen["issued"], reference)
+        assert seen["same"], rank
+    early, bucket = reference.index("allreduce.early.1"), reference.index("DistributedOptimizer.bucket.0", 
+                                                                         reference.index("allreduce.metric.0"))
+    assert early < bucket  # submitted before the step: issued before the step's buckets
+
+
+# -- 5. channels_last gradients: no copy -------------------------------------------------------------
+
+def test_channels_last_gradients_are_packed_and_unpacked_in_place():
+    contiguous = run_ranks(sc.copies_per_step, 2, args=(False,))
+    channels_last = run_ranks(sc.copies_per_step, 2, args=(True,))
+    for a, b in zip(contiguous, channels_last):
+        assert b["layout_kept"], b
+        assert b["copying"] == a["copying"], (a["copying"], b["copying"])  # not one copy more
+
+
+# -- a steady-state step touches no control object ---------------------------------------------------
+
+def test_a_steady_state_step_calls_nothing_of_the_control_plane():
+    for seen in run_ranks(sc.control_calls_in_steady_steps, 2):
+        assert seen["control"] == [], seen["control"]
+        assert any(name.startswith("schedule.py:") for name in seen["dataplane"]), seen["dataplane"]
+
+
+# -- 4. Communicator on CuPy's default stream ----------------------------------------------------------
+
+def test_stream_handles_of_every_kind():
+    cupy = pytest.importorskip("cupy")
+    from gpucomm.communicator import stream_handle
+
+    assert stream_handle(cupy.cuda.Stream.null) == 0  # CuPy's default stream: ptr 0, no cuda_stream
+    assert stream_handle(0) == 0 and stream_handle(0x7F00) == 0x7F00
+
+    class TorchLike:  # what torch.cuda.Stream exposes (no GPU here to make a real one)
+        cuda_stream = 0x1234
+
+    assert stream_handle(TorchLike()) == 0x1234
+    with pytest.raises(TypeError, match="stream"):
+        stream_handle("stream 3")
+
+
+# -- 8. CuPy < 14's unique ids -------------------------------------------------------------------------
+
+def test_unique_ids_of_cupy_13_and_14():
+    from gpucomm.backends.nccl import unique_id_bytes, unique_id_for_cupy
+
+    raw = bytes(range(256))[::2]  # 128 bytes, half of them >= 128
+    cupy13 = tuple(b - 256 if b > 127 else b for b in raw)  # CuPy 13: a tuple of signed chars
+    assert unique_id_bytes(cupy13) == raw
+    assert unique_id_bytes(raw) == raw
+    assert unique_id_for_cupy(raw, 13) == cupy13
+    assert unique_id_for_cupy(raw, 14) == raw
+
+
+def test_this_cupys_unique_id_round_trips():
+    from gpucomm.backends.nccl import cupy_major, nccl_module, unique_id_bytes, unique_id_for_cupy
+
+    nccl = nccl_module()
+    if nccl is None:
+        pytest.skip("CuPy's NCCL bindings are not installed")
+    uid = nccl.get_unique_id()
+    raw = unique_id_bytes(uid)
+    assert len(raw) == 128
+    assert unique_id_for_cupy(raw, cupy_major()) == (bytes(uid) if isinstance(uid, bytes) else tuple(uid))
+
+
+# -- 6. done events: pooled, retired by the watchdog once finished and waited for --------------------
+
+class _Event:
+    """A CUDA event's two calls the retirement uses (no GPU here): recorded, then done."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+class _Request:
+    set_id = 0
+
+    def describe(self) -> str:
+        return "allreduce 'x'"
+
+
+def test_done_events_return_to_the_pool_once_finished_and_waited_for():
+    from gpucomm.dataplane.events import EventPool
+    from gpucomm.dataplane.watchdog import NcclWatchdog
+
+    pool = EventPool()
+    watchdog = NcclWatchdog(0, 60.0, pool, health=lambda set_id: None, fail=lambda text: None)
+    try:
+        first, second = _Event(), _Event()
+        release_first = watchdog.watch(first, 0, _Request())
+        release_second = watchdog.watch(second, 0, _Request())
+        release_first()  # waited for, not finished: still the GPU's
+        watchdog.check()
+        assert len(pool) == 0
+        first.done = second.done = True
+        watchdog.check()  # finished: the first goes back, the second is not waited for yet
+        assert pool._free == {0: [first]}
+        release_second()
+        assert pool._free == {0: [first, second]} and watchdog.retired == 2
+    finally:
+        watchdog.close()
+
+
+def test_the_watchdog_reports_an_overdue_collective():
+    from gpucomm.dataplane.events import EventPool
+    from gpucomm.dataplane.watchdog import NcclWatchdog
+
+    failures: list[str] = []
+    watchdog = NcclWatchdog(1, 0.0, EventPool(), health=lambda set_id: None, fail=failures.append)
+    try:
+        watchdog.watch(_Event(), 0, _Request())
+        watchdog.check()
+    finally:
+        watchdog.close()
+    assert len(failures) == 1 and "allreduce 'x' did not finish within 0 s" in failures[0], failures
+    assert "communicators were aborted" in failures[0]
+
+
+def test_every_executor_records_done_events_from_the_pool():
+    """The schedule's executor used to make a new CUDA event per bucket per step: every executor
+    now takes the data plane's pool and watchdog (no other way to build one)."""
+    import inspect
+
+    from gpucomm.dataplane.executor import Executor
+
+    params = inspect.signature(Executor).parameters
+    assert "pool_done_events" not in params
+    assert params["events"].default is inspect.Parameter.empty and params["watch"].default is inspect.Parameter.empty
