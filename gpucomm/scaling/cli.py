@@ -1,0 +1,232 @@
+"""``python -m gpucomm.scaling``: predicted step time, samples/s and scaling efficiency per cluster shape.
+
+    python -m gpucomm.scaling --model resnet50 --batch-size 32              # profile here, NCCL's model
+    python -m gpucomm.scaling --model mymodels:build --save-profile p.json  # your model: (model, batch, loss_fn)
+    python -m gpucomm.scaling --profile p.json --gpus-per-node 8 --nodes 1,2,4,8 --intra nvlink --nvlinks 18 \\
+        --cc 90 --nic-gbps 400 --nics-per-node 8 --plot eff.png
+    python -m gpucomm.scaling --model vgg16 --analytic --step-time 0.489 --batch-size 64 --gpus-per-node 4 \\
+        --nodes 1,4,128 --nic-gbps 25 --intra pci --cc 60 --algorithm ring
+
+Weak scaling: every GPU keeps the profiled batch. For each shape the step is predicted with the
+best bucket plan (the exact dynamic program of ``gpucomm.tuning.optimal``) and, beside it, with
+gpucomm's default buckets (1 MiB first, then 25 MiB). The collective's cost is NCCL's published
+model (``gpucomm.tuning.nccl``) unless ``--link-latency-us`` and ``--link-gbps`` describe a plain
+ring of links instead. A profile measured on another kind of device can be rescaled to a known
+single-device step time with ``--step-time``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+from typing import Any
+
+from ..tuning.costs import ring_allreduce
+from ..tuning.nccl import NCCL_VERSION, Cluster, NcclModel
+from ..tuning.predict import predict_step, scaling_efficiency
+from ..tuning.profile import Profile
+from ..tuning.step import Overheads
+
+__all__ = ["build_parser", "main", "predict_shapes"]
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers (e.g. 1,2,4,8)") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more counts >= 1")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m gpucomm.scaling", description=__doc__.splitlines()[0],
+                                 epilog="\n".join(__doc__.splitlines()[2:]),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_argument_group("the profile (one of --model, --profile)")
+    src.add_argument("--model", help="a built-in name (resnet18, resnet50, resnet101, vgg16, inception_v3, "
+                                     "inception_v3_aux) or module:callable returning (model, batch, loss_fn)")
+    src.add_argument("--profile", metavar="JSON", help="a profile saved with --save-profile")
+    src.add_argument("--batch-size", type=int, default=32, help="per device, built-in models (default %(default)s)")
+    src.add_argument("--device", default=None, help="where to profile: cpu or cuda (default: cuda when available)")
+    src.add_argument("--steps", type=int, default=5, help="timed steps (default %(default)s)")
+    src.add_argument("--warmup", type=int, default=2, help="untimed steps first (default %(default)s)")
+    src.add_argument("--analytic", action="store_true",
+                     help="built-in models: derive the profile from the architecture (FLOPs and bytes per layer) "
+                          "instead of running it; needs --step-time")
+    src.add_argument("--flops-per-s", type=float, default=15.7e12, help="--analytic: device FLOP/s (default V100)")
+    src.add_argument("--bytes-per-s", type=float, default=900e9, help="--analytic: memory bytes/s (default V100)")
+    src.add_argument("--step-time", type=float, metavar="S",
+                     help="scale the profile to this single-device step time in seconds (e.g. a published one)")
+    src.add_argument("--save-profile", metavar="JSON", help="write the profile used")
+    cl = ap.add_argument_group("cluster shapes (NCCL's cost model)")
+    cl.add_argument("--gpus-per-node", type=int, default=8, help="default %(default)s")
+    cl.add_argument("--nodes", type=_int_list, default=[1, 2, 4, 8, 16], help="comma list (default 1,2,4,8,16)")
+    cl.add_argument("--intra", choices=["nvlink", "pci"], default="nvlink",
+                    help="GPU links in a node (default %(default)s)")
+    cl.add_argument("--nvlinks", type=int, default=6, help="NVLink links per GPU (default %(default)s)")
+    cl.add_argument("--nic-gbps", type=float, default=100.0, help="each NIC's Gbit/s (default %(default)s)")
+    cl.add_argument("--nics-per-node", type=int, default=1, help="default %(default)s")
+    cl.add_argument("--cc", type=int, default=70,
+                    help="compute capability x10: 60, 70, 80, 90, 100 (default %(default)s)")
+    cl.add_argument("--cpu", choices=["intel", "amd"], default="intel")
+    cl.add_argument("--algorithm", choices=["auto", "ring", "tree"], default="auto")
+    cl.add_argument("--protocol", choices=["auto", "LL", "LL128", "Simple"], default="auto")
+    cl.add_argument("--link-latency-us", type=float, help="instead of NCCL's model: a ring over links of this latency")
+    cl.add_argument("--link-gbps", type=float, help="... and this bandwidth (Gbit/s)")
+    cl.add_argument("--processor", choices=["dedicated", "shared"], default="dedicated",
+                    help="dedicated: communication runs beside compute (GPUs); shared: it needs the cores that "
+                         "compute (CPU ranks with every core busy)")
+    ov = ap.add_argument_group("per-bucket overheads")
+    ov.add_argument("--per-bucket-us", type=float, default=0.0, help="launch cost of a bucket (default 0)")
+    ov.add_argument("--pack-gbs", type=float, default=math.inf,
+                    help="pack + unpack copy bandwidth, GB/s (default free)")
+    out = ap.add_argument_group("output")
+    out.add_argument("--json", metavar="PATH", help="write the predictions and plans")
+    out.add_argument("--plot", metavar="PNG", help="efficiency against GPU count (needs matplotlib)")
+    out.add_argument("--show-plans", action="store_true", help="list each best plan's buckets by parameter name")
+    return ap
+
+
+def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if bool(args.model) == bool(args.profile):
+        ap.error("give exactly one of --model NAME|module:callable and --profile JSON")
+    if args.analytic and args.step_time is None:
+        ap.error("--analytic needs --step-time (the single-device step it is scaled to; the architecture gives only "
+                 "the shape of the step)")
+    if (args.link_latency_us is None) != (args.link_gbps is None):
+        ap.error("--link-latency-us and --link-gbps go together (a ring over links of that latency and bandwidth)")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        ap.error("--plot needs matplotlib, which is not installed (pip install matplotlib)")
+    for flag, path in (("--json", args.json), ("--plot", args.plot), ("--save-profile", args.save_profile)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            ap.error(f"{flag} {path}: its folder does not exist")
+    if args.batch_size < 1 or args.steps < 1 or args.warmup < 0:
+        ap.error("--batch-size and --steps must be >= 1, --warmup >= 0")
+
+
+def get_profile(args: argparse.Namespace) -> Profile:
+    """The profile the arguments ask for."""
+    from . import sources  # noqa: PLC0415
+
+    if args.profile:
+        prof = Profile.load(args.profile)
+    elif args.analytic:
+        return sources.analytic_profile_of(args.model, batch_size=args.batch_size, step_s=args.step_time,
+                                           flops_per_s=args.flops_per_s, bytes_per_s=args.bytes_per_s)
+    else:
+        device = args.device
+        if device is None:
+            import torch  # noqa: PLC0415
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        prof = sources.measured_profile(args.model, batch_size=args.batch_size, device=device, steps=args.steps,
+                                        warmup=args.warmup)
+    return prof.scaled(args.step_time) if args.step_time else prof
+
+
+def predict_shapes(prof: Profile, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row per node count: the predicted step with the best plan and with gpucomm's default."""
+    overheads = Overheads(per_bucket_s=args.per_bucket_us * 1e-6, pack_Bps=args.pack_gbs * 2e9)
+    rows = []
+    for nodes in args.nodes:
+        ranks = nodes * args.gpus_per_node
+        if args.link_latency_us is not None:
+            cost = ring_allreduce(ranks, args.link_latency_us * 1e-6, args.link_gbps * 1e9 / 8)
+            model = f"ring of links {args.link_latency_us:g} us, {args.link_gbps:g} Gbit/s"
+        else:
+            cluster = Cluster(gpus_per_node=args.gpus_per_node, nodes=nodes, intra=args.intra, nvlinks=args.nvlinks,
+                              nic_gbps=args.nic_gbps, nics_per_node=args.nics_per_node, compute_capability=args.cc,
+                              cpu=args.cpu)
+            nccl = NcclModel(cluster)
+            cost = nccl.cost(args.algorithm, args.protocol)
+            model = f"NCCL {args.algorithm}/{args.protocol}"
+        best = predict_step(prof, cost, overheads=overheads, processor=args.processor)
+        default = predict_step(prof, cost, plan="gpucomm", overheads=overheads, processor=args.processor)
+        algos = sorted({nccl.choice(b.nbytes, args.algorithm, args.protocol)[0] + "/" +
+                        nccl.choice(b.nbytes, args.algorithm, args.protocol)[1] for b in best.step.buckets}) \
+            if args.link_latency_us is None and ranks > 1 else []
+        rows.append({
+            "gpus": ranks, "nodes": nodes, "cost_model": model, "nccl_choices": algos,
+            "step_s": best.step.step_s, "samples_per_s": best.samples_per_s(prof.batch_size, ranks),
+            "efficiency": scaling_efficiency(prof.step_s, best.step.step_s), "exposed_s": best.step.exposed_s,
+            "overlap_fraction": best.step.overlap_fraction,
+            "buckets": [list(b) for b in best.buckets], "bucket_bytes": [b.nbytes for b in best.step.buckets],
+            "default_step_s": default.step.step_s,
+            "default_efficiency": scaling_efficiency(prof.step_s, default.step.step_s),
+            "default_buckets": len(default.buckets)})
+    return rows
+
+
+def print_report(prof: Profile, rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print(f"model {prof.model}: {len(prof.sizes)} gradients, {prof.total_bytes / 2 ** 20:.1f} MiB; batch "
+          f"{prof.batch_size} per GPU; one device: step {prof.step_s * 1e3:.1f} ms "
+          f"(forward {prof.forward_s * 1e3:.1f}, "
+          f"backward {prof.backward_s * 1e3:.1f}, update {prof.update_s * 1e3:.1f}) [{prof.source}; {prof.device}]")
+    if args.link_latency_us is None:
+        print(f"collective: NCCL's cost model {NCCL_VERSION}; {args.gpus_per_node} GPUs per node over {args.intra}, "
+              f"{args.nics_per_node} x {args.nic_gbps:g} Gbit/s NIC per node, compute capability {args.cc}")
+    print(f"{'GPUs':>5s} {'nodes':>5s} {'step ms':>9s} {'samples/s':>11s} {'eff':>6s} {'exposed ms':>10s} "
+          f"{'buckets':>7s} {'default ms':>10s} {'def eff':>7s}  NCCL picks")
+    for r in rows:
+        print(f"{r['gpus']:5d} {r['nodes']:5d} {r['step_s'] * 1e3:9.1f} {r['samples_per_s']:11.1f} "
+              f"{r['efficiency'] * 100:5.1f}% {r['exposed_s'] * 1e3:10.1f} {len(r['buckets']):7d} "
+              f"{r['default_step_s'] * 1e3:10.1f} {r['default_efficiency'] * 100:6.1f}%  "
+              f"{', '.join(r['nccl_choices'])}")
+    for r in rows:
+        sizes = ", ".join(f"{b / 2 ** 20:.2f}" for b in r["bucket_bytes"])
+        print(f"best plan at {r['gpus']} GPUs: {len(r['buckets'])} buckets of [{sizes}] MiB")
+        if args.show_plans:
+            for k, b in enumerate(r["buckets"]):
+                print(f"  bucket {k}: {prof.names[b[0]]} .. {prof.names[b[-1]]} ({len(b)} tensors)")
+
+
+def plot(rows: list[dict[str, Any]], prof: Profile, path: str) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    gpus = [r["gpus"] for r in rows]
+    ax.plot(gpus, [r["efficiency"] * 100 for r in rows], "o-", label="best plan (exact DP)")
+    ax.plot(gpus, [r["default_efficiency"] * 100 for r in rows], "s--", label="gpucomm default buckets")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("scaling efficiency (%)")
+    ax.set_ylim(0, 105)
+    ax.set_title(f"{prof.model}, batch {prof.batch_size} per GPU (predicted)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    _check_args(ap, args)
+    try:
+        prof = get_profile(args)
+    except ValueError as e:
+        print(f"python -m gpucomm.scaling: error: {e}", file=sys.stderr)
+        return 2
+    if args.save_profile:
+        prof.save(args.save_profile)
+    rows = predict_shapes(prof, args)
+    print_report(prof, rows, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"profile": prof.to_dict(), "shapes": rows,
+                       "nccl": NCCL_VERSION if args.link_latency_us is None else None}, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(rows, prof, args.plot)
+        print(f"wrote {args.plot}")
+    return 0

@@ -1,0 +1,33 @@
+"""A model of a data-parallel training step, and the bucket plan that minimises it.
+
+Pure Python (no torch, no GPU) at its core:
+
+- ``costs``: collective cost curves, ``AlphaBeta`` and ``fit_alpha_beta`` from measured samples;
+- ``nccl``: NCCL's published cost model (ring and tree, 2.30.7 constants) for clusters we do not have;
+- ``step``: the step as gpucomm schedules it (buckets in index order, one at a time on one stream);
+- ``optimal``: the exact best contiguous bucket cuts in ready order (an O(n²) dynamic program);
+- ``policies``: other systems' plans (gpucomm's and DDP's fixed caps, Horovod's cycle);
+- ``profile`` / ``predict``: a model's ready times and sizes in, predicted step and efficiency out.
+
+Torch-side helpers load only when imported: ``measure`` (profile a model on a device), ``flops``
+(an analytic profile from the architecture) and ``plans`` (a plan as ``fusion.Bucket`` records or
+``DistributedOptimizer(groups=...)`` lists).
+"""
+
+from .costs import AlphaBeta, CostFn, FitError, fit_alpha_beta, medians, ring_allreduce
+from .nccl import NCCL_VERSION, Cluster, Graph, NcclModel, graph_for
+from .optimal import OptimalPlan, buckets_from_cuts, optimal_plan, ready_order
+from .policies import capped_buckets, cycle_schedule
+from .predict import Prediction, predict_step, scaling_efficiency
+from .profile import Profile
+from .step import BucketTiming, Overheads, StepPrediction, simulate
+
+__all__ = [
+    "AlphaBeta", "CostFn", "FitError", "fit_alpha_beta", "medians", "ring_allreduce",
+    "NCCL_VERSION", "Cluster", "Graph", "NcclModel", "graph_for",
+    "OptimalPlan", "buckets_from_cuts", "optimal_plan", "ready_order",
+    "capped_buckets", "cycle_schedule",
+    "Prediction", "predict_step", "scaling_efficiency",
+    "Profile",
+    "BucketTiming", "Overheads", "StepPrediction", "simulate",
+]

@@ -1,0 +1,101 @@
+"""``python -m gpucomm.scaling`` and the transcribed architectures behind it: parameter totals
+against the published counts, a profile measured from a ``module:callable``, saved and reloaded,
+an analytic profile of a built-in model, and the errors that name what to fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gpucomm.scaling import zoo
+from gpucomm.scaling.cli import main
+from gpucomm.tuning.profile import Profile
+from tests.harness import PYTHON, ROOT, run
+
+
+@pytest.mark.parametrize("name", list(zoo.MODELS))
+def test_transcribed_architectures_match_published_parameter_counts(name):
+    with torch.device("meta"):
+        model, shape = zoo.build(name)
+    assert sum(p.numel() for p in model.parameters()) == zoo.PUBLISHED_PARAMETERS[name]
+    with torch.no_grad():  # and they run: one batch of the declared sample shape gives 1000 scores
+        out = model(torch.empty(2, *shape, device="meta"))
+    assert tuple(out.shape) == (2, 1000)
+
+
+def test_profile_of_a_callable_is_saved_and_predicts_shapes(tmp_path, capsys):
+    prof_path, out_path = tmp_path / "p.json", tmp_path / "out.json"
+    code = main(["--model", "tests.test_scaling_models:tiny", "--device", "cpu", "--steps", "2", "--warmup", "1",
+                 "--save-profile", str(prof_path), "--json", str(out_path), "--gpus-per-node", "4",
+                 "--nodes", "1,2", "--intra", "pci", "--cc", "60", "--nic-gbps", "25", "--show-plans"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "model tests.test_scaling_models:tiny: 6 gradients" in text
+    assert "best plan at 8 GPUs" in text and "bucket 0:" in text
+    prof = Profile.load(str(prof_path))
+    assert prof.names == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+    assert prof.sizes == [64 * 256 * 4, 256 * 4, 256 * 256 * 4, 256 * 4, 256 * 10 * 4, 10 * 4]
+    assert prof.ready_s[4] <= prof.ready_s[0]  # backward: the last layer's gradient first
+    doc = json.loads(out_path.read_text())
+    rows = doc["shapes"]
+    assert [r["gpus"] for r in rows] == [4, 8]
+    for r in rows:
+        assert sorted(i for b in r["buckets"] for i in b) == list(range(6))
+        assert 0 < r["efficiency"] <= 1.0 and r["samples_per_s"] == pytest.approx(16 * r["gpus"] / r["step_s"])
+
+
+def test_saved_profile_with_a_link_model_and_a_plot(tmp_path, capsys):
+    prof = Profile("hand", 8, ["a", "b", "c"], [4 << 20, 4 << 20, 8 << 20], [0.03, 0.02, 0.01], 0.01, 0.03, 0.005,
+                   source="hand-made")
+    path = tmp_path / "p.json"
+    prof.save(str(path))
+    png = tmp_path / "eff.png"
+    assert main(["--profile", str(path), "--nodes", "1,4", "--gpus-per-node", "2", "--link-latency-us", "10",
+                 "--link-gbps", "10", "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "model hand: 3 gradients, 16.0 MiB" in text
+    # 2 GPUs: a ring of 2 steps, 10 us each, 1/2 of the data per step at 1.25 GB/s
+    line = next(ln for ln in text.splitlines() if ln.split()[:2] == ["2", "1"])
+    assert float(line.split()[2]) > prof.step_s * 1e3
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_analytic_profile_of_a_builtin(capsys):
+    assert main(["--model", "vgg16", "--analytic", "--step-time", "0.489", "--batch-size", "64", "--nodes", "1,128",
+                 "--gpus-per-node", "4", "--intra", "pci", "--cc", "60", "--nic-gbps", "25",
+                 "--algorithm", "ring"]) == 0
+    text = capsys.readouterr().out
+    assert "model vgg16: 32 gradients, 527.8 MiB; batch 64 per GPU; one device: step 489.0 ms" in text
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "nosuchmodule:build"], "cannot import 'nosuchmodule'"),
+    (["--model", "tests.test_scaling_models:not_a_triple", "--device", "cpu"], "must return (model, batch, loss_fn)"),
+    (["--model", "resnet"], "write a built-in name or module:callable"),
+    (["--model", "tests.test_scaling_models:tiny", "--analytic", "--step-time", "1"], "--analytic needs a built-in model"),
+])
+def test_bad_models_are_named(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([], "give exactly one of --model"),
+    (["--model", "vgg16", "--analytic"], "--analytic needs --step-time"),
+    (["--model", "vgg16", "--link-gbps", "10"], "go together"),
+    (["--model", "vgg16", "--nodes", "0"], "give one or more counts >= 1"),
+])
+def test_bad_arguments_exit_2_with_the_fix(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_module_entry_point_runs():
+    r = run([PYTHON, "-m", "gpucomm.scaling", "--model", "resnet50", "--analytic", "--step-time", "0.097",
+             "--nodes", "1,2"], timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "best plan at 16 GPUs" in r.stdout
