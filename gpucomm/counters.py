@@ -28,6 +28,8 @@ class Counters:
     issue_deferred: int = 0  # agreed CUDA collectives that waited for an optimizer step's launches (one order per device)
     nccl_aborts: int = 0  # NCCL communicators aborted (the job failed)
     nccl_destroys: int = 0  # NCCL communicators destroyed (a healthy job's shutdown, an optimizer's close)
+    nonfinite_steps: int = 0  # optimizer steps in which the finite check found a NaN/Inf gradient on some rank
+    nonfinite_skipped: int = 0  # ... of which AMP's GradScaler was in use (it skips them: reported, not raised)
 
 
 COUNTERS = Counters()

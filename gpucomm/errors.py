@@ -22,6 +22,15 @@ class ShutdownError(CollectiveError):
     """The operation was still pending when gpucomm shut down."""
 
 
+class NonFiniteGradientError(GpucommError, FloatingPointError):
+    """A gradient went non-finite (NaN or Inf) on some rank (``DistributedOptimizer(check_finite=
+    "raise")``); raised on every rank in the same step. ``findings`` names each rank and parameter."""
+
+    def __init__(self, message: str, step: int, findings: list) -> None:
+        super().__init__(message)
+        self.step, self.findings = step, findings
+
+
 class KernelUnavailableError(GpucommError):
     """gpucomm's Numba CUDA kernels cannot run in this process (no GPU, driver or toolkit)."""
 

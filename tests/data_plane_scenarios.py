@@ -425,3 +425,25 @@ def communicator_on_cupy_default_stream() -> list[float]:
     result = cupy.asnumpy(out).tolist()
     hvd.shutdown()
     return result
+
+
+def timeline_gpu_timer_device(path: str) -> dict:
+    """Rank 0 on the second GPU (local ranks swapped): the timeline's GPU timer, made by whichever
+    thread issues rank 0's first traced CUDA collective, must sit on rank 0's GPU."""
+    import os
+
+    rank = int(os.environ["GPUCOMM_RANK"])
+    os.environ["GPUCOMM_LOCAL_RANK"] = str(1 - rank)
+    hvd.init()
+    hvd.start_timeline(path) if hvd.rank() == 0 else None
+    for i in range(3):
+        hvd.allreduce(torch.ones(1024, device="cuda"), name=f"traced.{i}")
+    torch.cuda.synchronize()
+    job = runtime.current()
+    timer = job.tracer._gpu if job.tracer is not None else None
+    seen = {"mine": torch.cuda.current_device(),
+            "timer": None if timer is None else timer.device.index,
+            "anchor": None if timer is None else timer._anchor_stream.device.index}
+    hvd.stop_timeline() if hvd.rank() == 0 else None
+    hvd.shutdown()
+    return seen

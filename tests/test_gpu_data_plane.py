@@ -69,3 +69,9 @@ def test_no_rank_opens_a_context_on_another_ranks_gpu():
         if not seen["contexts_on"]:
             pytest.skip("NVML lists no process of ours (a PID namespace hides them); cannot check contexts")
         assert seen["contexts_on"] == [seen["bus"]], (rank, seen)
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs two GPUs: rank 0 on the second one")
+def test_the_timelines_gpu_timer_sits_on_rank_0s_gpu(tmp_path):
+    seen = run_ranks(sc.timeline_gpu_timer_device, 2, args=(str(tmp_path / "timeline.json"),), timeout=600)[0]
+    assert seen["mine"] == 1 and seen["timer"] == 1 and seen["anchor"] == 1, seen

@@ -20,6 +20,7 @@ import torch
 
 from ..kernels import availability, rules
 from . import fusion
+from .finite import FirstNonFinite
 
 __all__ = ["BucketCopy", "TorchCopy", "kernels_wanted"]
 
@@ -51,7 +52,7 @@ class TorchCopy:
     def __call__(self, tensors: Sequence[torch.Tensor], flat: torch.Tensor, stream: Any = None) -> None:
         tensors = rules.tensor_list(self.direction, tensors)
         lean = flat.is_cuda if self.lean is None else self.lean
-        with fusion._on_stream(flat, stream), torch.no_grad():
+        with fusion.stream_context(flat, stream), torch.no_grad():
             if not lean:
                 if self.direction == "pack":
                     fusion._torch_pack(tensors, flat, self.scale)
@@ -106,11 +107,14 @@ class BucketCopy:
     kernels on CUDA while they can run (``kernels``: None = ``kernels_wanted``; True forces a try,
     e.g. in Numba's simulator on CPU tensors), torch ops otherwise."""
 
-    def __init__(self, *, pack_scale: float = 1.0, unpack_scale: float = 1.0, kernels: bool | None = None) -> None:
+    def __init__(self, *, pack_scale: float = 1.0, unpack_scale: float = 1.0, kernels: bool | None = None,
+                 check_finite: bool = False) -> None:
         self._kernels = kernels
         self._scales = {"pack": float(pack_scale), "unpack": float(unpack_scale)}
+        self._check = check_finite
         self._bound: dict[str, Any] = {}
         self._torch = {d: TorchCopy(d, s) for d, s in self._scales.items()}
+        self._first_nonfinite = FirstNonFinite()
 
     def prepare(self, tensor_dtype: torch.dtype, flat_dtype: torch.dtype, device: torch.device) -> None:
         """Compile both directions' kernels now (a DistributedOptimizer builds its buckets before the
@@ -125,7 +129,7 @@ class BucketCopy:
         def compile_both() -> None:
             from ..kernels import compile_variant  # noqa: PLC0415 - imports numba
 
-            compile_variant(tensor_dtype, flat_dtype, self._scales["pack"] != 1.0, device)
+            compile_variant(tensor_dtype, flat_dtype, self._scales["pack"] != 1.0, device, self._check)
             compile_variant(flat_dtype, tensor_dtype, self._scales["unpack"] != 1.0, device)
 
         try:
@@ -133,9 +137,30 @@ class BucketCopy:
         except ValueError:  # no kernel for this conversion: the first copy says why, as it always did
             pass
 
-    def pack(self, tensors: Sequence[torch.Tensor], flat: torch.Tensor, stream: Any = None) -> None:
-        """``tensors`` back to back into ``flat`` (from element 0), times ``pack_scale``."""
-        self._run("pack", tensors, flat, stream)
+    def pack(self, tensors: Sequence[torch.Tensor], flat: torch.Tensor, stream: Any = None,
+             check_out: torch.Tensor | None = None, check_limit: int = 1 << 24) -> None:
+        """``tensors`` back to back into ``flat`` (from element 0), times ``pack_scale``. With the
+        finite check (``check_finite`` and a 1-element ``check_out``): ``check_out`` := 0 if every
+        packed value is finite, else 1 + the index of the first tensor holding Inf or NaN (at most
+        ``check_limit``), found by the pack kernel itself or, on torch ops, by one pass over the
+        packed buffer; no host sync either way."""
+        if check_out is None or not self._check:
+            self._run("pack", tensors, flat, stream)
+            return
+        if self._kernels is None:
+            self._kernels = kernels_wanted(flat)
+        if self._kernels and availability.try_kernels(
+                lambda: self._bound_copy("pack_checked")(tensors, flat, stream, check_out, check_limit)):
+            return
+        if flat.is_cuda and not availability.kernels_usable():
+            availability.count_fallback_copy()
+        self._torch["pack"](tensors, flat, stream)
+        pieces, pos = [], 0
+        for t in tensors:  # the packed values, as they travel (a cast may have overflowed)
+            pieces.append(flat[pos:pos + t.numel()])
+            pos += t.numel()
+        with fusion.stream_context(flat, stream):
+            self._first_nonfinite(pieces, check_out, check_limit, whole=flat[:pos])
 
     def unpack(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor], stream: Any = None) -> None:
         """Consecutive pieces of ``flat`` into ``tensors``, times ``unpack_scale``."""
@@ -155,5 +180,9 @@ class BucketCopy:
         if bound is None:
             from ..kernels.bound import BoundCopy  # noqa: PLC0415 - imports numba
 
-            bound = self._bound[direction] = BoundCopy(direction, self._scales[direction])
+            if direction == "pack_checked":
+                bound = BoundCopy("pack", self._scales["pack"], checked=True)
+            else:
+                bound = BoundCopy(direction, self._scales[direction])
+            self._bound[direction] = bound
         return bound

@@ -315,10 +315,12 @@ def _copy(direction: str, tensors: Sequence[torch.Tensor], buffer: torch.Tensor,
     TorchCopy(direction, scale)(tensors, buffer, stream)  # CUDA: few launches; CPU: one pass
 
 
-def _on_stream(buffer: torch.Tensor, stream: Any):
+def stream_context(buffer: torch.Tensor, stream: Any):
+    """Run a block's torch ops on ``stream`` when ``buffer`` is a CUDA tensor and a stream is given."""
     if buffer.device.type == "cuda" and stream is not None:
         return torch.cuda.stream(stream)
     return contextlib.nullcontext()
+
 
 
 def _torch_pack(tensors: Sequence[torch.Tensor], flat: torch.Tensor, scale: float) -> torch.Tensor:

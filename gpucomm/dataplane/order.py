@@ -1,5 +1,7 @@
-"""One order per device: every NCCL call a rank makes on a device (all communicators) is issued
-in an order that is the same on every rank.
+"""One order per device. Every NCCL call a rank makes on a device (all communicators) is issued
+in an order that is the same on every rank; nothing on the fixed schedule is negotiated, and
+nothing negotiated is issued from a thread that races the schedule. (DESIGN.md's rule; this
+module enforces it.)
 
 NCCL's rule: collectives on several communicators of one GPU must be issued in the same order on
 every rank, or a kernel waiting for a peer can hold the GPU that the peer's kernel needs, and the

@@ -89,6 +89,14 @@ class DataPlane:
     def run(self, handle: Handle, meta: dict, execute: Executor) -> None:
         """``handle``'s request is agreed (``meta``: the coordinator's additions): issue it through
         ``execute`` now, or in its device's order, and settle the handle."""
+        if handle.request.device.type != "cuda" and not self.orders_cpu:  # the CPU hot path: no order
+            try:
+                issued = execute(handle.request, meta)
+            except BaseException as e:  # noqa: BLE001 - the error belongs to whoever waits on the handle
+                handle.settle(error=e)
+                return
+            handle.settle(issued=issued)
+            return
         order = self.order(handle.request.device)
 
         def issue() -> None:
@@ -99,10 +107,7 @@ class DataPlane:
                 return
             handle.settle(issued=issued)
 
-        if order is None:
-            issue()
-        else:
-            order.agreed(handle, issue)
+        order.agreed(handle, issue)
 
     def run_unowned(self, request: Request, meta: dict, execute: Executor, keep: Callable[[Issued], None]) -> None:
         """Issue a request nobody waits on (a joined rank's zeros), in its device's order; ``keep``

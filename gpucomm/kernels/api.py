@@ -24,7 +24,8 @@ from .rules import tensor_list, validate
 from .specs import KernelSpec, select_kernel
 from .table import CHUNK_ELEMS, Table, TableCache, chunk_rows
 
-__all__ = ["pack", "unpack", "clear_cache", "cache_info", "compile_variant", "Layout", "new_layout"]
+__all__ = ["pack", "unpack", "clear_cache", "cache_info", "compile_variant", "Layout", "RowFlags", "new_layout",
+           "stream_context"]
 
 _CACHE = TableCache()
 _PTR, _NUMEL, _CONTIG = torch.Tensor.data_ptr, torch.Tensor.numel, torch.Tensor.is_contiguous
@@ -54,11 +55,13 @@ def unpack(src: torch.Tensor, dsts: Sequence[torch.Tensor], *, scale: float = 1.
     _run("unpack", dsts, src, scale, stream, validate)
 
 
-def compile_variant(src: torch.dtype, dst: torch.dtype, scaled: bool, device: torch.device) -> None:
+def compile_variant(src: torch.dtype, dst: torch.dtype, scaled: bool, device: torch.device,
+                    checked: bool = False) -> None:
     """Compile now the kernel that copies ``src`` elements into ``dst`` ones (times a scale when
-    ``scaled``) for ``device``; KernelUnavailableError when the kernels cannot run there,
-    ValueError for a conversion no kernel makes. Compiling happens once per process and variant."""
-    spec = select_kernel(src, dst, scaled)
+    ``scaled``; the checked pack when ``checked``) for ``device``; KernelUnavailableError when the
+    kernels cannot run there, ValueError for a conversion no kernel makes. Compiling happens once
+    per process and variant."""
+    spec = select_kernel(src, dst, scaled, checked)
     _check_runnable("pack", device)
     _launch.compile_kernel(spec, device)
 
@@ -101,12 +104,14 @@ def _run(direction: str, tensors: Sequence[torch.Tensor], flat: torch.Tensor, sc
 
 class Layout:
     """A checked layout: its kernel, its element count, and (when there is anything to copy) its
-    table and prepared launch."""
+    table and prepared launch. A layout of a checked pack also holds its per-row flags and the
+    tensor each row belongs to (``finite``)."""
 
-    __slots__ = ("spec", "total", "table", "launch")
+    __slots__ = ("spec", "total", "table", "launch", "finite")
 
-    def __init__(self, spec: KernelSpec, total: int, table: Table | None, launch: _launch.Launch | None) -> None:
-        self.spec, self.total, self.table, self.launch = spec, total, table, launch
+    def __init__(self, spec: KernelSpec, total: int, table: Table | None, launch: _launch.Launch | None,
+                 finite: "RowFlags | None" = None) -> None:
+        self.spec, self.total, self.table, self.launch, self.finite = spec, total, table, launch, finite
 
     def run(self, device: torch.device, stream: Any) -> None:
         """Launch on ``stream`` (None: the current stream of ``device``)."""
@@ -116,15 +121,47 @@ class Layout:
         if device.type == "cuda":
             stream = _stream_for(stream, device)
             self.table.use_on(stream)
+        if self.finite is not None:
+            with stream_context(stream):
+                self.finite.flags.zero_()
         launch(stream)
 
 
+class RowFlags:
+    """A checked pack's per-row flags (int32, set by the kernel when the row's piece holds Inf or
+    NaN) and each row's tensor index, both on the layout's device."""
+
+    __slots__ = ("flags", "row_tensor", "count")
+
+    def __init__(self, flags: torch.Tensor, row_tensor: torch.Tensor, count: int) -> None:
+        self.flags, self.row_tensor, self.count = flags, row_tensor, count
+
+    def first_flagged(self, out: torch.Tensor, limit: int, stream: Any = None) -> None:
+        """Write into the 1-element ``out`` 0 when no row was flagged, else 1 + the index of the first
+        tensor with a flagged row (at most ``limit``), on ``stream``: device ops, no host sync."""
+        with stream_context(stream):
+            first = torch.where(self.flags != 0, self.row_tensor, self.count).min()
+            out.copy_(torch.where(first < self.count, (first + 1).clamp(max=limit), 0).reshape(out.shape))
+
+
+def stream_context(stream: Any):
+    """Run the torch ops of a block on ``stream`` (a CUDA stream), or where they are (None, simulator)."""
+    import contextlib  # noqa: PLC0415
+
+    if stream is None or SIMULATOR:
+        return contextlib.nullcontext()
+    return torch.cuda.stream(stream)
+
+
 def new_layout(direction: str, tensors: Sequence[torch.Tensor], flat: torch.Tensor, scale: float,
-               stream: Any) -> Layout:
-    """Check a layout in full, build its table and prepare its launch (compiling the kernel if new)."""
+               stream: Any, checked: bool = False) -> Layout:
+    """Check a layout in full, build its table and prepare its launch (compiling the kernel if new);
+    ``checked``: a pack that also flags the rows holding Inf or NaN (floating dtypes)."""
+    if checked and direction != "pack":
+        raise ValueError("only a pack checks for Inf and NaN (the gradients going into the fusion buffer)")
     dtype, total = validate(direction, tensors, flat)
     src_dtype, dst_dtype = (dtype, flat.dtype) if direction == "pack" else (flat.dtype, dtype)
-    spec = select_kernel(src_dtype, dst_dtype, scale != 1.0)
+    spec = select_kernel(src_dtype, dst_dtype, scale != 1.0, checked)
     if total == 0:
         return Layout(spec, 0, None, None)
     device = flat.device
@@ -133,7 +170,25 @@ def new_layout(direction: str, tensors: Sequence[torch.Tensor], flat: torch.Tens
         stream = _stream_for(stream, device)
     ptrs, numels = tuple(map(_PTR, tensors)), tuple(map(_NUMEL, tensors))
     table = _build_table(direction, spec, flat.data_ptr(), flat.element_size(), ptrs, numels, device, stream)
-    return Layout(spec, total, table, _launch.Launch(spec, table.address, table.nrows, table.grid, scale, device))
+    finite = _row_flags(numels, table.nrows, device, stream) if checked else None
+    launch = _launch.Launch(spec, table.address, table.nrows, table.grid, scale, device,
+                            flags_address=finite.flags.data_ptr() if finite is not None else 0)
+    return Layout(spec, total, table, launch, finite)
+
+
+def _row_flags(numels: tuple, nrows: int, device: torch.device, stream: Any) -> RowFlags:
+    """The flags and row-to-tensor map of a checked layout (built once per layout, like its table)."""
+    pieces = -(-np.asarray(numels, dtype=np.int64) // CHUNK_ELEMS)
+    rows = np.repeat(np.arange(len(numels), dtype=np.int32), pieces)
+    assert len(rows) == nrows, (len(rows), nrows)
+    row_tensor = torch.from_numpy(rows)
+    if device.type == "cuda" and not SIMULATOR:
+        with torch.cuda.stream(stream):  # uploaded in the launch stream's order, never blocking the host
+            row_tensor = row_tensor.pin_memory().to(device, non_blocking=True)
+            flags = torch.zeros(nrows, dtype=torch.int32, device=device)
+    else:
+        flags = torch.zeros(nrows, dtype=torch.int32)
+    return RowFlags(flags, row_tensor, len(numels))
 
 
 def _build_table(direction: str, spec: KernelSpec, flat_ptr: int, flat_itemsize: int, ptrs: tuple, numels: tuple,

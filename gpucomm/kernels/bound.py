@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .api import Layout, _stream_for, new_layout
+from .api import Layout, _stream_for, new_layout, stream_context
 from .rules import tensor_list
 
 __all__ = ["BoundCopy"]
@@ -29,20 +29,24 @@ _KEEP = 4  # address sets kept per bucket
 
 class BoundCopy:
     """``pack`` (``direction="pack"``: tensors -> flat) or ``unpack`` (flat -> tensors) of one bucket,
-    times ``scale``, bound to its layout; see the module doc for the contract."""
+    times ``scale``, bound to its layout; see the module doc for the contract. ``checked``: a pack
+    that also finds the first tensor holding Inf or NaN (``__call__``'s ``check_out``)."""
 
-    __slots__ = ("direction", "scale", "_key", "_layout", "_layouts")
+    __slots__ = ("direction", "scale", "checked", "_key", "_layout", "_layouts")
 
-    def __init__(self, direction: str, scale: float = 1.0) -> None:
+    def __init__(self, direction: str, scale: float = 1.0, *, checked: bool = False) -> None:
         if direction not in ("pack", "unpack"):
             raise ValueError(f"BoundCopy direction must be 'pack' or 'unpack', got {direction!r}")
-        self.direction, self.scale = direction, float(scale)
+        self.direction, self.scale, self.checked = direction, float(scale), checked
         self._key: tuple | None = None
         self._layout: Layout | None = None
         self._layouts: dict[tuple, Layout] = {}
 
-    def __call__(self, tensors: Sequence[torch.Tensor], flat: torch.Tensor, stream: Any = None) -> None:
-        """Copy between ``tensors`` and ``flat`` on ``stream`` (default: the current stream)."""
+    def __call__(self, tensors: Sequence[torch.Tensor], flat: torch.Tensor, stream: Any = None,
+                 check_out: torch.Tensor | None = None, check_limit: int = 1 << 24) -> None:
+        """Copy between ``tensors`` and ``flat`` on ``stream`` (default: the current stream). A checked
+        pack then writes into the 1-element ``check_out``: 0 if every value is finite, else 1 + the
+        index of the first tensor holding Inf or NaN (at most ``check_limit``)."""
         if not isinstance(tensors, (list, tuple)):
             tensors = tensor_list(self.direction, tensors)
         try:
@@ -56,19 +60,29 @@ class BoundCopy:
             layout = self._bind(None, tensors, flat, stream)  # a shorter view at the same address: raises
         launch = layout.launch
         if launch is None:
+            if check_out is not None:
+                check_out.zero_()  # nothing to copy: nothing non-finite
             return
         if flat.is_cuda:
             if stream is None:
                 stream = torch.cuda.current_stream(flat.device)
             layout.table.use_on(stream)
+        finite = layout.finite
+        if finite is None:
+            launch(stream)
+            return
+        with stream_context(stream):
+            finite.flags.zero_()
         launch(stream)
+        if check_out is not None:
+            finite.first_flagged(check_out, check_limit, stream)
 
     def _bind(self, key: tuple | None, tensors: Sequence[torch.Tensor], flat: torch.Tensor, stream: Any) -> Layout:
         layout = self._layouts.get(key) if key is not None else None
         if layout is None:
             if flat.is_cuda:
                 stream = _stream_for(stream, flat.device)
-            layout = new_layout(self.direction, tensors, flat, self.scale, stream)  # checks everything
+            layout = new_layout(self.direction, tensors, flat, self.scale, stream, self.checked)  # checks everything
             if key is None:
                 return layout
             if len(self._layouts) >= _KEEP:

@@ -24,14 +24,17 @@ from numba import cuda
 from numba.cuda.core import config as _numba_config
 
 __all__ = [
-    "SIMULATOR", "device_function", "view_u8", "view_u16", "view_u32", "view_u64", "view_i64", "view_f16", "view_f32",
-    "view_f64", "f32_bits", "bits_f32", "bf16_from_f32", "f32_from_bf16", "to_f16", "to_f32", "mul",
+    "SIMULATOR", "device_function", "view_u8", "view_u16", "view_u32", "view_u64", "view_i32", "view_i64", "view_f16",
+    "view_f32", "view_f64", "f32_bits", "bits_f32", "bf16_from_f32", "f32_from_bf16", "to_f16", "to_f32", "mul",
+    "bad_f32", "bad_f16", "bad_f64", "bad_f32_bits", "bad_f16_bits", "bad_bf16_bits", "bad_f64_bits",
 ]
 
 SIMULATOR: bool = bool(_numba_config.ENABLE_CUDASIM)
 
 U16, U32, U64 = np.uint16, np.uint32, np.uint64
 _ABS_MASK, _INF_BITS, _BF16_QNAN = U32(0x7FFFFFFF), U32(0x7F800000), U16(0x7FC0)
+# exponent all ones (Inf or NaN), per format: a finite check is one AND and one compare
+_F16_EXP, _BF16_EXP, _F64_EXP = U32(0x7C00), U32(0x7F80), U64(0x7FF0000000000000)
 _ROUND_BIAS, _SIXTEEN, _ONE = U32(0x7FFF), U32(16), U32(1)
 
 if SIMULATOR:
@@ -53,7 +56,11 @@ if SIMULATOR:
         return view
 
     view_u8, view_u16, view_u32, view_u64 = map(_make_view, (np.uint8, np.uint16, np.uint32, np.uint64))
-    view_i64, view_f16, view_f32, view_f64 = map(_make_view, (np.int64, np.float16, np.float32, np.float64))
+    view_i32, view_i64, view_f16, view_f32, view_f64 = map(_make_view, (np.int32, np.int64, np.float16, np.float32,
+                                                                        np.float64))
+
+    def f64_bits(x):
+        return np.float64(x).view(np.uint64)
 
     def f32_bits(x):
         return np.float32(x).view(np.uint32)
@@ -100,7 +107,15 @@ else:
         return view
 
     view_u8, view_u16, view_u32, view_u64 = map(_make_view, (types.uint8, types.uint16, types.uint32, types.uint64))
-    view_i64, view_f16, view_f32, view_f64 = map(_make_view, (types.int64, types.float16, types.float32, types.float64))
+    view_i32, view_i64, view_f16, view_f32, view_f64 = map(_make_view, (types.int32, types.int64, types.float16,
+                                                                        types.float32, types.float64))
+
+    @intrinsic
+    def f64_bits(typingctx, x):
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.IntType(64))
+
+        return types.uint64(types.float64), codegen
 
     @intrinsic
     def f32_bits(typingctx, x):
@@ -146,3 +161,39 @@ def bf16_from_f32(x):
 def f32_from_bf16(h):
     """bfloat16 bits (uint16) -> float32, exactly (the bits are the top half of a float32)."""
     return bits_f32(U32(U32(h) << _SIXTEEN))
+
+
+# -- finite checks (the checked pack kernels): True for Inf or NaN, from the bits ------------------
+@device_function
+def bad_f32_bits(u):
+    return (u & _INF_BITS) == _INF_BITS
+
+
+@device_function
+def bad_f16_bits(h):
+    return (U32(h) & _F16_EXP) == _F16_EXP
+
+
+@device_function
+def bad_bf16_bits(h):
+    return (U32(h) & _BF16_EXP) == _BF16_EXP
+
+
+@device_function
+def bad_f64_bits(u):
+    return (u & _F64_EXP) == _F64_EXP
+
+
+@device_function
+def bad_f32(x):
+    return bad_f32_bits(f32_bits(x))
+
+
+@device_function
+def bad_f16(x):  # widening to float32 keeps Inf and NaN
+    return bad_f32_bits(f32_bits(to_f32(x)))
+
+
+@device_function
+def bad_f64(x):
+    return bad_f64_bits(f64_bits(x))

@@ -169,16 +169,21 @@ class Launch:
                  "_params_address", "_np_args")
 
     def __init__(self, spec: KernelSpec, table_address: int, nrows: int, grid: int, scale: float,
-                 device: torch.device) -> None:
+                 device: torch.device, flags_address: int = 0) -> None:
         self.spec, self.grid, self.nrows, self.device = spec, grid, nrows, device
         self.index = -1 if SIMULATOR or device.type != "cuda" else (
             device.index if device.index is not None else torch.cuda.current_device())
+        if spec.checked and not flags_address:
+            raise ValueError(f"the checked kernel {spec.name!r} needs the address of its per-row flags")
         scale_c = ctypes.c_double(scale) if spec.uses_float64 else ctypes.c_float(scale)
         self._args = (ctypes.c_uint64(table_address), ctypes.c_int64(nrows), scale_c)
-        self._params = (ctypes.c_void_p * 3)(*(ctypes.addressof(a) for a in self._args))
-        self._params_address = ctypes.addressof(self._params)
         scale_np = np.float64(scale) if spec.uses_float64 else np.float32(scale)
         self._np_args = (np.uint64(table_address), np.int64(nrows), scale_np)
+        if spec.checked:  # the fourth parameter: where the kernel flags the rows holding Inf or NaN
+            self._args += (ctypes.c_uint64(flags_address),)
+            self._np_args += (np.uint64(flags_address),)
+        self._params = (ctypes.c_void_p * len(self._args))(*(ctypes.addressof(a) for a in self._args))
+        self._params_address = ctypes.addressof(self._params)
         self._kernel = compile_kernel(spec, device)
         self._function = None
 

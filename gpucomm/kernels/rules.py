@@ -17,7 +17,8 @@ from typing import Sequence
 import torch
 
 __all__ = [
-    "FLOAT_DTYPES", "INT_WIDTHS", "CASTS", "conversion", "compute_dtype", "tensor_list", "validate", "dtype_name",
+    "FLOAT_DTYPES", "INT_WIDTHS", "CASTS", "checked_conversion", "conversion", "compute_dtype", "tensor_list",
+    "validate", "dtype_name",
 ]
 
 FLOAT_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64"}
@@ -53,6 +54,17 @@ def conversion(src: torch.dtype, dst: torch.dtype, scaled: bool) -> str:
         f"no pack kernel converts {dtype_name(src)} to {dtype_name(dst)}. Any of "
         f"{', '.join(dtype_name(t) for t in [*FLOAT_DTYPES, *INT_WIDTHS])} is copied to the same dtype, and the "
         f"casts are {supported}. Fix: choose the fusion buffer (wire) dtype from these, or convert with torch first.")
+
+
+def checked_conversion(src: torch.dtype, dst: torch.dtype, scaled: bool) -> str:
+    """The checked pack variant (Inf/NaN flagged per piece) converting floating ``src`` to ``dst``."""
+    name = conversion(src, dst, scaled)
+    if src not in FLOAT_DTYPES or dst not in FLOAT_DTYPES:
+        raise ValueError(f"the finite check needs floating tensors, got {dtype_name(src)} -> {dtype_name(dst)}: "
+                         f"integers are never Inf or NaN.")
+    if name.startswith("copy"):  # bit copies are per width; the check needs the format
+        name = f"copy_{FLOAT_DTYPES[src]}"
+    return name + "_checked"
 
 
 def compute_dtype(src: torch.dtype, dst: torch.dtype) -> torch.dtype:

@@ -35,7 +35,7 @@ import torch
 from numba import cuda
 
 from . import devicefns as d
-from .rules import conversion
+from .rules import checked_conversion, conversion
 
 __all__ = ["KernelSpec", "KERNELS", "select_kernel"]
 
@@ -81,6 +81,55 @@ def _make_kernel(src_view: Callable, dst_view: Callable, convert: Callable) -> C
             row += stride
 
     return pack_kernel
+
+
+def _make_checked_kernel(src_view: Callable, dst_view: Callable, convert: Callable, bad: Callable) -> Callable:
+    """The body of a *checked* pack variant: the same copy as ``_make_kernel``'s, and ``flags[row]``
+    set to 1 when the row's piece holds an Inf or NaN after conversion (``bad`` tests one destination
+    element from its bits). ``flags`` (int32, one per row) is zeroed before the launch; every lane
+    that saw one writes the same 1, so no atomic is needed. A piece is read once: the check costs
+    one AND and one compare per element, in registers."""
+
+    def pack_checked_kernel(table, nrows, scale, flags_addr):
+        rows = d.view_i64(table, 3 * nrows)
+        flags = d.view_i32(flags_addr, nrows)
+        lane = cuda.threadIdx.x & (_LANES - 1)
+        warps = cuda.blockDim.x >> _LANE_BITS
+        row = cuda.blockIdx.x * warps + (cuda.threadIdx.x >> _LANE_BITS)
+        stride = cuda.gridDim.x * warps
+        while row < nrows:
+            n = rows[3 * row + 2]
+            src = src_view(d.U64(rows[3 * row]), n)
+            dst = dst_view(d.U64(rows[3 * row + 1]), n)
+            seen = False
+            i = lane
+            while i + 3 * _LANES < n:
+                a0 = src[i]
+                a1 = src[i + _LANES]
+                a2 = src[i + 2 * _LANES]
+                a3 = src[i + 3 * _LANES]
+                y0 = convert(a0, scale)
+                y1 = convert(a1, scale)
+                y2 = convert(a2, scale)
+                y3 = convert(a3, scale)
+                dst[i] = y0
+                dst[i + _LANES] = y1
+                dst[i + 2 * _LANES] = y2
+                dst[i + 3 * _LANES] = y3
+                if bad(y0) or bad(y1) or bad(y2) or bad(y3):
+                    seen = True
+                i += 4 * _LANES
+            while i < n:
+                y = convert(src[i], scale)
+                dst[i] = y
+                if bad(y):
+                    seen = True
+                i += _LANES
+            if seen:
+                flags[row] = 1
+            row += stride
+
+    return pack_checked_kernel
 
 
 # -- conversions: (element, scale) -> destination element ---------------------------------------
@@ -153,12 +202,14 @@ class KernelSpec:
     scale_type: str  # "float32" or "float64": the third parameter
     src_itemsize: int
     dst_itemsize: int
+    checked: bool = False  # a fourth parameter: the address of one int32 flag per row (Inf/NaN seen)
 
     @property
     def argtypes(self) -> tuple:
         from numba.cuda import types  # noqa: PLC0415 - numba.cuda.types differs in the simulator
 
-        return (types.uint64, types.int64, getattr(types, self.scale_type))
+        scalars = (types.uint64, types.int64, getattr(types, self.scale_type))
+        return scalars + (types.uint64,) if self.checked else scalars
 
     @property
     def uses_float64(self) -> bool:
@@ -167,6 +218,11 @@ class KernelSpec:
 
 def _spec(name, src_view, dst_view, convert, itemsizes, scale_type="float32") -> KernelSpec:
     return KernelSpec(name, _make_kernel(src_view, dst_view, convert), scale_type, *itemsizes)
+
+
+def _checked(name, src_view, dst_view, convert, bad, itemsizes, scale_type="float32") -> KernelSpec:
+    return KernelSpec(name, _make_checked_kernel(src_view, dst_view, convert, bad), scale_type, *itemsizes,
+                      checked=True)
 
 
 KERNELS: dict[str, KernelSpec] = {s.name: s for s in (
@@ -189,9 +245,24 @@ KERNELS: dict[str, KernelSpec] = {s.name: s for s in (
     _spec("f16_to_f32_scaled", d.view_f16, d.view_f32, _f16_to_f32_scaled, (2, 4)),
     _spec("bf16_to_f32", d.view_u16, d.view_f32, _bf16_to_f32, (2, 4)),
     _spec("bf16_to_f32_scaled", d.view_u16, d.view_f32, _bf16_to_f32_scaled, (2, 4)),
+    # checked packs (floating gradients into the fusion buffer, Inf/NaN flagged per row): the copies
+    # are per dtype here, since the finite test reads the format's exponent bits
+    _checked("copy_f32_checked", d.view_u32, d.view_u32, _copy, d.bad_f32_bits, (4, 4)),
+    _checked("copy_f64_checked", d.view_u64, d.view_u64, _copy, d.bad_f64_bits, (8, 8)),
+    _checked("copy_f16_checked", d.view_u16, d.view_u16, _copy, d.bad_f16_bits, (2, 2)),
+    _checked("copy_bf16_checked", d.view_u16, d.view_u16, _copy, d.bad_bf16_bits, (2, 2)),
+    _checked("scale_f32_checked", d.view_f32, d.view_f32, _scale, d.bad_f32, (4, 4)),
+    _checked("scale_f64_checked", d.view_f64, d.view_f64, _scale, d.bad_f64, (8, 8), "float64"),
+    _checked("scale_f16_checked", d.view_f16, d.view_f16, _scale_f16, d.bad_f16, (2, 2)),
+    _checked("scale_bf16_checked", d.view_u16, d.view_u16, _scale_bf16, d.bad_bf16_bits, (2, 2)),
+    _checked("f32_to_f16_checked", d.view_f32, d.view_f16, _f32_to_f16, d.bad_f16, (4, 2)),
+    _checked("f32_to_f16_scaled_checked", d.view_f32, d.view_f16, _f32_to_f16_scaled, d.bad_f16, (4, 2)),
+    _checked("f32_to_bf16_checked", d.view_f32, d.view_u16, _f32_to_bf16, d.bad_bf16_bits, (4, 2)),
+    _checked("f32_to_bf16_scaled_checked", d.view_f32, d.view_u16, _f32_to_bf16_scaled, d.bad_bf16_bits, (4, 2)),
 )}
 
 
-def select_kernel(src: torch.dtype, dst: torch.dtype, scaled: bool) -> KernelSpec:
-    """The kernel for this (source dtype, destination dtype, scale != 1); ValueError if none."""
-    return KERNELS[conversion(src, dst, scaled)]
+def select_kernel(src: torch.dtype, dst: torch.dtype, scaled: bool, checked: bool = False) -> KernelSpec:
+    """The kernel for this (source dtype, destination dtype, scale != 1), the checked pack when
+    ``checked`` (floating dtypes only); ValueError if none."""
+    return KERNELS[checked_conversion(src, dst, scaled) if checked else conversion(src, dst, scaled)]

@@ -34,6 +34,7 @@ from ..dataplane.schedule import Schedule
 from ..kernels.rules import CASTS
 from ..reduce_op import ReduceOp
 from .compression import BF16Compressor, Compression, FP16Compressor, NoneCompressor
+from .finite_check import FiniteSlots
 
 
 @dataclass(eq=False)
@@ -54,6 +55,8 @@ class BucketState:
     slots: dict = field(default_factory=dict)  # direct: parameter -> its view of ``full``
     copied: set = field(default_factory=set)  # direct: parameters copied in this step
     copy: BucketCopy | None = None  # fused, not direct: the pack and unpack of its layout
+    checks: torch.Tensor | None = None  # finite check: one slot per rank, reduced with the bucket (this step's)
+    pieces: list[torch.Tensor] = field(default_factory=list)  # direct + finite check: each gradient's slot, flat
 
 
 def wire_dtype(compression: Any, dtype: torch.dtype) -> torch.dtype | None:
@@ -80,12 +83,13 @@ class GradientBuckets:
 
     def __init__(self, schedule: Schedule, trainable: Sequence[torch.Tensor], plans: Sequence[fusion.Bucket],
                  compression: Any, prescale: float, postscale: float, set_id: int,
-                 flush: Callable[[], None] = lambda: None) -> None:
+                 flush: Callable[[], None] = lambda: None, check: "FiniteSlots | None" = None) -> None:
         self._schedule = schedule
         self._compression = compression
         self._prescale, self._postscale = prescale, postscale
         self._set_id = set_id
         self._flush = flush
+        self._check = check  # the finite check (finite_check.py): each bucket carries one slot per rank
         self.tracer: Any = None
         self._buffers = fusion.FusionBuffers()
         self.buckets = [BucketState(plan, [trainable[i] for i in plan.param_indices], wire,
@@ -94,7 +98,7 @@ class GradientBuckets:
                         for plan, wire in ((plan, wire_dtype(compression, plan.dtype)) for plan in plans)]
         for bucket in self.buckets:
             if bucket.wire_dtype is not None and not bucket.direct:
-                bucket.copy = BucketCopy(pack_scale=prescale, unpack_scale=postscale)
+                bucket.copy = BucketCopy(pack_scale=prescale, unpack_scale=postscale, check_finite=check is not None)
                 # compiled now, when the optimizer is built, not inside the first backward
                 bucket.copy.prepare(bucket.plan.dtype, bucket.wire_dtype, bucket.plan.device)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
@@ -137,10 +141,27 @@ class GradientBuckets:
 
     def _bind(self, bucket: BucketState) -> None:
         """A direct bucket's buffer and slot views (stable: the buffer's size never changes)."""
-        numel, first = bucket.plan.numel, bucket.plan.index == 0
-        bucket.full = self._buffers.get(bucket.plan.device, bucket.wire_dtype, numel + first, slot=bucket.plan.index)
+        numel = bucket.plan.numel
+        bucket.full = self._buffers.get(bucket.plan.device, bucket.wire_dtype, numel + self._tail(bucket),
+                                        slot=bucket.plan.index)
         bucket.slots = {p: bucket.full[offset : offset + n].view(p.shape)
                         for p, offset, n in zip(bucket.params, bucket.plan.offsets, bucket.plan.numels)}
+        bucket.pieces = [bucket.full[offset : offset + n] for offset, n in zip(bucket.plan.offsets, bucket.plan.numels)]
+
+    def _tail(self, bucket: BucketState) -> int:
+        """Elements after a fused bucket's gradients: bucket 0's training flag, then (finite check)
+        one slot per rank."""
+        return (bucket.plan.index == 0) + (self._check.size if self._check is not None else 0)
+
+    def _check_slots(self, bucket: BucketState, full: torch.Tensor) -> torch.Tensor | None:
+        """The finite check's slots in ``full`` (zeroed; this rank's is written by the pack), or None."""
+        if self._check is None:
+            return None
+        at = bucket.plan.numel + (bucket.plan.index == 0)
+        slots = full[at : at + self._check.size]
+        slots.zero_()
+        bucket.checks = slots
+        return slots[self._check.rank : self._check.rank + 1]
 
     def launch_ready(self) -> None:
         """Launch every complete bucket whose predecessors are launched (hooks call this)."""
@@ -162,20 +183,28 @@ class GradientBuckets:
                 if p not in bucket.copied:
                     self._copy_in(bucket, p)
             if first:
-                bucket.full[bucket.plan.numel:].fill_(1)  # the training flag
+                bucket.full[bucket.plan.numel : bucket.plan.numel + 1].fill_(1)  # the training flag
+            mine = self._check_slots(bucket, bucket.full)
+            if mine is not None:
+                self._check.search(bucket.pieces, mine, whole=bucket.full[: bucket.plan.numel])
             bucket.reduced = [bucket.full]
             bucket.handle = self._schedule.launch(self._request(bucket, bucket.reduced))
             return
         if bucket.wire_dtype is not None:
             grads = [self._send_view(p) for p in bucket.params]
             numel = bucket.plan.numel
-            full = self._buffers.get(bucket.plan.device, bucket.wire_dtype, numel + first, slot=bucket.plan.index)
+            full = self._buffers.get(bucket.plan.device, bucket.wire_dtype, numel + self._tail(bucket),
+                                     slot=bucket.plan.index)
             tracer = self.tracer
             start = tracer.now_us() if tracer is not None else 0.0
             with torch.no_grad():
-                bucket.copy.pack(grads, full[:numel])
+                mine = self._check_slots(bucket, full)
+                if mine is None:
+                    bucket.copy.pack(grads, full[:numel])
+                else:
+                    bucket.copy.pack(grads, full[:numel], check_out=mine, check_limit=self._check.limit(full.dtype))
                 if first:
-                    full[numel:].fill_(1)  # the training flag
+                    full[numel : numel + 1].fill_(1)  # the training flag
             if tracer is not None and full.device.type == "cpu":  # GPU copies are timed by CUDA events
                 tracer.span(bucket.name, "MEMCPY_IN_FUSION_BUFFER", start, tracer.now_us())
             bucket.reduced = [full]
@@ -187,6 +216,11 @@ class GradientBuckets:
                 bucket.contexts.append(ctx)
             if first:
                 bucket.reduced.append(torch.ones(1, dtype=bucket.reduced[0].dtype, device=bucket.plan.device))
+            if self._check is not None:
+                checks = torch.zeros(self._check.size, dtype=torch.float32, device=bucket.plan.device)
+                self._check.search(grads, checks[self._check.rank : self._check.rank + 1])
+                bucket.checks = checks
+                bucket.reduced.append(checks)
         bucket.in_flight = grads
         bucket.handle = self._schedule.launch(self._request(bucket, bucket.reduced))
 
@@ -194,10 +228,21 @@ class GradientBuckets:
         return Request("allreduce", bucket.name, tensors, outputs=tensors, op=ReduceOp.SUM, device=bucket.plan.device,
                        set_id=self._set_id)
 
-    def finish(self) -> None:
-        """Wait for every bucket in order and write the averaged gradients into ``p.grad``."""
+    def finish(self) -> list[tuple[int, int, int]]:
+        """Wait for every bucket in order and write the averaged gradients into ``p.grad``. With the
+        finite check, returns what the ranks reported: ``(index in the set, bucket, slot value)``
+        for each non-zero slot (one read of every bucket's slots: a host sync on a GPU)."""
         for bucket in self.buckets:
             self._finish(bucket)
+        if self._check is None:
+            return []
+        tails = [b.checks.float() for b in self.buckets if b.checks is not None]
+        if not tails:
+            return []
+        values = torch.cat(tails).tolist()
+        size = self._check.size
+        checked = [b for b in self.buckets if b.checks is not None]
+        return [(i % size, checked[i // size].plan.index, int(v)) for i, v in enumerate(values) if v != 0]
 
     def _finish(self, bucket: BucketState) -> None:
         assert bucket.handle is not None
@@ -250,6 +295,10 @@ class GradientBuckets:
         laid_out.copy_(g)
         return laid_out.as_strided((p.numel(),), (1,))
 
+    def stride_of(self, p: torch.Tensor) -> tuple[int, ...]:
+        """The strides ``p``'s gradient travels in (``_layout``): verified alike across ranks."""
+        return self._strides[p]
+
     def _view_in_order(self, t: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor | None:
         """A flat view of ``t``'s memory when it is laid out like ``p`` (one dense block in ``p``'s
         order), else None."""
@@ -262,6 +311,7 @@ class GradientBuckets:
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
             bucket.handle = None
+            bucket.checks = None
             bucket.reduced, bucket.contexts = [], []
             bucket.copied.clear()
             if not bucket.direct:
@@ -312,7 +362,7 @@ class GradientBuckets:
                     handles.append(handle)
                     continue
                 handle.wait()
-                if float(tensors[-1].reshape(-1)[-1]) == 0.0:
+                if float(self._training_flag(bucket, tensors)) == 0.0:
                     return False
         finally:
             self._schedule.end_step()
@@ -321,14 +371,23 @@ class GradientBuckets:
         return True
 
     def _zeros(self, bucket: BucketState) -> list[torch.Tensor]:
+        """A joined rank's part in ``bucket``: zeros everywhere (training flag 0, finite slots 0)."""
         device, first = bucket.plan.device, bucket.plan.index == 0
         if bucket.wire_dtype is not None:
-            return [torch.zeros(bucket.plan.numel + first, dtype=bucket.wire_dtype, device=device)]
+            return [torch.zeros(bucket.plan.numel + self._tail(bucket), dtype=bucket.wire_dtype, device=device)]
         tensors = [self._compression.compress(torch.zeros(p.shape, dtype=p.dtype, device=device))[0].contiguous()
                    for p in bucket.params]
         if first:
             tensors.append(torch.zeros(1, dtype=tensors[0].dtype, device=device))
+        if self._check is not None:
+            tensors.append(torch.zeros(self._check.size, dtype=torch.float32, device=device))
         return tensors
+
+    def _training_flag(self, bucket: BucketState, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Bucket 0's reduced training flag (the sum over ranks of 1 for a training rank)."""
+        if bucket.wire_dtype is not None:
+            return tensors[0][bucket.plan.numel]
+        return tensors[-2 if self._check is not None else -1].reshape(-1)[-1]
 
 
 def _direct(plan: fusion.Bucket, wire: torch.dtype | None) -> bool:

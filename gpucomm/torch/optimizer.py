@@ -26,6 +26,7 @@ once the ranks agreed which parameters have them (``sparse_grads.py``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 import warnings
@@ -39,12 +40,15 @@ from ..counters import COUNTERS
 from ..dataplane import fusion
 from ..process_sets import ProcessSet, global_process_set
 from .buckets import GradientBuckets
+from . import finite_check
 from .compression import Compression
-from ..errors import CollectiveError as HorovodInternalError
+from ..errors import CollectiveError as HorovodInternalError, NonFiniteGradientError
 from ..settings import env_flag_default_on
 from .functions import allgather_object, broadcast_object
 from .mpi_ops import Adasum, Average, Sum, _set_id
 from .sparse_grads import SparseGradients
+
+log = logging.getLogger("gpucomm")
 
 TWICE_ERROR = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
                "Increase backward_passes_per_step to accumulate gradients locally.")
@@ -60,8 +64,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into a dynamic subclass of the user's optimizer class; see ``DistributedOptimizer``."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, groups, sparse_as_dense, process_set):
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set, check_finite=None):
         super(self.__class__, self).__init__(params)  # the wrapped class's __init__ with its defaults
+        self._check_mode = finite_check.resolve_mode(check_finite)
+        self.last_nonfinite: list[finite_check.Finding] = []  # the finite check's findings of the last step
+        self._steps = 0  # steps synchronized (the finite check's report names the step)
         self._compression = compression
         self._sparse_as_dense = sparse_as_dense
         self._passes = backward_passes_per_step
@@ -87,7 +94,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._job_ref = weakref.ref(job)
         self._hooked = False
         self._set_id = _set_id(self._process_set)
-        self._size = job.group(self._set_id).size
+        group = job.group(self._set_id)
+        self._size, self._ranks = group.size, group.ranks
+        self._finite = (finite_check.FiniteSlots(self._check_mode, group.rank, self._size)
+                        if self._check_mode is not None and self._size > 1 else None)
         # Average: 1/f before the sum (packed in), f/size after (unpacked out), Horovod's predivide rule
         self._prescale = 1.0 / self._predivide if self._op == Average else 1.0
         self._postscale = self._predivide / self._size if self._op == Average else 1.0
@@ -146,7 +156,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         else:
             plans = fusion.plan_buckets(dense)
         buckets = GradientBuckets(self._schedule, dense, plans, self._compression, self._prescale,
-                                  self._postscale, self._set_id, self._flush_step)
+                                  self._postscale, self._set_id, self._flush_step, self._finite)
         self._layouts += 1
         if self._size > 1:
             self._verify_everywhere(buckets)
@@ -168,7 +178,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         layout = [([index[p] for p in b.params], str(b.wire_dtype)) for b in buckets.buckets]
         sparse = [index[p] for p in self._sparse.active]
         mine = {"params": params, "buckets": layout, "schedule": self._schedule.number, "sparse": sparse,
-                "sparse_as_dense": self._sparse_as_dense}
+                "sparse_as_dense": self._sparse_as_dense, "check_finite": self._finite is not None,
+                "strides": [list(buckets.stride_of(p)) for p in self._params if p in buckets.bucket_of]}
         COUNTERS.layout_checks += 1
         every = allgather_object(mine, name=f"DistributedOptimizer.layout.{self._schedule.number}.{self._layouts}",
                                  process_set=self._process_set)
@@ -180,9 +191,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     f"DistributedOptimizer: ranks disagree on the gradient buckets (rank 0: {_layout_text(every[0])}; "
                     f"rank {rank}: {_layout_text(theirs)}), although their parameters match. Every rank must plan the "
                     f"same buckets, or their allreduces would pair unrelated data. Likely causes: "
-                    f"GPUCOMM_FUSION_THRESHOLD / HOROVOD_FUSION_THRESHOLD / GPUCOMM_FUSION_FIRST_BUCKET, groups= or "
-                    f"sparse_as_dense= set differently on some ranks, or DistributedOptimizers built in a different "
-                    f"order. Set them alike on every rank.")
+                    f"GPUCOMM_FUSION_THRESHOLD / HOROVOD_FUSION_THRESHOLD / GPUCOMM_FUSION_FIRST_BUCKET, groups=, "
+                    f"sparse_as_dense= or check_finite= (GPUCOMM_CHECK_FINITE) set differently on some ranks, a "
+                    f"model in channels_last memory format on some ranks only (gradients travel in the parameters' "
+                    f"memory order), or DistributedOptimizers built in a different order. Set them alike on every "
+                    f"rank.")
 
     def _layout_changed(self) -> bool:
         return [p.requires_grad for p in self._params] != self._requires
@@ -252,11 +265,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         with self._lock:
             self._launch_step()
         try:
-            self._buckets.finish()
+            reports = self._buckets.finish()
             self._sparse.finish()
         finally:
             self._reset_step()
         COUNTERS.schedule_steps += 1
+        self._steps += 1
+        self.last_nonfinite = self._findings(reports) if reports else []
         self._synchronized = True
         span, self._backward_span = self._backward_span, None
         tracer = runtime.current().tracer
@@ -269,6 +284,39 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         elif self._layout_changed():
             self._adopt_new_layout()
         self._sparse.hand_back()
+        if self.last_nonfinite:
+            self._report_nonfinite(self.last_nonfinite)
+
+    def _findings(self, reports: list[tuple[int, int, int]]) -> list[finite_check.Finding]:
+        """The finite check's slots, decoded: each reporting rank's first non-finite parameter, the
+        earliest in backward order first (the same list on every rank)."""
+        findings = []
+        for index, bucket_index, value in reports:
+            bucket = self._buckets.buckets[bucket_index]
+            param = value - 1 if value - 1 < len(bucket.params) else -1
+            limit = finite_check.exact_limit(bucket.wire_dtype or torch.float32)
+            if value >= limit and len(bucket.params) > limit:
+                param = -1  # the slot's dtype cannot say which of the later parameters
+            name = self._parameter_names[bucket.params[param]] if param >= 0 else \
+                f"#{limit - 1} or later of bucket {bucket_index}"
+            findings.append(finite_check.Finding(self._ranks[index], bucket_index, param, name))
+        return sorted(findings, key=lambda f: (f.bucket, f.param if f.param >= 0 else 1 << 62, f.rank))
+
+    def _report_nonfinite(self, findings: list[finite_check.Finding]) -> None:
+        """Raise or warn on every rank (the same step, the same findings); AMP's GradScaler in use:
+        its overflow steps are expected (it skips them), so only report them."""
+        COUNTERS.nonfinite_steps += 1
+        text = finite_check.describe(self._steps, findings)
+        if finite_check.active_grad_scaler() is not None:
+            COUNTERS.nonfinite_skipped += 1
+            log.info("%s (torch.amp.GradScaler is in use: it skips this step and lowers its scale; not raised)", text)
+            return
+        if self._check_mode == "raise":
+            raise NonFiniteGradientError(text, self._steps, findings)
+        if self._ranks[0] == runtime.current().world.rank:
+            warnings.warn(text, RuntimeWarning, stacklevel=3)
+        else:
+            log.debug("%s", text)
 
     def _cut_where_backward_pauses(self) -> bool:
         """After the watched step: take rank 0's gradient arrival times and agree on buckets cut at
@@ -485,13 +533,19 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
                          compression: Any = Compression.none, backward_passes_per_step: int = 1, op: int = Average,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
                          sparse_as_dense: bool = False,
-                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
+                         process_set: ProcessSet = global_process_set,
+                         check_finite: bool | str | None = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks (Horovod's API).
 
     The result is an instance of a subclass of ``optimizer``'s class built from its
     ``param_groups`` (``isinstance`` and LR schedulers keep working; the original's state is not
-    carried over, as in Horovod)."""
+    carried over, as in Horovod). ``check_finite`` (gpucomm's; default ``GPUCOMM_CHECK_FINITE``):
+    ``"raise"``/True or ``"warn"`` names, on every rank in the same step, the rank and parameter
+    whose gradient first went NaN or Inf (``finite_check.py``)."""
     if op == Adasum:  # Horovod's delta optimizer (gpucomm/torch/adasum.py)
+        if finite_check.resolve_mode(check_finite) is not None:
+            raise NotImplementedError("check_finite is not supported with op=hvd.Adasum (its delta optimizer "
+                                      "reduces weight changes, not gradients); use op=hvd.Average or hvd.Sum.")
         from .adasum import adasum_optimizer  # noqa: PLC0415 - adasum.py builds on this module
         return adasum_optimizer(optimizer, named_parameters, compression, backward_passes_per_step,
                                 gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set)
@@ -510,7 +564,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
         return cls(optimizer.param_groups, named_parameters, backward_passes_per_step)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, groups, sparse_as_dense, process_set)
+               gradient_predivide_factor, groups, sparse_as_dense, process_set, check_finite)
 
 
 __all__ = ["DistributedOptimizer"]

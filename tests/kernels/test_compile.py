@@ -97,9 +97,27 @@ def test_no_float64_instructions_outside_float64_kernels(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_parameter_block_is_three_scalars(name):
-    """table address, row count, scale: nothing per tensor, so no limit on the tensor count."""
+    """table address, row count, scale (and, for a checked pack, the flags' address): nothing per
+    tensor, so no limit on the tensor count."""
     scale = "f64" if kernels.KERNELS[name].uses_float64 else "f32"
-    assert entry_params(ptx_of(name)) == ["u64", "u64", scale]
+    flags = ["u64"] if kernels.KERNELS[name].checked else []
+    assert entry_params(ptx_of(name)) == ["u64", "u64", scale, *flags]
+
+
+def test_every_floating_pack_has_a_checked_twin():
+    """The finite check runs in the pack kernel for every conversion a DistributedOptimizer's bucket
+    can pack (same dtype, scaled or not; the casts to float16 and bfloat16)."""
+    floats = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+    pairs = [(dt, dt) for dt in floats] + [(torch.float32, torch.float16), (torch.float32, torch.bfloat16)]
+    for src, dst in pairs:
+        for scaled in (False, True):
+            spec = kernels.select_kernel(src, dst, scaled, checked=True)
+            assert spec.checked and spec.name.endswith("_checked"), spec.name
+            plain = kernels.select_kernel(src, dst, scaled)
+            assert (spec.src_itemsize, spec.dst_itemsize, spec.scale_type) == (
+                plain.src_itemsize, plain.dst_itemsize, plain.scale_type), spec.name
+    with pytest.raises(ValueError, match="floating"):
+        kernels.select_kernel(torch.int32, torch.int32, False, checked=True)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -361,3 +361,84 @@ def test_a_bucket_copy_compiles_its_kernels_when_prepared_not_at_its_first_copy(
     copy.pack(grads, flat)
     assert set(launch.compiled_names()) == compiled  # the copy compiled nothing more
     assert_same_bits(flat[:37], (grads[0] * 0.5).bfloat16())
+
+
+CHECKED_PAIRS = [(dt, dt) for dt in FLOATS] + [(torch.float32, torch.float16), (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("src, wire", CHECKED_PAIRS, ids=str)
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+@pytest.mark.parametrize("seed", range(3))
+def test_checked_pack_finds_the_first_tensor_holding_inf_or_nan(src, wire, scale, seed):
+    """The checked pack copies exactly as the plain one and writes 0 or 1 + the first bad tensor's
+    index, whatever piece of whatever tensor holds the Inf or NaN (or none does)."""
+    from gpucomm.kernels.bound import BoundCopy
+
+    gen = torch.Generator().manual_seed(seed * 31 + FLOATS.index(src))
+    sizes = [int(n) for n in torch.randint(0, 3 * CHUNK, (7,), generator=gen)] + [0, 1]
+    # all finite, also once packed (random float32 beyond 65504 would overflow a float16 wire: that is a
+    # finding of its own, tested below)
+    bound = 6e4 if wire == torch.float16 else None
+    srcs = [random_values(src, n, gen).reshape(-1).nan_to_num(0.0, 1.0, -1.0).clamp(-bound, bound) if bound else
+            random_values(src, n, gen).reshape(-1).nan_to_num(0.0, 1.0, -1.0) for n in sizes]
+    copy = BoundCopy("pack", scale, checked=True)
+    wire_buf = torch.zeros(sum(sizes) + 1, dtype=wire)
+    out = torch.full((1,), -1.0)
+    copy(srcs, wire_buf, check_out=out)
+    assert float(out) == 0.0
+    assert_same_bits(wire_buf[:sum(sizes)], reference(torch.cat(srcs), wire, scale))
+    for bad_tensor, value in ((5, float("nan")), (3, float("-inf")), (8, float("inf"))):
+        if sizes[bad_tensor] == 0:
+            continue
+        poisoned = [t.clone() for t in srcs]
+        at = int(torch.randint(sizes[bad_tensor], (1,), generator=gen))
+        poisoned[bad_tensor][at] = value
+        later = next((i for i in range(bad_tensor + 1, len(sizes)) if sizes[i]), None)
+        if later is not None:  # a later tensor too: the first one is named
+            poisoned[later][0] = float("nan")
+        copy(poisoned, wire_buf, check_out=out)
+        assert float(out) == bad_tensor + 1, (bad_tensor, at, float(out))
+        assert_same_bits(wire_buf[:sum(sizes)], reference(torch.cat(poisoned), wire, scale))
+        copy(srcs, wire_buf, check_out=out)  # the flags are cleared for the next call
+        assert float(out) == 0.0
+
+
+def test_checked_pack_flags_a_cast_that_overflows():
+    """65504 is the largest float16: 1e5 packs to Inf, and that is what travels."""
+    from gpucomm.kernels.bound import BoundCopy
+
+    srcs = [torch.ones(10), torch.tensor([3.0, 1e5, 2.0])]
+    out = torch.zeros(1)
+    BoundCopy("pack", 1.0, checked=True)(srcs, torch.zeros(13, dtype=torch.float16), check_out=out)
+    assert float(out) == 2.0
+
+
+def test_checked_pack_caps_the_index_at_the_slots_exact_range():
+    from gpucomm.kernels.bound import BoundCopy
+
+    srcs = [torch.ones(1) for _ in range(300)]
+    srcs[290][0] = float("nan")
+    out = torch.zeros(1, dtype=torch.bfloat16)
+    BoundCopy("pack", 1.0, checked=True)(srcs, torch.zeros(300), check_out=out, check_limit=256)
+    assert float(out) == 256.0
+
+
+@pytest.mark.parametrize("src, wire", [(torch.float32, torch.float32), (torch.float32, torch.float16),
+                                       (torch.bfloat16, torch.bfloat16)], ids=str)
+def test_bucket_copy_checked_kernels_and_torch_fallback_agree(src, wire, monkeypatch):
+    from gpucomm.dataplane.bucket_copy import BucketCopy
+    from gpucomm.kernels import availability
+
+    gen = torch.Generator().manual_seed(11)
+    srcs = [random_values(src, n, gen).reshape(-1).nan_to_num(0.0, 1.0, -1.0).clamp(-6e4, 6e4) for n in (5, 700, 0, 33)]
+    srcs[3][7] = float("nan")
+    results = {}
+    for kernels_on in (True, False):
+        availability.reset()
+        copy = BucketCopy(pack_scale=0.5, kernels=kernels_on, check_finite=True)
+        flat = torch.zeros(sum(t.numel() for t in srcs), dtype=wire)
+        out = torch.zeros(1)
+        copy.pack(srcs, flat, check_out=out)
+        results[kernels_on] = (flat, float(out))
+    assert results[True][1] == results[False][1] == 4.0
+    assert_same_bits(results[True][0], results[False][0])

@@ -1,0 +1,69 @@
+"""Which of a bucket's pieces holds an Inf or NaN: the finite check's path where the checked pack
+kernels do not run (CPU buffers, the torch-ops fallback on a GPU, a user compressor's tensors). The
+result is written into a 1-element tensor, in the slot encoding of ``gpucomm.torch.finite_check``:
+0 if all finite, else 1 + the first such piece's index (capped).
+
+* CPU: one sum over the data (a vectorised pass, the cheapest reduction torch has there; Inf and
+  NaN propagate), then, only when that sum is not finite, a search piece by piece. A sum of finite
+  values that overflows finds no piece and reports nothing.
+* GPU: device ops and no host sync: an L1 norm per piece in float32 (one multi-tensor launch; Inf
+  and NaN propagate), then a few tiny ops on one value per piece. Finite gradients whose absolute
+  values sum past 3.4e38 in one tensor would be reported too.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+__all__ = ["FirstNonFinite"]
+
+
+class FirstNonFinite:
+    """Repeats the search over pieces of the same sizes step after step (on a GPU, the indices of
+    each layout's non-empty pieces are uploaded once, then kept)."""
+
+    __slots__ = ("_layouts",)
+
+    def __init__(self) -> None:
+        self._layouts: dict[tuple, tuple[list[int], torch.Tensor]] = {}
+
+    def __call__(self, pieces: Sequence[torch.Tensor], out: torch.Tensor, limit: int,
+                 whole: torch.Tensor | None = None) -> None:
+        """``out`` (1 element) := 0 if every piece is finite, else min(1 + first bad index, ``limit``).
+        ``whole``: the pieces' data as one tensor, when they are consecutive parts of one (one sum)."""
+        if out.device.type == "cpu":
+            out.fill_(_first_bad_on_host(pieces, limit, whole))
+            return
+        key = (out.device, *(t.numel() for t in pieces))
+        layout = self._layouts.get(key)
+        if layout is None:
+            kept = [i for i, t in enumerate(pieces) if t.numel()]  # an empty piece has no norm, nor Inf
+            layout = self._layouts[key] = (kept, torch.tensor(kept, dtype=torch.int64, device=out.device))
+        kept, index = layout
+        if not kept:
+            out.zero_()
+            return
+        norms = torch._foreach_norm([pieces[i] for i in kept], 1, dtype=torch.float32)
+        bad = ~torch.isfinite(torch.stack(norms))
+        first = torch.where(bad, index, len(pieces)).min()
+        out.copy_(torch.where(first < len(pieces), (first + 1).clamp(max=limit), 0).reshape(out.shape))
+
+
+def _first_bad_on_host(pieces: Sequence[torch.Tensor], limit: int, whole: torch.Tensor | None) -> int:
+    if whole is not None:
+        totals = [whole] if whole.numel() else []
+    else:
+        totals = [t for t in pieces if t.numel()]
+    if all(math.isfinite(float(_sum(t))) for t in totals):
+        return 0
+    for i, t in enumerate(pieces):
+        if t.numel() and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return min(i + 1, limit)
+    return 0  # a sum of finite values overflowed: nothing is Inf or NaN
+
+
+def _sum(t: torch.Tensor) -> torch.Tensor:
+    return t.sum(dtype=torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else t.sum()

@@ -1,0 +1,127 @@
+"""Non-finite gradients caught where they start (``DistributedOptimizer(check_finite=...)``).
+
+One rank's NaN or Inf gradient, once averaged, makes every rank's weights non-finite, and neither
+Horovod nor DDP says so. With the check on, every bucket's allreduce carries one more value per
+rank: rank ``r`` writes, at position ``r`` of the bucket's tail, 1 + the index of the first
+parameter of the bucket whose gradient holds a non-finite value on that rank (0: all finite), and
+every other rank writes 0 there; the sum then tells every rank, in the same step and with no extra
+collective, which ranks went non-finite and in which parameter. The value is computed while the
+bucket is packed: on GPU by the pack kernel itself (one flag per piece of the bucket, the data read
+once), on CPU by one sum over the bucket's buffer (finite unless something is not), with a
+per-parameter search only when that sum is not finite (``gpucomm.dataplane.finite``). Reading the
+slots costs one host sync per step on a GPU, only with the check on.
+
+Modes: ``"raise"`` (every rank raises, naming the step, the ranks and the parameters) and
+``"warn"`` (rank 0 of the set warns; training goes on). When AMP's ``GradScaler`` is in use, its
+overflow steps are expected (it skips them and lowers the scale): they are reported at INFO and
+counted, never raised.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from ..dataplane.finite import FirstNonFinite
+
+log = logging.getLogger("gpucomm")
+
+ENV = "GPUCOMM_CHECK_FINITE"
+MODES = ("raise", "warn")
+_OFF = ("", "0", "off", "false", "no", "none")
+
+
+def resolve_mode(check_finite: Any) -> str | None:
+    """The check's mode from ``check_finite`` (True = "raise", False = off; None: ``GPUCOMM_CHECK_FINITE``)."""
+    if check_finite is None:
+        raw = os.environ.get(ENV, "").strip().lower()
+        if raw in _OFF:
+            return None
+        value, source = ("raise" if raw in ("1", "on", "true", "yes") else raw), f"{ENV}={raw!r}"
+    elif check_finite is True:
+        return "raise"
+    elif check_finite is False:
+        return None
+    else:
+        value, source = str(check_finite).strip().lower(), f"check_finite={check_finite!r}"
+    if value not in MODES:
+        raise ValueError(f"{source} is not a mode of the finite check: use 'raise' (stop every rank, naming the rank "
+                         f"and parameter), 'warn' (report and continue), or off (False / 0).")
+    return value
+
+
+def exact_limit(dtype: torch.dtype) -> int:
+    """The largest integer ``dtype`` holds exactly with all smaller ones (the slot values' ceiling)."""
+    if dtype == torch.bfloat16:
+        return 256
+    if dtype == torch.float16:
+        return 2048
+    if dtype.is_floating_point:
+        return 1 << 24 if dtype == torch.float32 else 1 << 53
+    return torch.iinfo(dtype).max
+
+
+class FiniteSlots:
+    """The check as a DistributedOptimizer's buckets run it: this rank's index ``rank`` among the
+    ``size`` ranks of the set (its slot in every bucket's tail), and the search used where the
+    checked pack kernels do not run (direct CPU buckets, torch ops, a user compressor)."""
+
+    def __init__(self, mode: str, rank: int, size: int) -> None:
+        self.mode, self.rank, self.size = mode, rank, size
+        self._search = FirstNonFinite()
+
+    def search(self, pieces: Sequence[torch.Tensor], out: torch.Tensor, whole: torch.Tensor | None = None) -> None:
+        """``out`` := this rank's slot value for a bucket made of ``pieces`` (``whole``: their data as
+        one tensor, when consecutive; see ``gpucomm.dataplane.finite``)."""
+        self._search(pieces, out, self.limit(out.dtype), whole)
+
+    @staticmethod
+    def limit(dtype: torch.dtype) -> int:
+        return exact_limit(dtype)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A rank whose gradients went non-finite in a step: the first such parameter it reported."""
+
+    rank: int  # the global rank
+    bucket: int
+    param: int  # index within the bucket; -1 when beyond the slot's exact range
+    name: str
+
+
+def active_grad_scaler() -> Any:
+    """A ``torch.amp.GradScaler`` in use in this process (enabled and scaling), or None. Looked for
+    only when a non-finite gradient was found, so it costs nothing in a healthy step."""
+    try:
+        from torch.amp import GradScaler  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return None
+    for obj in gc.get_objects():
+        if isinstance(obj, GradScaler):
+            try:
+                if obj.is_enabled() and getattr(obj, "_scale", None) is not None:
+                    return obj
+            except Exception:  # noqa: BLE001 - a half-built scaler is not in use
+                continue
+    return None
+
+
+def describe(step: int, findings: Sequence[Finding]) -> str:
+    """The report every rank gives for one step."""
+    first, others = findings[0], findings[1:]
+    what = f"rank {first.rank} in parameter '{first.name}' (bucket {first.bucket})"
+    also = "".join(f"; also rank {f.rank} in '{f.name}'" for f in others)
+    return (f"DistributedOptimizer: a non-finite gradient (NaN or Inf) in step {step}: first on {what}{also}. Averaged, "
+            f"it makes every rank's gradients non-finite, and the optimizer step would corrupt the weights on every "
+            f"rank. Likely causes: the loss diverged (learning rate too high), a bad batch on that rank (check its "
+            f"data), or fp16 overflow (use torch.amp.GradScaler, or bfloat16). check_finite='warn' "
+            f"(GPUCOMM_CHECK_FINITE=warn) reports and continues.")
+
+
+__all__ = ["ENV", "Finding", "FiniteSlots", "MODES", "active_grad_scaler", "describe", "exact_limit", "resolve_mode"]

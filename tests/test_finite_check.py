@@ -1,0 +1,101 @@
+"""Non-finite gradients caught where they start (issue 26): one rank's NaN or Inf gradient is named
+(rank, step, parameter) on every rank in the same step, through the slots each bucket's allreduce
+carries; "warn" reports and continues; AMP's GradScaler steps are reported, not raised; off, NaN
+spreads silently as in Horovod and DDP. The GPU's checked pack kernels are tested bit-exact in the
+simulator suite (tests/kernels/test_sim.py) and compiled in tests/kernels/test_compile.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import finite_scenarios as sc
+from tests.harness import run_ranks
+
+
+@pytest.mark.parametrize("compression", ["none", "fp16", "user"])
+@pytest.mark.parametrize("size", [2, 3])
+def test_raise_names_the_rank_step_and_parameter_on_every_rank(size, compression):
+    results = run_ranks(sc.poison_step, size, args=("raise", compression, size - 1, "2.weight", 2))
+    for rank, seen in enumerate(results):
+        raised = seen["raised"]
+        assert raised is not None, (rank, seen)
+        assert raised["step"] == 2 and raised["error_step"] == 2, (rank, raised)
+        assert raised["findings"] == [(size - 1, "2.weight")], (rank, raised)
+        assert f"first on rank {size - 1} in parameter '2.weight'" in raised["message"], raised["message"]
+        assert "step 2" in raised["message"]
+
+
+def test_inf_is_caught_like_nan():
+    for seen in run_ranks(sc.poison_step, 2, args=("raise", "none", 0, "0.bias", 3, float("inf"))):
+        assert seen["raised"]["findings"] == [(0, "0.bias")] and seen["raised"]["step"] == 3, seen
+
+
+def test_fp16_overflow_on_the_wire_is_caught():
+    """A finite float32 gradient of 1e6 overflows the fp16 wire: the packed value is Inf."""
+    for seen in run_ranks(sc.poison_step, 2, args=("raise", "fp16", 1, "4.weight", 2, 1e6)):
+        assert seen["raised"]["findings"] == [(1, "4.weight")], seen
+
+
+def test_warn_reports_on_rank_0_and_training_goes_on():
+    results = run_ranks(sc.poison_step, 2, args=("warn", "none", 1, "2.weight", 2))
+    # step 2: rank 1's gradient; steps 3 and 4: every rank's (the NaN reached the weights everywhere)
+    assert len(results[0]["warnings"]) == 3, results[0]["warnings"]
+    assert "in step 2: first on rank 1 in parameter '2.weight'" in results[0]["warnings"][0]
+    assert "in step 3: first on rank 0" in results[0]["warnings"][1] and "also rank 1" in results[0]["warnings"][1]
+    assert results[1]["warnings"] == []
+    for seen in results:
+        assert seen["raised"] is None and seen["findings"] == [(1, "2.weight")], seen
+        assert seen["counts"]["nonfinite_steps"] == 3, seen
+        assert not seen["finite_after"]  # it spread, as reported: the check names it, it does not mend it
+
+
+def test_the_environment_turns_it_on(monkeypatch):
+    results = run_ranks(sc.poison_step, 2, args=("env", "none", 0, "0.weight", 2), env={"GPUCOMM_CHECK_FINITE": "raise"})
+    for seen in results:
+        assert seen["raised"]["findings"] == [(0, "0.weight")], seen
+
+
+def test_off_nan_spreads_silently_as_in_horovod():
+    for seen in run_ranks(sc.poison_step, 2, args=(False, "none", 1, "2.weight", 2)):
+        assert seen["raised"] is None and seen["warnings"] == [] and seen["findings"] is None, seen
+        assert not seen["finite_after"] and seen["counts"]["nonfinite_steps"] == 0, seen
+
+
+def test_grad_scaler_steps_are_reported_not_raised():
+    """AMP: the scaled loss overflows now and then; GradScaler skips that step and lowers its scale."""
+    for seen in run_ranks(sc.poison_step, 2, args=("raise", "none", 1, "2.weight", 2, float("inf"), 4, "cpu", True)):
+        assert seen["raised"] is None, seen
+        assert seen["findings"] == [(1, "2.weight")], seen
+        assert seen["counts"]["nonfinite_skipped"] == 1 and seen["counts"]["nonfinite_steps"] == 1, seen
+        assert seen["finite_after"], seen  # the scaler skipped the poisoned step
+
+
+def test_ranks_must_agree_on_the_check():
+    for message in run_ranks(sc.mismatched_modes, 2):
+        assert "check_finite" in message and "ranks disagree" in message, message
+
+
+def test_a_healthy_run_pays_no_collective_or_control_message():
+    on, off = run_ranks(sc.steps_with_and_without_check, 2, args=(True,)), run_ranks(sc.steps_with_and_without_check, 2,
+                                                                                     args=(False,))
+    for a, b in zip(on, off):
+        assert a == b and a["control_rounds"] == 0 and a["nonfinite_steps"] == 0, (a, b)
+
+
+def test_a_bad_mode_is_refused_with_the_choices():
+    from gpucomm.torch.finite_check import resolve_mode
+
+    with pytest.raises(ValueError, match="'raise'.*'warn'"):
+        resolve_mode("loud")
+    assert resolve_mode(True) == "raise" and resolve_mode(False) is None and resolve_mode("WARN") == "warn"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and CUDA torch")
+@pytest.mark.parametrize("compression", ["none", "fp16"])
+def test_cuda_raise_names_the_rank_and_parameter(compression):
+    results = run_ranks(sc.poison_step, 2, args=("raise", compression, 1, "2.weight", 2, float("nan"), 4, "cuda"),
+                        env={"GPUCOMM_SINGLE_GPU_TEST": "1"}, timeout=600)
+    for seen in results:
+        assert seen["raised"]["findings"] == [(1, "2.weight")], seen
