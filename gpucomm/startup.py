@@ -12,7 +12,8 @@ from typing import Any, Mapping
 from .backends.gloo import gloo_group, gloo_iface
 from .backends.local import SelfBackend
 from .bootstrap import devices
-from .bootstrap.meeting import arrive, cross_placement, open_store
+from .bootstrap.meeting import (BIND_VAR, REQUIRE_SECRET_VAR, arrive, claim_arrival, conflict_key, cross_placement,
+                                open_store, watch_conflicts)
 from .bootstrap.netaddr import address_towards, interface_ipv4
 from .bootstrap.rendezvous import RendezvousClient, RendezvousError, wait_for_ranks
 from .bootstrap.world import World, detect_world
@@ -24,7 +25,7 @@ from .errors import GpucommError
 from .job import SHUTDOWN_GRACE, Job
 from .logs import SetupSteps, configure_logging
 from .process_sets import init_sets
-from .settings import env_seconds
+from .settings import env_flag, env_seconds
 
 log = logging.getLogger("gpucomm")
 
@@ -48,12 +49,14 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None)
     timeout = control.timeout
     start_timeout = env_seconds(env, ("GPUCOMM_START_TIMEOUT", "HOROVOD_START_TIMEOUT"), DEFAULT_START_TIMEOUT)
     t0 = time.monotonic()
-    server, client = open_store(world, generation, start_timeout, timeout)
-    steps.done(f"rendezvous store at {client.host}:{client.port} reached (launcher: {world.launcher})")
     prefix = f"{world.run_id}/e{elastic_round}/" if elastic_round else f"{world.run_id}/g{generation}/"
+    record: dict[str, Any] = {"host": world.hostname, "local_rank": world.local_rank, "pid": os.getpid()}
+    server, client = open_store(world, generation, start_timeout, timeout, prefix=prefix, record=record,
+                                require_secret=env_flag(env, (REQUIRE_SECRET_VAR,)), bind=env.get(BIND_VAR) or None)
+    steps.done(f"rendezvous store at {client.host}:{client.port} reached (launcher: {world.launcher})")
     interrupt = round_interrupt(client, world.run_id) if elastic_round else None  # a replaced round stops the waits
+    listener = None
     try:
-        record: dict[str, Any] = {"host": world.hostname, "local_rank": world.local_rank, "pid": os.getpid()}
         single_gpu = devices.single_gpu_test_enabled(env)
         pinned = _pin_gpu(client, server, prefix, world, record, single_gpu, start_timeout)
         steps.done(f"device chosen: {pinned or 'CPU'}")
@@ -72,20 +75,42 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None)
                               iface=iface, interrupt=interrupt)
             steps.done("Gloo group ready")
         try:
-            links = _connect_control(client, prefix, world, client.secret, one_host, iface, start_timeout, interrupt)
+            links, listener = _connect_control(client, prefix, world, client.secret, one_host, iface, start_timeout,
+                                               records, interrupt)
             steps.done("control plane connected" if world.size > 1 else "no control plane needed (one rank)")
         except BaseException:
             gloo.close()
             raise
     except BaseException:
+        if listener is not None:
+            listener.close()
         client.close()
         if server is not None:
             server.close()
         raise
     log.info("init: rank %d of %d ready in %.2f s (device %s)", world.rank, world.size, time.monotonic() - t0,
              pinned or "CPU")
-    return Job(world, client, server, prefix, timeout, gloo, pinned, hosts, cross_rank, cross_size, control,
-               links, static_sets, dynamic_sets, elastic_round)
+    try:
+        job = Job(world, client, server, prefix, timeout, gloo, pinned, hosts, cross_rank, cross_size, control,
+                  links, static_sets, dynamic_sets, elastic_round)
+    except BaseException:
+        if listener is not None:
+            listener.close()
+        raise
+    if listener is not None:
+        _fail_on_second_claims(job, listener)
+    return job
+
+
+def _fail_on_second_claims(job: Job, listener: ControlListener) -> None:
+    """Rank 0: once a second process claims a rank (at the store or the control listener), fail
+    the job on every rank with its message; the watch ends with the job (its client closes)."""
+    def fail(message: str) -> None:
+        controller = job.controller
+        if controller is not None and controller.failure() is None:
+            controller.report_failure(message)
+
+    watch_conflicts(job.client, job.prefix, fail, on_exit=listener.close)
 
 
 def _pin_gpu(client: RendezvousClient, server, prefix: str, world: World, record: dict, single_gpu: bool,
@@ -101,7 +126,7 @@ def _pin_gpu(client: RendezvousClient, server, prefix: str, world: World, record
         return pinned
     except Exception as e:
         record["error"] = f"{type(e).__name__}: {e}"
-        client.set(f"{prefix}arrive/{world.rank}", json.dumps(record).encode())
+        claim_arrival(client, prefix, world, record)  # a second claimant of this rank raises its own error here
         if server is not None:  # keep serving until the others have read why
             try:
                 wait_for_ranks(client, f"{prefix}arrive", range(world.size), min(start_timeout, SHUTDOWN_GRACE), "init")
@@ -112,25 +137,38 @@ def _pin_gpu(client: RendezvousClient, server, prefix: str, world: World, record
 
 
 def _connect_control(client: RendezvousClient, prefix: str, world: World, secret: bytes, one_host: bool,
-                     iface: str | None, start_timeout: float, interrupt=None) -> ControlLinks:
+                     iface: str | None, start_timeout: float, records: list[dict],
+                     interrupt=None) -> tuple[ControlLinks, ControlListener | None]:
     """Connect every rank to rank 0's coordinator (a one-rank job has no control plane);
-    ``interrupt`` may stop the waits (elastic rounds)."""
+    ``interrupt`` may stop the waits (elastic rounds). Rank 0 also returns its listener, which
+    keeps reporting second claimants of a rank (``records`` say who arrived as each) to the store."""
     if world.size == 1:
-        return ControlLinks()
+        return ControlLinks(), None
     key = f"{prefix}control"
     if world.rank == 0:
         host = "127.0.0.1" if one_host else (_interface_address(iface) if iface else
                                              address_towards(world.rendezvous_addr or "8.8.8.8"))
         listener = ControlListener(secret, host)  # only the address the other ranks are told
         client.set(key, json.dumps({"host": host, "port": listener.port}).encode())
-        return ControlLinks(workers=listener.accept(list(range(1, world.size)), start_timeout, interrupt))
+        claimants = {r: (str(rec.get("host")), rec.get("pid")) for r, rec in enumerate(records)}
+
+        def conflict(message: str) -> None:
+            try:
+                client.set(conflict_key(prefix), message.encode())
+            except RendezvousError:
+                pass  # the job is over
+
+        workers = listener.accept(list(range(1, world.size)), start_timeout, interrupt, claimants=claimants,
+                                  on_conflict=conflict)
+        return ControlLinks(workers=workers), listener
     if interrupt is not None:
         deadline = time.monotonic() + start_timeout
         while not client.check([key]) and time.monotonic() < deadline:
             interrupt()
             time.sleep(0.05)
     where = json.loads(client.get(key, start_timeout))
-    return ControlLinks(to_root=connect_control(where["host"], where["port"], secret, world.rank, start_timeout))
+    return ControlLinks(to_root=connect_control(where["host"], where["port"], secret, world.rank, start_timeout,
+                                                me=world.hostname)), None
 
 
 def _interface_address(iface: str) -> str:

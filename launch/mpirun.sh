@@ -12,13 +12,15 @@ FIRST_HOST="${HOSTS%%,*}"; FIRST_HOST="${FIRST_HOST%%:*}"
 [ "$FIRST_HOST" = "localhost" ] && FIRST_HOST=127.0.0.1
 export GPUCOMM_RENDEZVOUS_ADDR="$FIRST_HOST"
 # A fresh secret per job, passed by name (-x VAR copies it from this environment; it never
-# appears on a command line).
+# appears on a command line). Without it the store's key would be derived from the job id, address
+# and port, which anyone who can reach the store can compute; GPUCOMM_REQUIRE_SECRET=1 makes a rank
+# that did not receive it fail instead of falling back to that.
 GPUCOMM_SECRET="$(python3 -c 'import secrets; print(secrets.token_hex(32))')"
-export GPUCOMM_SECRET
+export GPUCOMM_SECRET GPUCOMM_REQUIRE_SECRET=1
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 # Forward the job's variables and, when set, the paths and NCCL settings.
-EXPORTS=(-x GPUCOMM_RENDEZVOUS_ADDR -x GPUCOMM_SECRET -x OMP_NUM_THREADS -x PATH)
+EXPORTS=(-x GPUCOMM_RENDEZVOUS_ADDR -x GPUCOMM_SECRET -x GPUCOMM_REQUIRE_SECRET -x OMP_NUM_THREADS -x PATH)
 for var in PYTHONPATH LD_LIBRARY_PATH NCCL_SOCKET_IFNAME NCCL_DEBUG GPUCOMM_GLOO_IFACE GPUCOMM_TIMEOUT \
            GPUCOMM_CPU_AFFINITY GPUCOMM_SINGLE_GPU_TEST; do
     if [ -n "${!var+x}" ]; then EXPORTS+=(-x "$var"); fi

@@ -9,7 +9,9 @@ The per-connection nonce and sequence numbers stop a recorded frame from being r
 are bounded, so a broken or hostile peer cannot make a reader allocate without limit: a reader may
 pass a smaller ``limit`` until the peer has authenticated (the store allows 4 KiB before the first
 good MAC), and a ``deadline`` that covers the whole frame, so a peer that trickles bytes cannot
-hold a reader longer than that.
+hold a reader longer than that. A reader that will not take a frame (too large for it now) can
+read its header alone (``recv_header``) and drop the body unread into memory (``skip_body``, MAC
+still checked), so that it can answer why instead of closing the connection.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ DENY = b"\x00\x00\x00\x00DENY"
 
 _LEN = struct.Struct(">I")
 _SEQ = struct.Struct(">Q")
+SKIP_CHUNK = 1 << 20  # a refused frame is read and dropped this much at a time
 
 
 class FrameError(Exception):
@@ -113,17 +116,29 @@ class FramedChannel:
         """The next frame's body. ``body_timeout``: once the header is in, the rest must arrive within
         it; ``deadline`` (monotonic): the whole frame, header included, by then; ``limit``: the
         largest body accepted now (default ``max_frame``), checked before anything is allocated."""
+        length = self.recv_header(deadline)
+        cap = self.max_frame if limit is None else min(limit, self.max_frame)
+        if length > cap + MAC_BYTES:
+            raise FrameError(f"frame length {length} outside [{MAC_BYTES + 1}, {cap + MAC_BYTES}]")
+        if body_timeout is not None:
+            by = time.monotonic() + body_timeout
+            deadline = by if deadline is None else min(deadline, by)
+        return self.recv_body(length, deadline)
+
+    def recv_header(self, deadline: float | None = None) -> int:
+        """The next frame's length prefix (MAC included), at least ``MAC_BYTES + 1``; a ``DENY``
+        marker raises ``FrameError("DENY")``. Nothing is allocated for the body yet."""
         header = recv_exact(self.sock, 4, deadline)
         if header == DENY[:4]:
             rest = recv_exact(self.sock, 4, deadline)
             raise FrameError("DENY" if rest == DENY[4:] else "zero-length frame")
         (length,) = _LEN.unpack(header)
-        cap = self.max_frame if limit is None else min(limit, self.max_frame)
-        if length < MAC_BYTES + 1 or length > cap + MAC_BYTES:
-            raise FrameError(f"frame length {length} outside [{MAC_BYTES + 1}, {cap + MAC_BYTES}]")
-        if body_timeout is not None:
-            by = time.monotonic() + body_timeout
-            deadline = by if deadline is None else min(deadline, by)
+        if length < MAC_BYTES + 1:
+            raise FrameError(f"frame length {length} is below the minimum of {MAC_BYTES + 1}")
+        return length
+
+    def recv_body(self, length: int, deadline: float | None) -> bytes:
+        """The rest of a frame whose header announced ``length``: read, MAC-checked, sequenced."""
         payload = recv_exact(self.sock, length, deadline)
         tag, body = payload[:MAC_BYTES], payload[MAC_BYTES:]
         if not hmac.compare_digest(tag, mac(self.secret, self.nonce, self.recv_dir, self.recv_seq, body)):
@@ -131,6 +146,20 @@ class FramedChannel:
         self.recv_seq += 1
         return body
 
+    def skip_body(self, length: int, deadline: float | None, chunk: int = SKIP_CHUNK) -> None:
+        """Read and drop the rest of a frame (a refused one) in ``chunk``-sized pieces, so it costs no
+        memory; its MAC is still checked (streamed), so the connection stays in step and
+        authenticated, and the sender can be told why its frame was refused."""
+        tag = recv_exact(self.sock, MAC_BYTES, deadline)
+        h = hmac.new(self.secret, self.nonce + self.recv_dir + _SEQ.pack(self.recv_seq), "sha256")
+        left = length - MAC_BYTES
+        while left:
+            piece = recv_exact(self.sock, min(chunk, left), deadline)
+            h.update(piece)
+            left -= len(piece)
+        if not hmac.compare_digest(tag, h.digest()):
+            raise FrameError("bad MAC")
+        self.recv_seq += 1
 
-__all__ = ["DENY", "FrameError", "FramedChannel", "HELLO_BYTES", "MAC_BYTES", "MAGIC", "NONCE_BYTES", "VERSION",
+__all__ = ["DENY", "FrameError", "FramedChannel", "HELLO_BYTES", "MAC_BYTES", "MAGIC", "NONCE_BYTES", "SKIP_CHUNK", "VERSION",
            "decode_fields", "encode_fields", "mac", "recv_exact"]

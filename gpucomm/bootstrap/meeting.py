@@ -1,22 +1,42 @@
 """How the ranks of a job meet: the rendezvous store (served by rank 0, the launcher, or published
 through torchrun's store), every rank's arrival record, and Horovod's cross rank and size.
 
+Trust at the edges: a store keyed with a derived secret (MPI, Slurm, manual launches without
+``GPUCOMM_SECRET``) is announced once on rank 0, or refused with ``GPUCOMM_REQUIRE_SECRET=1``;
+rank 0's store listens only on the address the ranks are told; a rank is claimed at the store by
+exactly one process (``claim_arrival``), and a second claimant fails itself and, through the
+``{prefix}conflict`` key that rank 0 watches (``watch_conflicts``), the whole job, naming both.
+
 Pure bootstrap: nothing here knows about collectives; ``gpucomm.job`` builds the job on top.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import secrets
 import socket
+import threading
+import time
 from typing import Callable
 
 from ..errors import GpucommError
 from .key_exchange import KeyPair, SealError, seal, unseal
 from .netaddr import address_towards
-from .rendezvous import RendezvousClient, RendezvousServer, wait_for_ranks
-from .world import World
+from .rendezvous import RendezvousClient, RendezvousError, RendezvousServer, RendezvousTimeout, wait_for_ranks
+from .world import GPUCOMM_SECRET, World
+
+log = logging.getLogger("gpucomm.bootstrap")
+
+REQUIRE_SECRET_VAR = "GPUCOMM_REQUIRE_SECRET"
+BIND_VAR = "GPUCOMM_RENDEZVOUS_BIND"
+CONFLICT_WATCH_SECONDS = 10.0  # rank 0 re-asks the store for a conflict this often (one request, no traffic)
+_SECRET_HOW = (f"export {GPUCOMM_SECRET}=$(python3 -c 'import secrets; print(secrets.token_hex(32))') and pass "
+               f"it to every rank (mpirun -x {GPUCOMM_SECRET}, srun --export=ALL; launch/mpirun.sh and "
+               f"launch/slurm.sbatch do this)")
+_warned_derived = False
 
 
 def torch_store_rendezvous(world: World, gen: int, start_timeout: float):
@@ -73,23 +93,59 @@ def torch_store_rendezvous(world: World, gen: int, start_timeout: float):
     return None, info["host"], info["port"], secret
 
 
-def _bind_address(addr: str) -> str:
-    """Where rank 0's store listens: the local address ``addr`` (GPUCOMM_RENDEZVOUS_ADDR /
-    MASTER_ADDR) resolves to, so the store is not reachable on other interfaces. A loopback
-    resolution (a hostname mapped to 127.0.1.1) says nothing about what other hosts use, and an
-    address not on this host cannot be bound: both keep the wildcard."""
+def bind_address(addr: str, all_local: bool, override: str | None = None) -> str:
+    """Where rank 0's store listens: the address the ranks are told (``addr``), resolved on this
+    host. A loopback address (or, when every rank runs on this host, a name resolving to one) is
+    bound as such; any other must be an address of this host. ``override`` (GPUCOMM_RENDEZVOUS_BIND)
+    wins, ``0.0.0.0`` included. Raises ``GpucommError`` when ``addr`` cannot be bound here."""
+    if override:
+        return override
     try:
         ip = socket.gethostbyname(addr)
-    except OSError:
-        return "0.0.0.0"
+    except OSError as e:
+        raise GpucommError(f"rank 0 cannot resolve the rendezvous address {addr!r} ({e}), so it cannot serve the "
+                           f"store on it. Set GPUCOMM_RENDEZVOUS_ADDR to an address of rank 0's host that every "
+                           f"rank can reach.") from None
     if ip.startswith("127."):
-        return "0.0.0.0"
+        if all_local or addr == ip or addr == "localhost":
+            return ip
+        raise GpucommError(
+            f"the rendezvous address {addr!r} resolves to {ip} (loopback) on rank 0's host, but this job has ranks "
+            f"on other hosts, which reach rank 0 under an address this host does not know; rank 0 serves the store "
+            f"only on the address it is told. Likely cause: /etc/hosts maps this host's name to 127.0.1.1 "
+            f"(Debian's default). Fix: set GPUCOMM_RENDEZVOUS_ADDR to rank 0's IP address on the network the ranks "
+            f"share, or {BIND_VAR}=0.0.0.0 to listen on every interface.")
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             probe.bind((ip, 0))
-    except OSError:
-        return "0.0.0.0"
+    except OSError as e:
+        raise GpucommError(
+            f"the rendezvous address {addr!r} ({ip}) is not an address of rank 0's host ({e}), and rank 0 serves the "
+            f"store only on the address the ranks are told. Likely causes: rank 0 was placed on another host than "
+            f"GPUCOMM_RENDEZVOUS_ADDR names, or the address is translated (NAT, a container or service address). "
+            f"Fix: point GPUCOMM_RENDEZVOUS_ADDR at rank 0's host, or set {BIND_VAR} to the local address to listen "
+            f"on (0.0.0.0: every interface).") from None
     return ip
+
+
+def check_secret(world: World, require: bool) -> None:
+    """A derived secret (no GPUCOMM_SECRET under MPI, Slurm or a manual launch) can be computed by
+    anyone who can reach the store: warn once on rank 0, or raise on every rank when ``require``."""
+    global _warned_derived
+    if world.secret_source != "derived":
+        return
+    where = f"{world.rendezvous_addr}:{world.rendezvous_port}"
+    if require:
+        raise GpucommError(
+            f"{REQUIRE_SECRET_VAR}=1 but {GPUCOMM_SECRET} is not set: this {world.launcher} job's store at {where} "
+            f"would authenticate with a key derived from the job id, address and port, which any process that can "
+            f"reach {where} can compute. Fix: {_SECRET_HOW}.")
+    if world.rank == 0 and not _warned_derived:
+        _warned_derived = True
+        log.warning("no %s is set: this %s job's rendezvous store at %s accepts any process that can reach %s "
+                    "(its key is derived from the job id, address and port, which anyone can compute). To "
+                    "authenticate the ranks, %s. %s=1 turns this warning into an error.",
+                    GPUCOMM_SECRET, world.launcher, where, where, _SECRET_HOW, REQUIRE_SECRET_VAR)
 
 
 _FROM_ENV = "env"  # published instead of a public value by a rank whose secret comes from GPUCOMM_SECRET
@@ -103,12 +159,19 @@ def _context(base: str, rank: int) -> bytes:
     return f"{base}/rank{rank}".encode()
 
 
-def open_store(world: World, gen: int, start_timeout: float, timeout: float):
-    """Start (rank 0) and connect to the rendezvous store; returns (server, client)."""
+def open_store(world: World, gen: int, start_timeout: float, timeout: float, *, prefix: str = "",
+               record: dict | None = None, require_secret: bool = False, bind: str | None = None):
+    """Start (rank 0) and connect to the rendezvous store; returns (server, client).
+
+    ``require_secret``: refuse a derived secret (``check_secret``); ``bind``: where rank 0's store
+    listens instead of the address the ranks are told. A rank 0 that finds the port held by a store
+    of this very job (same secret) is a second rank 0: with ``prefix`` and ``record`` it claims rank
+    0 there, which fails it and the job naming both processes."""
     if world.launcher == "none":
         secret = secrets.token_bytes(32)
         server = RendezvousServer(secret, "127.0.0.1", 0)
         return server, RendezvousClient("127.0.0.1", server.port, secret, connect_timeout=start_timeout, timeout=timeout)
+    check_secret(world, require_secret)
     if world.port_via_torch_store:
         server, host, port, secret = torch_store_rendezvous(world, gen, start_timeout)
     else:
@@ -119,15 +182,23 @@ def open_store(world: World, gen: int, start_timeout: float, timeout: float):
                                f"random hex string (32+ characters) on every rank.")
         server = None
         if world.rank == 0 and not world.rendezvous_hosted:
+            listen = bind_address(host, world.local_size == world.size, bind)
             try:
-                server = RendezvousServer(secret, _bind_address(host), port)
+                server = RendezvousServer(secret, listen, port)
             except OSError as e:
+                if e.errno == errno.EADDRINUSE and prefix and record is not None:
+                    _second_root(world, host, port, secret, prefix, record, start_timeout)
                 raise GpucommError(
-                    f"rank 0 could not serve the rendezvous store on port {port}: {e}. Another process holds the "
+                    f"rank 0 could not serve the rendezvous store on {listen}:{port}: {e}. Another process holds the "
                     f"port (perhaps an earlier job still running); set GPUCOMM_RENDEZVOUS_PORT to a free port on "
                     f"every rank.") from e
+    if server is not None and prefix:
+        server.put(_store_marker(prefix), b"1")
     try:
-        client = RendezvousClient(host, port, secret, connect_timeout=start_timeout, timeout=timeout)
+        if world.rank != 0 and prefix and not world.rendezvous_hosted and not world.port_via_torch_store:
+            client = _this_generations_store(host, port, secret, prefix, start_timeout, timeout)
+        else:
+            client = RendezvousClient(host, port, secret, connect_timeout=start_timeout, timeout=timeout)
     except Exception:
         if server is not None:
             server.close()
@@ -135,12 +206,134 @@ def open_store(world: World, gen: int, start_timeout: float, timeout: float):
     return server, client
 
 
+def _store_marker(prefix: str) -> str:
+    return f"{prefix}store"
+
+
+def _this_generations_store(host: str, port: int, secret: bytes, prefix: str, start_timeout: float,
+                            timeout: float) -> RendezvousClient:
+    """A client of the store rank 0 serves for this init. After a re-init, rank 0's previous store
+    may still answer on the same port for a moment (it serves the last ranks shutting down); a rank
+    that reached it waits for it to close and connects again, so its keys land in the new one."""
+    deadline = time.monotonic() + start_timeout
+    while True:
+        client = RendezvousClient(host, port, secret, connect_timeout=max(0.1, deadline - time.monotonic()),
+                                  timeout=timeout)
+        try:
+            client.wait([_store_marker(prefix)], max(0.0, deadline - time.monotonic()))
+            return client
+        except RendezvousTimeout:
+            client.close()
+            if time.monotonic() >= deadline:
+                raise RendezvousTimeout(
+                    f"the rendezvous store at {host}:{port} did not become this init's store within "
+                    f"{start_timeout:.0f} s: a store answers there, but rank 0 never started this init's. Likely "
+                    f"causes: rank 0 failed or has not called init() again; another job with the same secret "
+                    f"serves that port. Raise GPUCOMM_START_TIMEOUT if rank 0 only starts slowly.",
+                    [_store_marker(prefix)]) from None
+        except RendezvousError:
+            client.close()  # the previous store closed under us: connect to the new one
+        time.sleep(0.05)
+
+
+def _second_root(world: World, host: str, port: int, secret: bytes, prefix: str, record: dict,
+                 start_timeout: float) -> None:
+    """Rank 0's port is held. If a store of this job (our secret) answers there and its rank 0 has
+    arrived, this process is a second rank 0: claim the rank (which raises, naming both). Otherwise
+    return (the port belongs to something else)."""
+    try:
+        client = RendezvousClient(host, port, secret, connect_timeout=min(start_timeout, 5.0), timeout=start_timeout)
+    except RendezvousError:
+        return
+    try:
+        client.get(f"{prefix}arrive/0", start_timeout)
+        claim_arrival(client, prefix, world, record)
+    except RendezvousError:
+        return
+    finally:
+        client.close()
+
+
+def conflict_key(prefix: str) -> str:
+    """The store key a second claimant writes its error to; rank 0 watches it (``watch_conflicts``)."""
+    return f"{prefix}conflict"
+
+
+def duplicate_claim(rank: int, holder: tuple[str, object] | None, claimant: tuple[str, object], peer: object,
+                    how: str) -> str:
+    """The error for a second process claiming ``rank``: names the rank and both (host, pid);
+    ``how`` says where the second claim was made ("arriving at the rendezvous store")."""
+    first = f"host {holder[0]} pid {holder[1]}" if holder is not None else "the process connected first"
+    where = f" from {peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else ""
+    return (f"two processes claim rank {rank} of this job: {first} holds it, and host {claimant[0]} pid "
+            f"{claimant[1]}{where} claimed it too, {how}. Each rank must be one process. Likely causes: the "
+            f"launcher (or a wrapper, or a retry that did not stop the first attempt) started that rank twice, or "
+            f"a process holding the job secret is impersonating it. Fix: stop the extra process and start each "
+            f"rank exactly once; keep GPUCOMM_SECRET private.")
+
+
+def _claimant(raw: bytes) -> tuple[str, object] | None:
+    try:
+        rec = json.loads(raw)
+        return str(rec["host"]), rec["pid"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def claim_arrival(client: RendezvousClient, prefix: str, world: World, record: dict) -> None:
+    """Publish this rank's arrival record, unless another process holds the rank already: then
+    write the error under ``conflict_key(prefix)`` (rank 0 fails the job with it) and raise it."""
+    key = f"{prefix}arrive/{world.rank}"
+    mine = json.dumps(record).encode()
+    held = client.compare_set(key, b"", mine)
+    if held == mine:
+        return
+    me = (world.hostname, os.getpid())
+    holder = _claimant(held)
+    if holder is not None and str(holder[0]) == me[0] and str(holder[1]) == str(me[1]):
+        client.set(key, mine)  # this very process again (a retried step): update its record
+        return
+    message = duplicate_claim(world.rank, holder, me, None, "arriving at the rendezvous store")
+    try:
+        client.set(conflict_key(prefix), message.encode())
+    except RendezvousError:
+        pass  # the store is gone: the job is failing anyway
+    raise GpucommError(message)
+
+
+def watch_conflicts(client: RendezvousClient, prefix: str, on_conflict: Callable[[str], None],
+                    on_exit: Callable[[], None] | None = None) -> threading.Thread:
+    """Rank 0: a daemon thread that calls ``on_conflict(message)`` once a second claimant of some
+    rank has written ``conflict_key(prefix)``; it ends (calling ``on_exit``) when the client closes."""
+    key = conflict_key(prefix)
+
+    def watch() -> None:
+        try:
+            while True:
+                try:
+                    client.wait([key], CONFLICT_WATCH_SECONDS)
+                    message = client.get(key, CONFLICT_WATCH_SECONDS).decode(errors="replace")
+                    break
+                except RendezvousTimeout:
+                    continue
+                except RendezvousError:
+                    return  # closed (gpucomm shut down) or the store is gone
+            on_conflict(message)
+        finally:
+            if on_exit is not None:
+                on_exit()
+
+    thread = threading.Thread(target=watch, name="gpucomm-claims", daemon=True)
+    thread.start()
+    return thread
+
+
 def arrive(client: RendezvousClient, prefix: str, world: World, record: dict, start_timeout: float,
            interrupt: Callable[[], None] | None = None) -> list[dict]:
-    """Publish this rank's record and read everyone's; a rank that failed before arriving (its
-    record carries ``error``) makes every rank fail with that rank's message. ``interrupt``
-    (elastic rounds) is asked every 0.5 s while waiting and may raise to stop the wait."""
-    client.set(f"{prefix}arrive/{world.rank}", json.dumps(record).encode())
+    """Claim this rank and read everyone's records; a rank that failed before arriving (its record
+    carries ``error``) makes every rank fail with that rank's message. ``interrupt`` (elastic
+    rounds) is asked every 0.5 s while waiting and may raise to stop the wait."""
+    claim_arrival(client, prefix, world, record)
     wait_for_ranks(client, f"{prefix}arrive", range(world.size), start_timeout, "gpucomm.init()", interrupt)
     records = [json.loads(client.get(f"{prefix}arrive/{r}")) for r in range(world.size)]
     for r, rec in enumerate(records):
@@ -157,4 +350,5 @@ def cross_placement(world: World, records: list[dict]) -> tuple[int, int]:
     return peers.index(world.rank), len(peers)
 
 
-__all__ = ["arrive", "cross_placement", "open_store", "torch_store_rendezvous"]
+__all__ = ["BIND_VAR", "REQUIRE_SECRET_VAR", "arrive", "bind_address", "check_secret", "claim_arrival", "conflict_key",
+           "cross_placement", "duplicate_claim", "open_store", "torch_store_rendezvous", "watch_conflicts"]

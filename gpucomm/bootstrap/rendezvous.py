@@ -17,6 +17,14 @@ send a ``PING`` right after the hello); afterwards every frame must be complete 
 ``FRAME_SECONDS`` of its first byte. Connections that have not authenticated live in a bounded
 pool of their own: when it is full the oldest is closed, so thousands of idle or garbage
 connections can never keep a valid rank out, and never grow the server beyond the pool.
+
+Authenticated peers are bounded too (``GPUCOMM_STORE_MAX_BYTES``, default 128 MiB): the values
+ranks write may total at most that many bytes (key lengths included; values the hosting process
+``put`` itself are not counted), and frames larger than ``SMALL_FRAME`` reserve their length from
+a budget of the same size before their body is read, waiting up to ``FRAME_SECONDS`` for room. A
+frame that cannot be taken (over the per-frame limit, no room in flight, over the cap) is read and
+dropped without being kept, and answered ``REFUSED`` with the reason, which the client raises as
+``RendezvousRefused``.
 """
 
 from __future__ import annotations
@@ -27,10 +35,11 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from .framing import (DENY, HELLO_BYTES, MAGIC, NONCE_BYTES, VERSION, FrameError, FramedChannel, decode_fields,
-                      encode_fields, recv_exact)
+from ..settings import env_number
+from .framing import (DENY, HELLO_BYTES, MAC_BYTES, MAGIC, NONCE_BYTES, VERSION, FrameError, FramedChannel,
+                      decode_fields, encode_fields, recv_exact)
 
 log = logging.getLogger("gpucomm.rendezvous")
 
@@ -40,11 +49,14 @@ FIRST_FRAME_SECONDS = 5.0  # connect -> first authenticated frame
 FRAME_SECONDS = 30.0  # first byte -> last byte of any later frame
 MAX_PENDING = 512  # connections not yet authenticated; beyond it the oldest is closed
 MAX_CONNECTIONS = 4096  # authenticated connections
+MAX_BYTES_VAR = "GPUCOMM_STORE_MAX_BYTES"
+DEFAULT_MAX_BYTES = 128 << 20  # values written by ranks, and (separately) frames being received
+SMALL_FRAME = 64 << 10  # frames up to this size need no reservation (NCCL ids, addresses, arrival records)
 
 _I64 = struct.Struct(">q")
 
 OP_SET, OP_GET, OP_ADD, OP_WAIT, OP_CHECK, OP_DELETE, OP_NUM_KEYS, OP_COMPARE_SET, OP_PING = range(1, 10)
-ST_OK, ST_TIMEOUT, ST_ERROR = 0, 1, 2
+ST_OK, ST_TIMEOUT, ST_ERROR, ST_REFUSED = 0, 1, 2, 3
 
 
 class RendezvousError(RuntimeError):
@@ -53,6 +65,11 @@ class RendezvousError(RuntimeError):
 
 class RendezvousAuthError(RendezvousError):
     """The server rejected our frames: the job secrets differ."""
+
+
+class RendezvousRefused(RendezvousError):
+    """The store refused a request (too large, or it would exceed the store's byte cap); the
+    message says which limit and how to change it."""
 
 
 class RendezvousTimeout(RendezvousError):
@@ -68,12 +85,40 @@ class RendezvousTimeout(RendezvousError):
 
 
 class _Table:
-    """The key-value data with blocking waits."""
+    """The key-value data with blocking waits, and the bytes ranks have stored (capped)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int) -> None:
         self.data: dict[str, bytes] = {}
         self.cond = threading.Condition()
         self.closed = False
+        self.max_bytes = max_bytes
+        self.sizes: dict[str, int] = {}  # keys written by clients -> bytes counted against the cap
+        self.counted = 0
+
+    def write(self, key: str, value: bytes) -> str | None:
+        """(holding ``cond``) Store a client's value, or return why it was refused (over the cap)."""
+        size = len(key) + len(value)
+        total = self.counted - self.sizes.get(key, 0) + size
+        if total > self.max_bytes and size > self.sizes.get(key, 0):
+            return (f"the rendezvous store refused to store {key!r} ({len(value)} bytes): ranks would then hold "
+                    f"{total} bytes in it, over its cap of {self.max_bytes} bytes ({MAX_BYTES_VAR}). The "
+                    f"bootstrap store is for small values (addresses, ids, gpucomm.run results). Likely causes: "
+                    f"a script putting large objects in it, or a runaway or hostile client. Fix: store less, or "
+                    f"raise {MAX_BYTES_VAR} where the store runs (rank 0, or the launcher).")
+        self.data[key] = value
+        self.counted = total
+        self.sizes[key] = size
+        return None
+
+    def put_local(self, key: str, value: bytes) -> None:
+        """(holding ``cond``) Store the hosting process's own value (not counted against the cap)."""
+        self.data[key] = value
+        self.counted -= self.sizes.pop(key, 0)
+
+    def remove(self, key: str) -> bool:
+        """(holding ``cond``) Delete ``key``; True when it existed."""
+        self.counted -= self.sizes.pop(key, 0)
+        return self.data.pop(key, None) is not None
 
     def wait_for(self, keys: Sequence[str], timeout: float) -> list[str]:
         """Block until every key exists; return the keys still missing at the deadline."""
@@ -85,6 +130,43 @@ class _Table:
                 if not missing or left <= 0 or self.closed:
                     return missing
                 self.cond.wait(min(left, 1.0))
+
+
+class _Budget:
+    """Bytes of frames being received at once: larger frames reserve their length before their
+    body is read, and wait (up to a deadline) while others hold the budget."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.used = total, 0
+        self.cond = threading.Condition()
+        self.closed = False
+
+    def reserve(self, n: int, deadline: float) -> bool:
+        with self.cond:
+            while self.used + n > self.total:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.closed:
+                    return False
+                self.cond.wait(left)
+            self.used += n
+            return True
+
+    def release(self, n: int) -> None:
+        if n:
+            with self.cond:
+                self.used -= n
+                self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
+def max_store_bytes(env: Mapping[str, str] | None = None) -> int:
+    """The store's byte cap: ``GPUCOMM_STORE_MAX_BYTES`` (a positive integer), else 128 MiB."""
+    value = env_number(os.environ if env is None else env, (MAX_BYTES_VAR,), DEFAULT_MAX_BYTES)
+    return int(value)  # type: ignore[arg-type]
 
 
 class _RateLimitedLog:
@@ -112,13 +194,19 @@ class _RateLimitedLog:
 
 
 class RendezvousServer:
-    """Serves the store on ``host:port`` (port 0 picks a free one) from daemon threads."""
+    """Serves the store on ``host:port`` (port 0 picks a free one) from daemon threads. ``max_bytes``
+    caps what ranks may store and what may be in flight at once (default: ``max_store_bytes()``);
+    no frame is larger than ``min(max_frame, max_bytes)``. ``host`` is where it listens: pass the
+    address the ranks are told (``0.0.0.0`` listens on every interface)."""
 
-    def __init__(self, secret: bytes, host: str = "0.0.0.0", port: int = 0, *, max_frame: int = DEFAULT_MAX_FRAME):
+    def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0, *, max_frame: int = DEFAULT_MAX_FRAME,
+                 max_bytes: int | None = None):
         if not secret:
             raise ValueError("RendezvousServer needs a non-empty job secret")
-        self._secret, self._max_frame = secret, max_frame
-        self._table = _Table()
+        max_bytes = max_store_bytes() if max_bytes is None else max_bytes
+        self._secret, self._max_frame = secret, min(max_frame, max_bytes)
+        self._table = _Table(max_bytes)
+        self._inflight = _Budget(max_bytes)
         self._sock = socket.create_server((host, port), reuse_port=False, backlog=1024)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.host, self.port = host, self._sock.getsockname()[1]
@@ -139,6 +227,7 @@ class RendezvousServer:
         with self._table.cond:
             self._table.closed = True
             self._table.cond.notify_all()
+        self._inflight.close()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -163,7 +252,7 @@ class RendezvousServer:
     def put(self, key: str, value: bytes) -> None:
         """Set ``key`` from this process (the launcher publishing to its ranks), waking waiters."""
         with self._table.cond:
-            self._table.data[key] = value
+            self._table.put_local(key, value)
             self._table.cond.notify_all()
 
     def __enter__(self) -> "RendezvousServer":
@@ -205,9 +294,10 @@ class RendezvousServer:
             conn.settimeout(FIRST_FRAME_SECONDS)
             conn.sendall(MAGIC + bytes([VERSION]) + nonce)
             while not self._closed:
+                held, refusal = 0, ""
                 try:
                     if authenticated:
-                        body = chan.recv(FRAME_SECONDS)
+                        body, held, refusal = self._next_frame(chan)
                     else:
                         body = chan.recv(None, limit=PREAUTH_MAX_FRAME, deadline=first_deadline)
                 except FrameError as e:
@@ -224,12 +314,21 @@ class RendezvousServer:
                     if not self._admit(conn, peer):
                         chan.send(encode_fields(ST_ERROR, [b"the rendezvous store has too many connections open"]))
                         return
+                if refusal:
+                    self._rejections.warning("rendezvous: refused a frame from %s: %s", peer, refusal)
+                    chan.send(encode_fields(ST_REFUSED, [refusal.encode()]))
+                    continue
                 try:
                     op, fields = decode_fields(body)
                     status, out = self._dispatch(op, fields)
                 except FrameError as e:
                     self._rejections.warning("rendezvous: closing connection from %s: malformed request (%s)", peer, e)
                     return
+                finally:
+                    body = fields = b""  # nothing of the frame stays referenced while the connection idles
+                    self._inflight.release(held)
+                if status == ST_REFUSED:
+                    self._rejections.warning("rendezvous: refused a request from %s: %s", peer, out[0].decode())
                 chan.send(encode_fields(status, out))
         except OSError as e:  # socket.timeout included
             if not self._closed and authenticated:
@@ -239,6 +338,32 @@ class RendezvousServer:
                 self._conns.discard(conn)
                 self._pending.pop(conn, None)
             conn.close()
+
+    def _next_frame(self, chan: FramedChannel) -> tuple[bytes, int, str]:
+        """An authenticated peer's next frame: (body, bytes reserved for it, "") or, for a frame the
+        store will not take, (b"", 0, why): its body was read and dropped, never held."""
+        length = chan.recv_header(None)  # idle between requests is fine
+        size = length - MAC_BYTES
+        if size > self._max_frame:
+            chan.skip_body(length, time.monotonic() + FRAME_SECONDS)
+            return b"", 0, (f"the rendezvous store refused a frame of {size} bytes: it takes at most {self._max_frame} "
+                            f"bytes per frame (the smaller of {DEFAULT_MAX_FRAME >> 20} MiB and {MAX_BYTES_VAR}="
+                            f"{self._table.max_bytes}). The bootstrap store carries small values; likely cause: a "
+                            f"value that belongs in a collective (hvd.broadcast_object) or a file. Fix: send less, "
+                            f"or raise {MAX_BYTES_VAR} where the store runs.")
+        held = size if size > SMALL_FRAME else 0
+        if held and not self._inflight.reserve(held, time.monotonic() + FRAME_SECONDS):
+            chan.skip_body(length, time.monotonic() + FRAME_SECONDS)
+            return b"", 0, (f"the rendezvous store refused a frame of {size} bytes: other frames held its whole "
+                            f"budget for frames in flight ({self._inflight.total} bytes, {MAX_BYTES_VAR}) for "
+                            f"{FRAME_SECONDS:.0f} s. Likely causes: many large values sent at once, or clients that "
+                            f"started frames and stalled. Fix: send large values one at a time, or raise "
+                            f"{MAX_BYTES_VAR} where the store runs.")
+        try:
+            return chan.recv_body(length, time.monotonic() + FRAME_SECONDS), held, ""
+        except BaseException:
+            self._inflight.release(held)
+            raise
 
     def _admit(self, conn: socket.socket, peer: object) -> bool:
         """Move an authenticated connection out of the pending pool (False: too many open)."""
@@ -261,7 +386,9 @@ class RendezvousServer:
         try:
             if op == OP_SET and len(f) == 2:
                 with t.cond:
-                    t.data[f[0].decode()] = f[1]
+                    refused = t.write(f[0].decode(), f[1])
+                    if refused:
+                        return ST_REFUSED, [refused.encode()]
                     t.cond.notify_all()
                 return ST_OK, []
             if op == OP_GET and len(f) == 2:
@@ -274,7 +401,9 @@ class RendezvousServer:
                 key, delta = f[0].decode(), _I64.unpack(f[1])[0]
                 with t.cond:
                     value = int(t.data.get(key, b"0")) + delta
-                    t.data[key] = str(value).encode()
+                    refused = t.write(key, str(value).encode())
+                    if refused:
+                        return ST_REFUSED, [refused.encode()]
                     t.cond.notify_all()
                 return ST_OK, [_I64.pack(value)]
             if op == OP_WAIT and len(f) >= 1:
@@ -286,7 +415,7 @@ class RendezvousServer:
                     return ST_OK, [b"1" if all(k.decode() in t.data for k in f) else b"0"]
             if op == OP_DELETE and len(f) == 1:
                 with t.cond:
-                    found = t.data.pop(f[0].decode(), None) is not None
+                    found = t.remove(f[0].decode())
                 return ST_OK, [b"1" if found else b"0"]
             if op == OP_NUM_KEYS and not f:
                 with t.cond:
@@ -298,7 +427,9 @@ class RendezvousServer:
                 with t.cond:
                     current = t.data.get(key)
                     if (current is None and f[1] == b"") or current == f[1]:
-                        t.data[key] = f[2]
+                        refused = t.write(key, f[2])
+                        if refused:
+                            return ST_REFUSED, [refused.encode()]
                         t.cond.notify_all()
                         return ST_OK, [f[2]]
                     return ST_OK, [current if current is not None else f[1]]
@@ -331,6 +462,7 @@ class RendezvousClient:
         self._secret, self._max_frame = secret, max_frame
         self._connect_timeout = connect_timeout
         self._idle: list[FramedChannel] = []
+        self._busy: set[FramedChannel] = set()  # channels with a request in flight (close() interrupts them)
         self._lock = threading.Lock()
         self._closed = False
         self._release(self._connect())  # fail fast, with the retry loop, at construction
@@ -381,16 +513,27 @@ class RendezvousClient:
         with self._lock:
             if self._closed:
                 raise RendezvousError("the rendezvous client is closed (gpucomm was shut down)")
-            if self._idle:
-                return self._idle.pop()
-        return self._connect()
-
-    def _release(self, chan: FramedChannel) -> None:
+            chan = self._idle.pop() if self._idle else None
+        if chan is None:
+            chan = self._connect()
         with self._lock:
-            if not self._closed:
+            self._busy.add(chan)
+            if self._closed:
+                _shut(chan.sock)
+        return chan
+
+    def _release(self, chan: FramedChannel, *, broken: bool = False) -> None:
+        with self._lock:
+            self._busy.discard(chan)
+            if not self._closed and not broken:
                 self._idle.append(chan)
                 return
         chan.sock.close()
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` was called."""
+        return self._closed
 
     @property
     def secret(self) -> bytes:
@@ -398,34 +541,52 @@ class RendezvousClient:
         return self._secret
 
     def close(self) -> None:
+        """Close every connection; requests still in flight on other threads end with an error."""
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            busy = list(self._busy)
         for c in idle:
             c.sock.close()
+        for c in busy:
+            _shut(c.sock)
 
     def _request(self, op: int, fields: Sequence[bytes]) -> tuple[int, list[bytes]]:
+        body = encode_fields(op, fields)
+        if len(body) > self._max_frame:
+            raise RendezvousRefused(
+                f"refused before sending: a request of {len(body)} bytes is over the rendezvous store's limit of "
+                f"{self._max_frame} bytes per frame. The bootstrap store carries small values (addresses, ids); "
+                f"send large data with a collective (hvd.broadcast_object) or through a file instead.")
         chan = self._acquire()
         try:
-            chan.send(encode_fields(op, fields))
+            chan.send(body)
             status, out = decode_fields(chan.recv(None))
         except FrameError as e:
-            chan.sock.close()
+            self._release(chan, broken=True)
             if str(e) == "DENY":
                 raise RendezvousAuthError(
                     f"the rendezvous store at {self.host}:{self.port} rejected this process's frames: its job secret "
                     f"differs from ours. Every rank of one job must share GPUCOMM_SECRET (gpucomm-run sets it); a "
                     f"process from another job may be using the same address and port.") from None
             raise RendezvousError(f"rendezvous store at {self.host}:{self.port} broke the connection: {e}. "
-                                  f"Rank 0 (which serves the store) has probably exited or failed.") from None
+                                  f"{self._lost_why()}") from None
         except OSError as e:
-            chan.sock.close()
-            raise RendezvousError(f"rendezvous store at {self.host}:{self.port} failed: {e}. Rank 0 (which "
-                                  f"serves the store) has probably exited or failed.") from None
+            self._release(chan, broken=True)
+            raise RendezvousError(f"rendezvous store at {self.host}:{self.port} failed: {e}. "
+                                  f"{self._lost_why()}") from None
         self._release(chan)
+        if status == ST_REFUSED:
+            raise RendezvousRefused(out[0].decode(errors="replace") if out else "the store refused the request")
         if status == ST_ERROR:
             raise RendezvousError(out[0].decode(errors="replace") if out else "store error")
         return status, out
+
+    def _lost_why(self) -> str:
+        if self._closed:
+            return "This client was closed meanwhile (gpucomm was shut down)."
+        return ("Rank 0 (or the launcher), which serves the store, has probably exited or failed (a frame the "
+                "store will not take is answered with the reason, not a closed connection).")
 
     # -- operations ---------------------------------------------------------------------------
     def set(self, key: str, value: bytes) -> None:

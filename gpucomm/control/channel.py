@@ -3,20 +3,35 @@
 Frames reuse the rendezvous store's authenticated framing (HMAC-SHA256 under the job secret, a
 per-connection nonce and sequence numbers), so only processes of this job can speak, and a frame
 is unpickled only after its MAC checked out. Bodies are pickled lists of small tuples.
+
+A connecting rank's first frame says who it is: ``("rank", rank, host, pid)``. Rank 0 checks it
+against the process that arrived at the store as that rank; any other claim of a rank (a second
+connection for it, a process that did not arrive as it, or any claim once every rank is connected)
+is a second claimant, reported with both (host, pid) so that the job can be failed with them.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import select
 import socket
+import threading
 import time
-from typing import Callable
+from typing import Callable, Mapping
+
 from ..bootstrap.framing import HELLO_BYTES, MAGIC, NONCE_BYTES, VERSION, FrameError, FramedChannel as Channel, recv_exact
+from ..bootstrap.meeting import duplicate_claim
+
+log = logging.getLogger("gpucomm.control")
 
 MAX_CONTROL_FRAME = 256 << 20  # a burst of thousands of full requests stays far below this
 BODY_TIMEOUT = 30.0  # a peer that has started a frame must finish it this fast
+HELLO_SECONDS = 10.0  # connect -> the identifying first frame
+HELLO_MAX = 4096  # the largest first frame read from a peer that has not authenticated yet
+
+Claimant = tuple[str, object]  # (host, pid) as a process states it
 
 
 class ControlError(RuntimeError):
@@ -72,16 +87,25 @@ class Waker:
 class ControlListener:
     """Rank 0's listening socket; ``accept`` returns one authenticated channel per other rank."""
 
-    def __init__(self, secret: bytes, host: str = "0.0.0.0") -> None:
+    def __init__(self, secret: bytes, host: str = "127.0.0.1") -> None:
         self._secret = secret
         self._sock = socket.create_server((host, 0), backlog=1024)
         self.port = self._sock.getsockname()[1]
+        self._closed = False
+        self._watcher: threading.Thread | None = None
 
-    def accept(self, ranks: list[int], timeout: float, interrupt: Callable[[], None] | None = None) -> dict[int, Channel]:
+    def accept(self, ranks: list[int], timeout: float, interrupt: Callable[[], None] | None = None, *,
+               claimants: Mapping[int, Claimant] | None = None,
+               on_conflict: Callable[[str], None] | None = None) -> dict[int, Channel]:
         """Wait for every rank in ``ranks`` to connect and identify itself; ``interrupt`` (asked
-        every 0.5 s) may raise to stop waiting."""
+        every 0.5 s) may raise to stop waiting. ``claimants``: the (host, pid) that arrived at the
+        store as each rank; a connection claiming a rank for another process, or a rank already
+        connected, is refused and reported to ``on_conflict`` (without it: ``ControlError``). With
+        ``on_conflict`` the socket stays open afterwards and every later claim is reported the same
+        way, until ``close()``."""
         deadline = time.monotonic() + timeout
         chans: dict[int, Channel] = {}
+        who: dict[int, Claimant] = {}
         try:
             while len(chans) < len(ranks):
                 remaining = deadline - time.monotonic()
@@ -96,46 +120,101 @@ class ControlListener:
                         f"causes: they failed during init (see their output), or they cannot reach rank 0 on port "
                         f"{self.port} (a firewall; or the wrong interface: set GPUCOMM_GLOO_IFACE).")
                 conn, peer = self._sock.accept()
-                found = self._identify(conn, ranks)
+                found = self._identify(conn, ranks + ([0] if claimants else []))
                 if found is None:
                     continue
-                rank, chan = found
-                if rank in chans:
-                    conn.close()
-                    raise ControlError(f"two processes claimed rank {rank} when connecting to the coordinator; "
-                                       f"the launcher gave two processes the same rank.")
-                chans[rank] = chan
+                rank, claimant, chan = found
+                holder = who.get(rank) or (claimants or {}).get(rank)
+                if rank in chans or (holder is not None and not _same(holder, claimant)) or rank not in ranks:
+                    message = duplicate_claim(rank, holder, claimant, peer, "connecting to rank 0's coordinator")
+                    _refuse(chan, message)
+                    if on_conflict is None:
+                        raise ControlError(message)
+                    log.error("gpucomm: %s", message)
+                    on_conflict(message)
+                    continue
+                chans[rank], who[rank] = chan, claimant
         except BaseException:
             for chan in chans.values():
                 chan.sock.close()
+            self.close()
             raise
-        finally:
-            self._sock.close()
+        if on_conflict is None:
+            self.close()
+        else:
+            holders = {**(claimants or {}), **who}
+            self._watcher = threading.Thread(target=self._watch_late_claims, args=(holders, on_conflict),
+                                             name="gpucomm-control-claims", daemon=True)
+            self._watcher.start()
         return chans
 
-    def _identify(self, conn: socket.socket, ranks: list[int]) -> tuple[int, Channel] | None:
-        """The rank a new connection speaks for, after its first frame authenticated."""
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def _watch_late_claims(self, holders: Mapping[int, Claimant], on_conflict: Callable[[str], None]) -> None:
+        """Every rank is connected: any authenticated claim now is a second claimant."""
+        while not self._closed:
+            try:
+                conn, peer = self._sock.accept()
+            except OSError:
+                return
+            found = self._identify(conn, list(holders))
+            if found is None or self._closed:
+                continue
+            rank, claimant, chan = found
+            message = duplicate_claim(rank, holders.get(rank), claimant, peer,
+                                      "connecting to rank 0's coordinator after every rank had connected")
+            _refuse(chan, message)
+            log.error("gpucomm: %s", message)
+            on_conflict(message)
+
+    def _identify(self, conn: socket.socket, ranks: list[int]) -> tuple[int, Claimant, Channel] | None:
+        """The rank a new connection claims and the (host, pid) it states, after its first frame
+        authenticated; None (connection closed) for anything else."""
         nonce = os.urandom(NONCE_BYTES)
         chan = Channel(conn, self._secret, nonce, b"S", MAX_CONTROL_FRAME)
         try:
-            conn.settimeout(BODY_TIMEOUT)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(HELLO_SECONDS)
             conn.sendall(MAGIC + bytes([VERSION]) + nonce)
-            hello = pickle.loads(chan.recv(BODY_TIMEOUT))  # the socket keeps this timeout: frames are read when ready
-        except (OSError, FrameError, pickle.UnpicklingError, EOFError):
-            conn.close()  # not one of ours (wrong secret, a port scanner): keep waiting for the real ranks
-            return None
-        if not (isinstance(hello, tuple) and len(hello) == 2 and hello[0] == "rank" and hello[1] in ranks):
+            # bounded before authentication: a stranger's header cannot make rank 0 allocate much
+            hello = pickle.loads(chan.recv(None, limit=HELLO_MAX, deadline=time.monotonic() + HELLO_SECONDS))
+            conn.settimeout(BODY_TIMEOUT)  # kept: later frames are read once select says they are arriving
+        except Exception:  # noqa: BLE001 - wrong secret, a port scanner, a malformed hello: keep waiting
             conn.close()
             return None
-        return hello[1], chan
+        if not (isinstance(hello, tuple) and len(hello) in (2, 4) and hello[0] == "rank" and hello[1] in ranks):
+            conn.close()
+            return None
+        claimant: Claimant = (str(hello[2]), hello[3]) if len(hello) == 4 else ("an unnamed host", "unknown")
+        return hello[1], claimant, chan
 
     def close(self) -> None:
+        """Stop listening (and watching for late claims)."""
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._sock.close()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=HELLO_SECONDS + 1)
 
 
-def connect(host: str, port: int, secret: bytes, rank: int, timeout: float) -> Channel:
-    """Connect to the coordinator at ``host:port`` as ``rank`` (retrying until ``timeout``)."""
+def _refuse(chan: Channel, message: str) -> None:
+    """Tell a second claimant why it is turned away (a gpucomm rank fails with it), then close."""
+    try:
+        send(chan, [("abort", message)])
+    except OSError:
+        pass
+    chan.sock.close()
+
+
+def _same(a: Claimant, b: Claimant) -> bool:
+    return str(a[0]) == str(b[0]) and str(a[1]) == str(b[1])
+
+
+def connect(host: str, port: int, secret: bytes, rank: int, timeout: float, *, me: str | None = None) -> Channel:
+    """Connect to the coordinator at ``host:port`` as ``rank`` (retrying until ``timeout``); ``me``
+    is this process's host name as it arrived at the store (default: the kernel's)."""
+    identity = ("rank", rank, me or socket.gethostname(), os.getpid())
     deadline = time.monotonic() + timeout
     delay, last = 0.01, None
     while time.monotonic() < deadline:
@@ -148,7 +227,7 @@ def connect(host: str, port: int, secret: bytes, rank: int, timeout: float) -> C
                 raise ControlError(f"{host}:{port} is not a gpucomm coordinator (it answered {hello[:5]!r}).")
             sock.settimeout(BODY_TIMEOUT)  # frames are read once select says they are arriving
             chan = Channel(sock, secret, hello[5:], b"C", MAX_CONTROL_FRAME)
-            chan.send(pickle.dumps(("rank", rank)))
+            chan.send(pickle.dumps(identity))
             return chan
         except (OSError, FrameError) as e:
             last = e
