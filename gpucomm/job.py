@@ -74,6 +74,7 @@ class Job:
     _set_counter: int = 0
     _schedule_counters: dict = field(default_factory=dict)  # process set id -> schedules made on it
     _schedules: list[Schedule] = field(default_factory=list)
+    _removed: list[Group] = field(default_factory=list)  # removed process sets, to release
     _join_parties: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
 
     def __post_init__(self) -> None:
@@ -86,6 +87,10 @@ class Job:
             self.groups[set_id] = self.data.register(self._group(set_id, ranks))
         self._coordinator = None
         self._negotiated = size > 1
+        # without a pinned GPU (no NVML): the device current here, on the thread building the job
+        self._builder_device = (torch.cuda.current_device()
+                                if self.device is None and torch.cuda.is_available() and torch.cuda.is_initialized()
+                                else None)
         self._execute = self.data.executor(self.group)
         if size == 1:
             self.plane = LocalPlane(self._execute, self.timeout, on_done=self._on_done, process_sets=self.static_sets)
@@ -97,7 +102,7 @@ class Job:
                             self._zeros_device, self.data.events)
         self.plane = Controller(rank, size, lambda handle, meta: self.data.run(handle, meta, self._execute),
                                 self.control, coordinator=self._coordinator, links=self.links, on_done=self._on_done,
-                                standins=standins, tracer=self._current_tracer, on_fail=self.data.fail,
+                                standins=standins, tracer=self._current_tracer, on_fail=self._control_failed,
                                 select_device=self.select_device)
 
     def unnamed_name(self, kind: str, set_id: int) -> str:
@@ -137,6 +142,15 @@ class Job:
     def failure(self) -> CollectiveError | None:
         """Why the job's collectives stopped (a rank failed, a stall shutdown, the NCCL watchdog), if they did."""
         return self.plane.failure() or self.data.failure()
+
+    def _control_failed(self, error: CollectiveError) -> None:
+        """The control plane says the job failed: abort the communicators; if rank 0 is gone and it
+        served the store, every store call (shutdown's included) gives up at once from now on."""
+        self.data.fail(error)
+        controller = self.controller
+        if controller is not None and controller.coordinator_lost and self.server is None \
+                and not self.world.rendezvous_hosted:
+            self.client.abandon(f"rank 0, which served it, is gone ({error})")
 
     def _report_data_failure(self, text: str) -> None:
         """The data plane found the job broken (the NCCL watchdog): tell every rank."""
@@ -230,8 +244,15 @@ class Job:
             self.groups[set_id] = self.data.register(self._group(set_id, ranks))
         elif name.startswith("process_set.remove.") and isinstance(value, int):
             group = self.groups.pop(value, None)
-            if group is not None:
-                self.data.release(group)  # a collective point: every member removes it in answer order
+            if group is not None:  # released by remove_process_set's caller, not here under the control lock
+                self._removed.append(group)
+
+    def release_removed_sets(self) -> None:
+        """Release the communicators of removed process sets (``remove_process_set`` calls this on
+        every rank once the removal is agreed: a collective point)."""
+        removed, self._removed = self._removed, []
+        for group in removed:
+            self.data.release(group)
 
     def next_set_name(self, what: str) -> str:
         self._set_counter += 1
@@ -239,7 +260,13 @@ class Job:
 
     # -- backends --------------------------------------------------------------------------------
     def _cuda_device(self) -> torch.device:
-        return torch.device("cuda", self.device.cuda_ordinal if self.device is not None else torch.cuda.current_device())
+        """This rank's GPU: the pinned one, else (NVML saw none, yet CUDA works) the device that was
+        current on the thread that built the job, never the calling thread's (GPU 0 on a new thread)."""
+        if self.device is not None:
+            return torch.device("cuda", self.device.cuda_ordinal)
+        if self._builder_device is None:
+            self._builder_device = torch.cuda.current_device()
+        return torch.device("cuda", self._builder_device)
 
     def _zeros_device(self) -> torch.device:
         return torch.device("cuda", self.join_device) if self.join_device >= 0 else self._cuda_device()

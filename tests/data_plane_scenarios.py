@@ -447,3 +447,72 @@ def timeline_gpu_timer_device(path: str) -> dict:
     hvd.stop_timeline() if hvd.rank() == 0 else None
     hvd.shutdown()
     return seen
+
+
+def join_while_others_train_with_negotiated_work(steps: int = 3) -> dict:
+    """Rank 1 joins at once; rank 0 trains a DistributedOptimizer and runs a negotiated allreduce
+    (5000 floats: not reduced inline) each step: the joined rank's zeros for both must be issued in
+    an order that lets both complete."""
+    hvd.init()
+    r = hvd.rank()
+    model = nn.Linear(4, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    metrics = []
+    if r == 0:
+        for s in range(steps):
+            opt.zero_grad()
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            metrics.append(float(hvd.allreduce(torch.ones(5000), name=f"metric.{s}", op=hvd.Sum)[0]))
+    last = hvd.join()
+    hvd.shutdown()
+    return {"last": last, "metrics": metrics}
+
+
+def negotiated_handles_are_not_kept(ops: int = 100) -> dict:
+    """A job that runs negotiated collectives and never steps an optimizer keeps none of them alive."""
+    import weakref
+
+    hvd.init()
+    refs = []
+    for i in range(ops):
+        t = torch.full((5000,), float(i))
+        refs.append(weakref.ref(t))
+        hvd.allreduce(t, name=f"op.{i}")
+        del t
+    gc.collect()
+    order = runtime.current().data.order(torch.device("cpu"))
+    kept = len(order._submitted) if order is not None else -1
+    alive = sum(1 for ref in refs if ref() is not None)
+    hvd.shutdown()
+    return {"kept": kept, "alive": alive}
+
+
+def sparse_without_gradients_on_one_rank(steps: int = 3) -> dict:
+    """An optimizer whose only parameters are sparse embeddings: on rank 1 no hook fires (it has no
+    batch for them), yet its reductions go out inside a step, as rank 0's do."""
+    hvd.init()
+    r = hvd.rank()
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 3, sparse=True)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), named_parameters=emb.named_parameters())
+    job = runtime.current()
+    seen = []
+    real_launch = opt._schedule.launch
+
+    def launch(request, meta=None):
+        seen.append(opt._schedule.in_step)
+        return real_launch(request, meta)
+
+    opt._schedule.launch = launch
+    for s in range(steps):
+        opt.zero_grad()
+        if r == 0 or s == 0:  # after the first step (when the ranks agree it is sparse) rank 1 has no batch
+            emb(torch.tensor([s, s + 1])).sum().backward()
+        opt.step()
+    weight = emb.weight.detach().clone()
+    every = hvd.allgather_object(weight)
+    hvd.shutdown()
+    del job
+    return {"in_step": seen, "same": all(torch.equal(every[0], w) for w in every)}

@@ -244,3 +244,60 @@ def test_every_executor_records_done_events_from_the_pool():
     params = inspect.signature(Executor).parameters
     assert "pool_done_events" not in params
     assert params["events"].default is inspect.Parameter.empty and params["watch"].default is inspect.Parameter.empty
+
+
+# -- review findings, each a regression test ------------------------------------------------------
+
+def test_a_joined_rank_stands_in_for_steps_and_negotiated_work_alike():
+    """The stand-in step used to wait on bucket 0 inside its step, while the zeros for the other
+    rank's negotiated allreduce waited for that step to end: both ranks hung (with the ordering on)."""
+    for seen in run_ranks(sc.join_while_others_train_with_negotiated_work, 2, env={"GPUCOMM_ISSUE_ORDER": "all"},
+                          timeout=90):
+        assert seen["last"] == 0, seen
+    results = run_ranks(sc.join_while_others_train_with_negotiated_work, 2, env={"GPUCOMM_ISSUE_ORDER": "all"})
+    assert results[0]["metrics"] == [1.0, 1.0, 1.0]  # rank 1's zeros
+
+
+def test_negotiated_collectives_are_not_kept_alive_without_optimizer_steps():
+    for seen in run_ranks(sc.negotiated_handles_are_not_kept, 2, env={"GPUCOMM_ISSUE_ORDER": "all"}):
+        assert seen["kept"] == 0 and seen["alive"] == 0, seen
+
+
+def test_a_rank_without_sparse_gradients_still_launches_inside_a_step():
+    results = run_ranks(sc.sparse_without_gradients_on_one_rank, 2, env={"GPUCOMM_ISSUE_ORDER": "all"})
+    for rank, seen in enumerate(results):
+        assert seen["in_step"] and all(seen["in_step"]), (rank, seen["in_step"])
+        assert seen["same"], rank
+
+
+def test_releasing_while_the_watchdog_fails_aborts():
+    """The watchdog clears what it watched when it finds a hung collective, before the job's failure is
+    recorded: a release in that window (an optimizer's close on another thread) drained "nothing in
+    flight" and destroyed a communicator whose kernel hangs. Here the release runs exactly there."""
+    from gpucomm.dataplane.groups import Group
+    from gpucomm.dataplane.plane import DataPlane
+
+    released = {}
+
+    def report(text: str) -> None:  # the control plane hears of it: the failure is not recorded yet
+        plane.release(group)
+        released["calls"] = list(backend.comm.calls)
+
+    plane = DataPlane(0, 0.0, report=report)
+    backend = sc.recording_backend(0, 2)
+    group = plane.register(Group(5, range(2), 0, lambda g: None, lambda g: backend))
+    group.nccl()
+    plane.watchdog.watch(_Event(), 0, _Request())
+    plane.watchdog.check()
+    assert released["calls"] == ["abort"], released
+
+
+def test_a_released_group_takes_no_more_collectives():
+    from gpucomm.dataplane.groups import Group
+    from gpucomm.errors import CollectiveError
+
+    group = Group(3, range(2), 0, lambda g: None, lambda g: sc.recording_backend(0, 2))
+    group.nccl()
+    group.close()
+    with pytest.raises(CollectiveError, match="released"):
+        group.nccl()

@@ -249,7 +249,8 @@ def test_pin_outnumbered_raises(fake_gpus):
         pin_local_gpu(0, 8, env={}, hostname="h")
 
 
-def test_pin_all_hidden_returns_none(fake_gpus):
+def test_pin_all_hidden_returns_none(fake_gpus, monkeypatch):
+    monkeypatch.setattr(devices, "cuda_bus_ids", lambda: [])  # what CUDA sees with CUDA_VISIBLE_DEVICES=""
     assert pin_local_gpu(0, 2, env={"CUDA_VISIBLE_DEVICES": ""}) is None
     assert fake_gpus == []
 
@@ -261,9 +262,17 @@ def test_pin_other_device_order_matches_by_bus_id(fake_gpus, monkeypatch):
 
 
 def test_pin_names_the_gpu_cuda_cannot_see(fake_gpus, monkeypatch):
-    monkeypatch.setattr(devices, "cuda_bus_ids", lambda: [G0.pci_bus_id])
+    monkeypatch.setattr(devices, "cuda_bus_ids", lambda: [])  # NVML lists GPUs, CUDA cannot use any
     with pytest.raises(DevicePinningError, match="no CUDA device of this process has PCI bus id 0000:3b:00.0"):
         pin_local_gpu(1, 4, env={})
+
+
+def test_pin_reads_cuda_visible_devices_as_cuda_did(fake_gpus, monkeypatch):
+    """CUDA started FASTEST_FIRST before gpucomm set the order, so CUDA_VISIBLE_DEVICES=0,1 named the two
+    fastest GPUs (G2 and G3 here), not the first two by bus id: the local ranks get those two."""
+    monkeypatch.setattr(devices, "cuda_bus_ids", lambda: [G3.pci_bus_id, G2.pci_bus_id])
+    assert pin_local_gpu(0, 2, env={"CUDA_VISIBLE_DEVICES": "0,1"}) == devices.PinnedDevice(G3, 0)
+    assert pin_local_gpu(1, 2, env={"CUDA_VISIBLE_DEVICES": "0,1"}) == devices.PinnedDevice(G2, 1)
 
 
 # --- real behaviour on this machine -----------------------------------------

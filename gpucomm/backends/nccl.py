@@ -25,6 +25,9 @@ NCCL_HINT = ("Set NCCL_DEBUG=INFO to see NCCL's own account. Across hosts, the u
              "every host can reach the others on it.")
 
 
+DESTROY_TIMEOUT = 30.0  # seconds a healthy shutdown waits for one communicator's destroy
+
+
 def nccl_module():
     """CuPy's NCCL module, or None when CuPy or libnccl is missing."""
     try:
@@ -122,7 +125,10 @@ class NcclBackend:
             # select, never ``with Device(...)``: leaving that block would select the device that was
             # current before, and in a thread that had selected none that is GPU 0 (a new context there)
             cupy.cuda.Device(device_ordinal).use()
-            self.comm = nccl.NcclCommunicator(size, unique_id_for_cupy(unique_id, cupy_major()), rank)
+            try:
+                self.comm = nccl.NcclCommunicator(size, unique_id_for_cupy(unique_id, cupy_major()), rank)
+            except OverflowError:  # CuPy < 14 where C char is unsigned (aarch64): the tuple takes 0..255
+                self.comm = nccl.NcclCommunicator(size, tuple(unique_id), rank)
         except Exception as e:
             raise CollectiveError(
                 f"creating the NCCL communicator failed on rank {rank} of {size} (GPU {device_ordinal}): {e}. "
@@ -185,8 +191,13 @@ class NcclBackend:
         raise NotImplementedError("barriers run on the Gloo backend")
 
     def check_async_error(self) -> None:
-        """Raise if NCCL recorded an asynchronous failure (a peer died, a network error)."""
-        self._call("async error check", self.comm.check_async_error)
+        """Raise if NCCL recorded an asynchronous failure (a peer died, a network error). Under the
+        state lock: an abort or destroy on another thread frees the communicator, and asking a freed
+        one is undefined (it never blocks, so holding the lock is short). Nothing to ask once ended."""
+        with self._state_lock:
+            if self._state != "live":
+                return
+            self._call("async error check", self.comm.check_async_error)
 
     def abort(self) -> None:
         """The job failed: abort in-flight work so no stream waits forever on a dead peer (what a
@@ -198,15 +209,32 @@ class NcclBackend:
             except Exception as e:  # noqa: BLE001 - failing anyway: nothing left to abort
                 log.debug("NCCL abort: %s", e)
 
-    def destroy(self) -> None:
+    def destroy(self, timeout: float | None = None) -> None:
         """Release the communicator at a collective point of a healthy job (shutdown, or an
-        optimizer's close), once its work has finished."""
-        if self._end("destroyed"):
-            COUNTERS.nccl_destroys += 1
+        optimizer's close), once its work has finished. NCCL's destroy waits for work still queued;
+        if that takes over ``timeout`` seconds (default ``DESTROY_TIMEOUT``; a peer that vanished
+        after the last collective), the communicator is left behind with a warning: aborting it then
+        would free it twice."""
+        if not self._end("destroyed"):
+            return
+        COUNTERS.nccl_destroys += 1
+        done = threading.Event()
+
+        def destroy() -> None:
             try:
+                _select(self.device)  # NCCL restores the thread's device afterwards: it must be this one
                 self.comm.destroy()
             except Exception as e:  # noqa: BLE001
                 log.debug("NCCL destroy: %s", e)
+            finally:
+                done.set()
+
+        threading.Thread(target=destroy, name="gpucomm-nccl-destroy", daemon=True).start()
+        limit = DESTROY_TIMEOUT if timeout is None else timeout
+        if not done.wait(limit):
+            log.warning("gpucomm: destroying the NCCL communicator of rank %d (GPU %d) did not finish within %.0f s "
+                        "(work still queued for a peer that is gone?); leaving it behind", self.rank, self.device,
+                        limit)
 
     def _end(self, state: str) -> bool:
         """Move from live to ``state``; False if it had already ended (the first ending stands: an
@@ -224,6 +252,16 @@ class NcclBackend:
     def close(self, *, abort: bool = False) -> None:
         """``abort()`` if ``abort`` (the job failed), else ``destroy()``."""
         self.abort() if abort else self.destroy()
+
+
+def _select(ordinal: int) -> None:
+    """Make ``ordinal`` the calling thread's current device (CuPy; no-op where it cannot be)."""
+    try:
+        import cupy  # noqa: PLC0415
+
+        cupy.cuda.Device(ordinal).use()
+    except Exception as e:  # noqa: BLE001 - no CUDA here: nothing to select
+        log.debug("selecting GPU %d: %s", ordinal, e)
 
 
 def create_nccl(client, key: str, rank: int, size: int, device_ordinal: int, timeout: float) -> NcclBackend:

@@ -250,6 +250,15 @@ def cuda_ordinal_for_bus_id(bus_id: str) -> int:
         f"print(torch.cuda.device_count())'`.")
 
 
+def _as_cuda_sees(gpus: list[GpuInfo], cuda_ids: list[str], *, listed: bool) -> list[GpuInfo]:
+    """The NVML entries of the GPUs CUDA exposes: in CUDA's order when CUDA_VISIBLE_DEVICES lists
+    them (local rank r takes the r-th listed), else in bus-id order (local rank r takes the r-th
+    GPU by bus id, whatever device order CUDA started with)."""
+    by_bus = {_parse_bus_id(g.pci_bus_id)[:3]: g for g in gpus}
+    seen = [by_bus[key] for key in (_parse_bus_id(b)[:3] for b in cuda_ids) if key in by_bus]
+    return seen if listed else sorted(seen, key=lambda g: _parse_bus_id(g.pci_bus_id))
+
+
 def select_device(ordinal: int) -> None:
     """Make CUDA ordinal ``ordinal`` the current device of the calling thread, for torch and CuPy
     (one ``cudaSetDevice``: both read CUDA's per-thread current device). Every thread of gpucomm
@@ -312,7 +321,10 @@ def pin_local_gpu(
     if not gpus:
         return None
     env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    visible = visible_gpus(gpus, env.get("CUDA_VISIBLE_DEVICES"))
+    visible = visible_gpus(gpus, env.get("CUDA_VISIBLE_DEVICES"))  # NVML's reading (and the MIG check)
+    cuda_ids = cuda_bus_ids()
+    if cuda_ids:  # CUDA's own view wins: it read CUDA_VISIBLE_DEVICES in the device order it started with
+        visible = _as_cuda_sees(gpus, cuda_ids, listed=env.get("CUDA_VISIBLE_DEVICES") is not None)
     if not visible:
         log.debug("CUDA_VISIBLE_DEVICES hides every GPU; running on CPU")
         return None

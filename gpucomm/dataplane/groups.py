@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Sequence
 
+from ..errors import CollectiveError
+
 
 class Group:
     """One registered set as the data plane sees it."""
@@ -20,6 +22,7 @@ class Group:
         self.rank = self.ranks.index(my_rank) if my_rank in self.ranks else -1
         self._make_gloo, self._make_nccl = make_gloo, make_nccl
         self._gloo = self._nccl = None
+        self._closed = False
         self._lock = threading.Lock()
 
     def index_of(self, global_rank: int) -> int:
@@ -28,14 +31,21 @@ class Group:
     def gloo(self):
         with self._lock:
             if self._gloo is None:
+                self._check_open()
                 self._gloo = self._make_gloo(self)
             return self._gloo
 
     def nccl(self):
         with self._lock:
             if self._nccl is None:
+                self._check_open()
                 self._nccl = self._make_nccl(self)
             return self._nccl
+
+    def _check_open(self) -> None:
+        if self._closed:  # a new backend under the same store keys would pair with nothing
+            raise CollectiveError(f"process set {self.id}'s communicators were released (the set was removed, its "
+                                  f"optimizer closed, or gpucomm shut down); it takes no more collectives.")
 
     def nccl_if_created(self):
         """The NCCL backend if a collective has created it (the watchdog must not create one)."""
@@ -58,6 +68,7 @@ class Group:
             if self._gloo is not None:
                 self._gloo.close(abort=abort)
             self._gloo = self._nccl = None
+            self._closed = True
 
 
 __all__ = ["Group"]

@@ -62,20 +62,33 @@ class IssueOrder:
         self._submitted: list[Any] = []  # this rank's negotiated handles not yet agreed
         self._epochs: dict[int, Callable[[], None]] = {}  # open epochs: token -> flush
         self._tokens = itertools.count(1)
+        self._failed: BaseException | None = None  # once set, nothing more is issued
         self.deferred = 0  # agreed entries that had to wait for an epoch to close (or for a waiter)
 
     # -- negotiated work ------------------------------------------------------------------------
     def submitted(self, handle: Any) -> None:
-        """This rank submitted ``handle`` for negotiation: the next epoch waits until it is agreed."""
+        """This rank submitted ``handle`` for negotiation: the next epoch waits until it is agreed.
+        (Handles leave this list when agreed; those that failed before are pruned here, so a job
+        that never steps an optimizer keeps nothing alive.)"""
         with self._lock:
+            if len(self._submitted) >= 64:
+                self._submitted = [h for h in self._submitted if not h.agreed()]
             self._submitted.append(handle)
 
     def agreed(self, handle: Any, issue: Callable[[], None]) -> None:
         """``handle`` (None for a stand-in) is agreed; ``issue()`` issues it and settles the handle.
         Issued now unless an epoch is open (then by the epoch's close, or by a waiter)."""
         with self._lock:
+            if self._failed is not None:
+                if handle is not None:
+                    handle.settle(error=self._failed)
+                return
             if handle is not None:
                 handle.queue(self)
+                try:
+                    self._submitted.remove(handle)
+                except ValueError:
+                    pass  # not this rank's own submission (or already pruned)
             self._queue.append((handle, issue))
             if self._epochs:
                 self.deferred += 1
@@ -107,8 +120,10 @@ class IssueOrder:
         self.issue_for_wait(handle)
 
     def fail(self, error: BaseException) -> None:
-        """The job failed: every queued handle fails with ``error``; nothing more is issued."""
+        """The job failed (or shut down): every queued handle fails with ``error``; nothing more is issued."""
         with self._lock:
+            if self._failed is None:
+                self._failed = error
             queued, self._queue = list(self._queue), collections.deque()
             self._submitted.clear()
         for handle, _ in queued:

@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import CollectiveError
+from ..backends.nccl import nccl_module, nccl_version
+from ..errors import CollectiveError, ShutdownError
 from .events import EventPool
 from .executor import Executor
 from .groups import Group
@@ -134,14 +135,16 @@ class DataPlane:
     def release(self, group: Group) -> None:
         """Release ``group`` at a collective point of its members (a removed process set, an
         optimizer's close): destroyed once its work has finished, aborted if the job failed."""
+        drained = self.watchdog.drain(self.timeout)  # first: a failure found meanwhile is seen below
         with self._lock:
             if group in self._groups:
                 self._groups.remove(group)
-        failed = self._failure is not None or not self.watchdog.drain(self.timeout)
-        group.close(abort=failed)
+        group.close(abort=not drained or self._failure is not None)
 
     def _health(self, set_id: int) -> str | None:
         """NCCL's asynchronous error on ``set_id``'s communicators, if any."""
+        if self._failure is not None:
+            return None  # aborted: nothing more to learn from them
         with self._lock:
             groups = [g for g in self._groups if g.id == set_id]
         for group in groups:
@@ -167,17 +170,16 @@ class DataPlane:
                 return
             self._failure = error
             groups, orders = list(self._groups), list(self._orders.values())
-        for group in groups:
-            group.abort_nccl()
         for order in orders:
             order.fail(error)
+        _abort_together([g for g in groups if g.nccl_if_created() is not None], self.select_device)
 
     def _watchdog_failed(self, text: str) -> None:
-        self.fail(CollectiveError(text))
-        try:
+        try:  # first tell every rank (an abort may take a while), then abort here
             self._report(text)
         except Exception as e:  # noqa: BLE001 - the failure is recorded here whatever the control plane does
             log.debug("reporting the watchdog's failure: %s", e)
+        self.fail(CollectiveError(text))
 
     # -- shutdown --------------------------------------------------------------------------------
     def close(self, *, failed: bool) -> None:
@@ -193,8 +195,35 @@ class DataPlane:
         self.watchdog.close()
         with self._lock:
             groups, self._groups = self._groups, []
+            orders = list(self._orders.values())
+        for order in orders:  # nothing queued may wait for an issue that will never come
+            order.fail(ShutdownError("gpucomm was shut down while this collective waited for its turn on the GPU"))
         for group in groups:
             group.close(abort=failed or self._failure is not None)
+
+
+def _abort_together(groups: list[Group], select_device: Callable[[], None]) -> None:
+    """Abort the communicators of ``groups`` in one NCCL group call where NCCL has one (2.22+): one
+    by one, aborting the first can wait, in a device synchronisation, behind another one's kernel
+    stuck on a dead peer (NVIDIA/nccl#1013). The caller may be any thread: select the GPU first."""
+    if not groups:
+        return
+    try:
+        select_device()
+    except Exception as e:  # noqa: BLE001 - aborting matters more than which device is current
+        log.debug("selecting the GPU before aborting: %s", e)
+    nccl = nccl_module() if len(groups) > 1 and nccl_version() >= 22200 else None
+    if nccl is not None:
+        nccl.groupStart()
+    try:
+        for group in groups:
+            group.abort_nccl()
+    finally:
+        if nccl is not None:
+            try:
+                nccl.groupEnd()
+            except Exception as e:  # noqa: BLE001 - each abort already ended its communicator's state
+                log.debug("NCCL group abort: %s", e)
 
 
 __all__ = ["DataPlane", "ORDER_ENV"]

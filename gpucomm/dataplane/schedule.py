@@ -79,6 +79,9 @@ class Schedule:
     def launch(self, request: Request, meta: dict | None = None) -> Handle:
         """Issue ``request`` now, on the caller's thread (``meta``: what a coordinator would add,
         e.g. the ranks' first dimensions of an allgather)."""
+        failure = self._plane.failure()
+        if failure is not None:  # its communicators were aborted: say why, not NCCL's "invalid argument"
+            raise failure
         if request.device.type == "cuda":
             request.stream = torch.cuda.current_stream(request.device)
             prepare(request)  # before the ready event: the communication stream must see its work

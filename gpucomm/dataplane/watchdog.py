@@ -28,12 +28,12 @@ TICK = 0.1  # seconds between checks
 
 
 class _InFlight:
-    __slots__ = ("started", "event", "device", "request", "waited", "finished", "watchdog")
+    __slots__ = ("started", "event", "device", "request", "waited", "finished", "retired", "watchdog")
 
     def __init__(self, watchdog: "NcclWatchdog", event: Any, device: int, request: Any) -> None:
         self.watchdog, self.event, self.device, self.request = watchdog, event, device, request
         self.started = time.monotonic()
-        self.waited = self.finished = False
+        self.waited = self.finished = self.retired = False
 
     def release(self) -> None:
         """The waiter enqueued its wait on the event."""
@@ -54,6 +54,7 @@ class NcclWatchdog:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.failed = False  # a failure was found (then nothing counts as drained)
         self.retired = 0  # done events returned to the pool
 
     def watch(self, done_event: Any, device: int, request: Any) -> Callable[[], None]:
@@ -61,6 +62,7 @@ class NcclWatchdog:
         waiter calls once it has enqueued its wait."""
         entry = _InFlight(self, done_event, device, request)
         with self._lock:
+            self._retire_finished()  # what finished since: its events back to the pool before a new one is taken
             self._inflight.append(entry)
             if self._thread is None and not self._stop.is_set():
                 self._thread = threading.Thread(target=self._run, name="gpucomm-nccl-watchdog", daemon=True)
@@ -77,8 +79,11 @@ class NcclWatchdog:
                 self._retire(entry)
 
     def _retire(self, entry: _InFlight) -> None:
-        self._events.release(entry.event, entry.device)
-        self.retired += 1
+        """(holding the lock) Return the event to the pool, once."""
+        if not entry.retired:
+            entry.retired = True
+            self._events.release(entry.event, entry.device)
+            self.retired += 1
 
     def _retire_finished(self) -> bool:
         """(holding the lock) Retire the collectives finished in issue order; True if none is left."""
@@ -97,8 +102,8 @@ class NcclWatchdog:
                 return
             oldest = self._inflight[0]
         error = self._health(oldest.request.set_id)
-        if error is None and time.monotonic() - oldest.started <= self.timeout:
-            return
+        if error is None and (time.monotonic() - oldest.started <= self.timeout or oldest.event.query()):
+            return  # in time, or it finished meanwhile
         request = oldest.request
         if error is not None:
             why = f"NCCL reported an error while {request.describe()} was in flight on rank {self.rank}: {error}"
@@ -108,6 +113,7 @@ class NcclWatchdog:
                    f"{self.rank}: at least one of the ranks it needs ({who}) never reached it — that rank died, "
                    f"hangs before this collective, or cannot reach this one")
         with self._lock:
+            self.failed = True  # before clearing: a drain after this never reports "all finished"
             self._inflight.clear()
         self._stop.set()
         self._fail(why + ". The NCCL communicators were aborted. " + NCCL_HINT)
@@ -117,6 +123,8 @@ class NcclWatchdog:
         deadline = time.monotonic() + grace
         while True:
             with self._lock:
+                if self.failed:
+                    return False
                 if self._retire_finished():
                     return True
             if time.monotonic() >= deadline:

@@ -63,6 +63,14 @@ def compile_variant(src: torch.dtype, dst: torch.dtype, scaled: bool, device: to
     per process and variant."""
     spec = select_kernel(src, dst, scaled, checked)
     _check_runnable("pack", device)
+    if device.type == "cuda" and not SIMULATOR and device.index is not None:
+        from numba import cuda  # noqa: PLC0415
+
+        # Numba compiles for and loads into the current context: ``device``'s (a context push and pop,
+        # no cudaSetDevice on the way out)
+        with cuda.gpus[device.index]:
+            _launch.compile_kernel(spec, device)
+        return
     _launch.compile_kernel(spec, device)
 
 

@@ -296,15 +296,20 @@ class GradientBuckets:
         return laid_out.as_strided((p.numel(),), (1,))
 
     def stride_of(self, p: torch.Tensor) -> tuple[int, ...]:
-        """The strides ``p``'s gradient travels in (``_layout``): verified alike across ranks."""
-        return self._strides[p]
+        """The strides ``p``'s gradient travels in (``_layout``; those of size-1 dimensions as 0,
+        since they say nothing): verified alike across ranks."""
+        return _significant(self._strides[p], p.shape)
 
     def _view_in_order(self, t: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor | None:
         """A flat view of ``t``'s memory when it is laid out like ``p`` (one dense block in ``p``'s
-        order), else None."""
-        if t is None or t.stride() != self._strides[p] or t.shape != p.shape:
+        order; the strides of size-1 dimensions do not matter), else None."""
+        if t is None or t.shape != p.shape:
             return None
-        return t.view(-1) if t.is_contiguous() else t.as_strided((t.numel(),), (1,))
+        if t.is_contiguous() and p.is_contiguous():
+            return t.view(-1)
+        if _significant(t.stride(), t.shape) != _significant(self._strides[p], p.shape):
+            return None
+        return t.as_strided((t.numel(),), (1,))
 
     def reset(self) -> None:
         self.tracer = None
@@ -352,23 +357,19 @@ class GradientBuckets:
         it (every rank has joined), True when the others still train."""
         if not self.buckets:  # nothing dense to stand in for (sparse reductions cannot be stood in for)
             return False
-        handles = []
+        launched = []
         self._schedule.begin_step(lambda: None)
-        try:
+        try:  # every bucket's zeros go out inside the step, and nothing waits inside it: a joined rank's
+            # stand-ins for negotiated collectives wait for the step's end, which must come
             for bucket in self.buckets:
                 tensors = self._zeros(bucket)
-                handle = self._schedule.launch(self._request(bucket, tensors))
-                if bucket.plan.index != 0:
-                    handles.append(handle)
-                    continue
-                handle.wait()
-                if float(self._training_flag(bucket, tensors)) == 0.0:
-                    return False
+                launched.append((bucket, tensors, self._schedule.launch(self._request(bucket, tensors))))
         finally:
             self._schedule.end_step()
-        for handle in handles:
+        for _, _, handle in launched:
             handle.wait()
-        return True
+        bucket, tensors, _ = launched[0]  # bucket 0: the training flag
+        return float(self._training_flag(bucket, tensors)) != 0.0
 
     def _zeros(self, bucket: BucketState) -> list[torch.Tensor]:
         """A joined rank's part in ``bucket``: zeros everywhere (training flag 0, finite slots 0)."""
@@ -412,6 +413,12 @@ def _layout(p: torch.Tensor) -> tuple[int, ...]:
             return torch.empty(p.shape, device="meta").stride()
         expected *= size
     return p.stride()
+
+
+def _significant(strides: Sequence[int], shape: Sequence[int]) -> tuple[int, ...]:
+    """``strides`` with those of size-1 dimensions as 0: two tensors of one shape whose significant
+    strides agree lay their elements out in the same order."""
+    return tuple(st if sz != 1 else 0 for st, sz in zip(strides, shape))
 
 
 def _gradient_to_send(p: torch.Tensor) -> torch.Tensor:

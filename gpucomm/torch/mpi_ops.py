@@ -409,6 +409,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         return False
     _control("remove_process_set", job.next_set_name("remove"), root=process_set.process_set_id)
     process_set._unbind()
+    job.release_removed_sets()  # every rank, after the agreement: its communicators are released here
     return True
 
 

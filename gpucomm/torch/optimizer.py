@@ -45,7 +45,7 @@ from .compression import Compression
 from ..errors import CollectiveError as HorovodInternalError, NonFiniteGradientError
 from ..settings import env_flag_default_on
 from .functions import allgather_object, broadcast_object
-from .mpi_ops import Adasum, Average, Sum, _set_id
+from .mpi_ops import Adasum, Average, Sum, _set_id, barrier
 from .sparse_grads import SparseGradients
 
 log = logging.getLogger("gpucomm")
@@ -85,6 +85,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._job_ref: Any = None
         self._schedule: Any = None
         self._closed = False
+        self._in_backward = False  # this step's backward is running (a flush from another thread waits)
+        self._backward_cv = threading.Condition()
         self._hooked = False  # a gradient hook fired since the last synchronize
         self._bind(runtime.current())
 
@@ -232,6 +234,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 # elsewhere), and the tracer is looked up once for the step
                 self._schedule.begin_step(self._flush_step)
                 self._tracer = self._buckets.tracer = runtime.current().tracer
+                self._mark_backward()
             tracer = self._tracer
             if tracer is not None:  # the backward pass, as seen from its gradients (timeline)
                 now = tracer.now_us()
@@ -340,7 +343,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _launch_step(self) -> None:
         """(holding ``_lock``) Launch what is left of this step on the schedule: the buckets still
         waiting for gradients (missing ones count as zeros), then the sparse reductions; the step
-        then ends (negotiated CUDA work that waited for it is issued)."""
+        then ends (negotiated CUDA work that waited for it is issued). A rank whose hooks did not
+        fire opens the step here, so its collectives are placed as every other rank's are."""
+        self._schedule.begin_step(self._flush_step)
         self._buckets.launch_rest()
         self._sparse.launch_all()
         self._schedule.end_step()
@@ -348,16 +353,35 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _flush_step(self) -> None:
         """A caller outside backward needs the GPU's issue order while this step is open (e.g. an
         ``hvd.allreduce`` between ``backward()`` and ``step()``): finish the step's launches now, as
-        ``synchronize()`` would; ``synchronize()`` then only waits."""
+        ``synchronize()`` would; ``synchronize()`` then only waits. A caller on another thread while
+        this step's backward still runs waits for it to end first (its gradients are not all there)."""
+        with self._backward_cv:
+            self._backward_cv.wait_for(lambda: not self._in_backward, timeout=self._schedule.timeout)
         with self._lock:
-            if self._schedule.in_step:
+            if self._schedule is not None and self._schedule.in_step:
                 self._launch_step()
+
+    def _mark_backward(self) -> None:
+        """(the step's first gradient hook) This step's backward runs until autograd's final callback."""
+        self._in_backward = True
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+        except RuntimeError:  # a hook run outside a backward pass (by hand): nothing runs on
+            self._in_backward = False
+
+    def _backward_ended(self) -> None:
+        with self._backward_cv:
+            self._in_backward = False
+            self._backward_cv.notify_all()
 
     def close(self) -> None:
         """Release this optimizer's communicator now (a collective: call it on every rank at the same
         point). Without it, the communicator lives until ``hvd.shutdown()``; it is never released
         when the optimizer is garbage-collected, which happens at a different moment on every rank."""
         job = self._job_ref() if self._job_ref is not None else None
+        if self._schedule is not None and job is not None and job is runtime._job:
+            # a collective point: no member may still be building the communicator this releases
+            barrier(self._process_set)
         schedule, self._schedule = self._schedule, None
         self._closed = True
         for hook in self._hooks.values():
@@ -375,6 +399,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _reset_step(self) -> None:
         self._hooked = False
         self._tracer = None
+        self._backward_ended()  # also when backward raised before its final callback
         self._buckets.reset()
         self._sparse.reset()
         for p in self._delay:
