@@ -108,7 +108,7 @@ def _fail_on_second_claims(job: Job, listener: ControlListener) -> None:
     def fail(message: str) -> None:
         controller = job.controller
         if controller is not None and controller.failure() is None:
-            controller.report_failure(message)
+            controller.abort(message)  # the job's failure as such, not "rank 0 failed: ..."
 
     watch_conflicts(job.client, job.prefix, fail, on_exit=listener.close)
 

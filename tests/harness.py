@@ -13,10 +13,12 @@ wreckage never reaches the next. ``fresh=True`` starts new processes for that ca
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing as mp
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -310,20 +312,23 @@ def run(cmd: list[str], *, timeout: float = 180.0, env: dict[str, str] | None = 
 
 
 def run_rank_scripts(argv: list[str], size: int, *, timeout: float = 60.0,
-                     env: dict[str, str] | None = None) -> list[Result]:
+                     env: dict[str, str] | None = None, store_on_rank0: bool = False) -> list[Result]:
     """Run ``python *argv`` as every rank of a ``size``-rank job (a real script: an uncaught
     exception goes through ``sys.excepthook``, ``os._exit`` really exits); returns each rank's
-    result. Ranks still running at the deadline are killed with their children."""
+    result. Ranks still running at the deadline are killed with their children. ``store_on_rank0``:
+    rank 0 serves the rendezvous store itself, as in a launch by hand (mpirun, Slurm, env vars)."""
     secret = secrets.token_bytes(32)
     mark = uuid.uuid4().hex
     procs: list[subprocess.Popen] = []
     t0 = time.monotonic()
-    with RendezvousServer(secret, "127.0.0.1", 0) as server:
+    with contextlib.nullcontext(None) if store_on_rank0 else RendezvousServer(secret, "127.0.0.1", 0) as server:
+        port = _free_port() if store_on_rank0 else server.port
+        extra = dict(env or {}, **({"GPUCOMM_RENDEZVOUS_HOSTED": "0"} if store_on_rank0 else {}))
         try:
             for r in range(size):
                 procs.append(subprocess.Popen(
                     [PYTHON, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                    env=base_env(mark, **rank_env(r, size, server.port, secret, env)), start_new_session=True))
+                    env=base_env(mark, **rank_env(r, size, port, secret, extra)), start_new_session=True))
             deadline = time.monotonic() + timeout
             out = []
             for p in procs:
@@ -342,6 +347,13 @@ def run_rank_scripts(argv: list[str], size: int, *, timeout: float = 60.0,
     seconds = time.monotonic() - t0
     left = collect_leftovers(mark)
     return [Result(rc, stdout, stderr, left, seconds) for rc, stdout, stderr in out]
+
+
+def _free_port() -> int:
+    """A port nothing listens on now (for a store a rank will open itself)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _read_until(proc: subprocess.Popen, text: str | None, count: int, timeout: float) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import logging
 import threading
 import time
 from typing import Callable, Sequence
@@ -18,6 +19,8 @@ import torch.distributed as dist
 from ..bootstrap.rendezvous import RendezvousClient, RendezvousTimeout
 from ..errors import CollectiveError
 from .base import WireOp
+
+log = logging.getLogger("gpucomm")
 
 INTERRUPT_POLL_S = 0.5  # how often an interruptible store wait asks whether to stop
 
@@ -202,7 +205,13 @@ class GlooBackend:
             # worker threads, which wait for a peer that may never answer (until Gloo's timeout). Keep
             # the group alive for the rest of the process instead: its threads end with the process. (If
             # the peer resumes, such a transfer may still finish and write into the failed collective's
-            # tensors: after a failure their contents are undefined.)
+            # tensors: after a failure their contents are undefined.) abort() first, where torch's Gloo
+            # has it: it ends what it can of the group's operations and connections, so a peer exiting
+            # later meets no open pair of a group that nothing uses any more.
+            try:
+                pg.abort()
+            except (AttributeError, RuntimeError) as e:  # an older torch, or nothing to abort
+                log.debug("Gloo abort: %s", e)
             _abandoned.append(pg)
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))  # never destroyed, not even at interpreter exit
             return

@@ -465,7 +465,10 @@ class RendezvousClient:
         self._busy: set[FramedChannel] = set()  # channels with a request in flight (close() interrupts them)
         self._lock = threading.Lock()
         self._closed = False
+        self._gone: str | None = None  # why the store is known to be gone (every call then fails at once)
+        self._connected_once = False  # then a refused reconnection means the store's process is gone
         self._release(self._connect())  # fail fast, with the retry loop, at construction
+        self._connected_once = True
 
     # -- connections --------------------------------------------------------------------------
     def _connect(self) -> FramedChannel:
@@ -497,6 +500,13 @@ class RendezvousClient:
                         f"secret differs from ours. Every rank of one job must share GPUCOMM_SECRET (gpucomm-run sets "
                         f"it); a process from another job may be using the same address and port.") from None
                 last_error = e
+            except ConnectionRefusedError as e:
+                if self._connected_once:  # it was up, and nothing listens there now: it is gone
+                    raise RendezvousError(
+                        f"the gpucomm rendezvous store at {self.host}:{self.port} stopped listening ({e}): the "
+                        f"process serving it (rank 0, or the launcher) has exited or failed. Its own output says "
+                        f"why.") from None
+                last_error = e
             except OSError as e:
                 last_error = e
             if time.monotonic() + delay > deadline:
@@ -511,6 +521,8 @@ class RendezvousClient:
 
     def _acquire(self) -> FramedChannel:
         with self._lock:
+            if self._gone is not None:
+                raise RendezvousError(f"the rendezvous store at {self.host}:{self.port} is gone: {self._gone}")
             if self._closed:
                 raise RendezvousError("the rendezvous client is closed (gpucomm was shut down)")
             chan = self._idle.pop() if self._idle else None
@@ -539,6 +551,20 @@ class RendezvousClient:
     def secret(self) -> bytes:
         """The job secret this client authenticates with (the control plane reuses it)."""
         return self._secret
+
+    def abandon(self, why: str) -> None:
+        """The store is known to be gone (its host died): every call, now and later, fails at once
+        with ``why`` instead of retrying for the start timeout (a failed job's shutdown must not
+        wait two minutes for a store that will not come back)."""
+        with self._lock:
+            if self._gone is None:
+                self._gone = why
+        self.close()
+
+    @property
+    def gone(self) -> str | None:
+        """Why the store is known to be gone, if it is."""
+        return self._gone
 
     def close(self) -> None:
         """Close every connection; requests still in flight on other threads end with an error."""

@@ -83,6 +83,7 @@ class Controller:
         self._unsent_since = 0.0
         self._cache = ResponseCache()
         self._failure: CollectiveError | None = None
+        self.coordinator_lost = False  # rank 0 went away (its connection closed, or it fell silent)
         self._closed = False
         beats = self._liveness or (self._hub.liveness if self._hub is not None and links.workers else None)
         self._stop_beating = (start_beating(beats.interval, self._beat, f"gpucomm-heartbeat-{rank}")
@@ -244,6 +245,7 @@ class Controller:
             responses = wire.recv(self._link)
         except (OSError, wire.FrameError, EOFError) as e:
             if not self._closed:
+                self.coordinator_lost = True
                 self._fail(f"the control connection to rank 0 (the coordinator) closed ({e or 'end of stream'}): "
                            f"rank 0 exited or failed. Its own output says why.")
             self._link.sock.close()
@@ -401,6 +403,7 @@ class Controller:
     def _beat_to_root(self) -> None:
         """Other ranks: fail if rank 0 has fallen silent."""
         for _, seconds in self._liveness.silent():
+            self.coordinator_lost = True
             self._fail(f"rank 0 (the coordinator) stopped responding: nothing heard from it for {seconds:.0f} s. "
                        f"Likely causes: rank 0 was stopped (SIGSTOP, a debugger), its host froze or lost the "
                        f"network. GPUCOMM_LIVENESS_TIMEOUT sets this limit (0 turns the check off).")
@@ -468,6 +471,22 @@ class Controller:
                 except OSError:
                     pass
             self._fail(f"rank {self.rank} failed: {text}")
+
+    def abort(self, reason: str) -> None:
+        """End the job on every rank with ``reason`` as it stands (no "rank N failed:" prefix: the
+        reason is the job's, e.g. a second process claiming a rank). Rank 0 tells every rank; another
+        rank tells rank 0, which does."""
+        with self._lock:
+            if self._hub is not None:
+                self._hub.abort_all(reason)
+            else:
+                link = self._link
+                if link is not None:
+                    try:
+                        wire.send(link, [("fail", reason)])
+                    except OSError:
+                        pass
+                self._fail(reason)
 
     def stop(self) -> None:
         """Stop taking requests; pending ones fail with ``ShutdownError``. Rank 0 keeps serving the
