@@ -516,3 +516,33 @@ def sparse_without_gradients_on_one_rank(steps: int = 3) -> dict:
     hvd.shutdown()
     del job
     return {"in_step": seen, "same": all(torch.equal(every[0], w) for w in every)}
+
+
+def stop_while_rank_0s_link_closes() -> str:
+    """Issue 26, item 8: ``Controller.stop()`` used to test ``_link`` outside the progress lock while
+    the reader (holding it) cleared ``_link`` when rank 0's connection closed; stop() then sent on None.
+    Here the reader's clearing happens exactly in that window."""
+    hvd.init()
+    controller = runtime.current().controller
+    if hvd.rank() == 0:
+        hvd.barrier()
+        hvd.shutdown()
+        return "rank 0"
+    hvd.barrier()
+    errors = []
+
+    def stop() -> None:
+        try:
+            controller.stop()
+        except Exception as e:  # noqa: BLE001 - the race's symptom, reported to the test
+            errors.append(f"{type(e).__name__}: {e}")
+
+    with controller._lock:  # the reader holds it while it handles rank 0's closed connection
+        t = threading.Thread(target=stop)
+        t.start()
+        time.sleep(0.3)  # stop() is past its first look at _link and waits for the lock
+        link, controller._link = controller._link, None
+        link.sock.close()
+    t.join(10)
+    hvd.shutdown()
+    return "; ".join(errors) or "ok"

@@ -301,3 +301,7 @@ def test_a_released_group_takes_no_more_collectives():
     group.close()
     with pytest.raises(CollectiveError, match="released"):
         group.nccl()
+
+
+def test_stop_survives_rank_0s_link_closing_underneath_it():
+    assert run_ranks(sc.stop_while_rank_0s_link_closes, 2) == ["rank 0", "ok"]

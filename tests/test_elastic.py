@@ -159,3 +159,18 @@ def test_elastic_flags_are_checked(flags, message):
     cmd = launcher_cmd("-np", "2", *flags, PYTHON, "-c", "pass")
     r = run(cmd, timeout=60)
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_a_shrinking_job_that_finishes_reports_success(tmp_path):
+    """Issue 26, item 7: a 3-worker job shrinking to 2 (discovery drops a host; then a worker killed)
+    must finish with exit 0 every time; benchmarks/elastic_stress.py runs it 20 times for the note."""
+    import sys
+
+    for flags in ([], ["--kill", "127.0.0.3:0@4"]):
+        out = tmp_path / f"stress{len(flags)}.json"
+        r = run([sys.executable, "benchmarks/elastic_stress.py", "--runs", "2", "--json", str(out), *flags],
+                timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        summary = json.loads(out.read_text())
+        assert summary["false_failures"] == 0 and summary["failures"] == 0, summary
+        assert summary["shrank"] == 2, summary

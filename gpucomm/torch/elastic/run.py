@@ -67,7 +67,11 @@ def _reform(state, skip_sync: bool) -> bool:
     forms, or whose reset callbacks' collectives fail, is followed by the next one."""
     t0 = time.monotonic()
     for attempt in range(MAX_REFORM_ATTEMPTS):
-        runtime.shutdown()
+        try:
+            runtime.shutdown()
+        except Exception as e:  # noqa: BLE001 - the old job is left either way; its teardown must not end this worker
+            log.warning("gpucomm elastic: leaving the old job raised %s: %s; joining the next round anyway",
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         try:
             from .. import init  # noqa: PLC0415 - gpucomm.torch.init binds the global process set
 
