@@ -6,23 +6,25 @@ In one 2-rank job (one thread per rank), rank 0 fits the cost curve and both ran
 
 1. **Gloo's cost curve.** Raw ``ProcessGroupGloo`` allreduces of 64 KiB .. 32 MiB (the bucket sizes
    these models have), each after a barrier, interleaved across sizes; an α-β line is fitted to the
-   medians (``costs.fit_alpha_beta``, relative least squares).
+   medians (``costs.fit_alpha_beta``, relative least squares). This first fit chooses the optimal
+   plan; every round samples the curve again (3 per size) for its own prediction.
 2. **The hooks' copy.** On CPU each gradient is copied, averaged, into its bucket as its hook fires
    (direct buckets): the bandwidth of that scaled copy is timed on a 4 MiB tensor.
 3. **Rounds**, each variant in turn (the order rotates): ``profile`` — each rank alone (no
    communication; both ranks compute at once, as in training), ``profile_model`` hooks stamp when
-   every gradient is ready; ``default`` — 2-rank steps with ``DistributedOptimizer`` and its
-   default buckets (``fusion.plan_buckets``; the re-cut after step 1 is turned off so that the plan
-   predicted is the plan run); ``optimal`` — 2-rank steps with the buckets the exact dynamic
-   program (``optimal.optimal_plan``) chose from a first profile, passed as ``groups=``.
-4. **Prediction**, per round, from that round's profiles: ``step.simulate`` with the fitted line and
-   the copy bandwidth; a synchronous step waits for the slower rank, so the job's prediction is the
-   larger of the two ranks'. The processor model is ``shared`` when ranks x threads fill the cores
-   (here 2 x 1 on 2): Gloo's copies and sums need the cores backward uses, so nothing hides; the
-   ``dedicated`` (GPU-like) prediction is printed beside it. Each round's prediction is compared
-   with that round's measured job step (the slower rank's median), so load that drifts while the
-   benchmark runs (the machine may be shared) hits both; the report gives the medians over rounds
-   and the range of the per-round errors.
+   every gradient is ready; ``gloo`` — the cost curve sampled again; ``default`` — 2-rank steps
+   with ``DistributedOptimizer`` and its default buckets (``fusion.plan_buckets``; the re-cut
+   after step 1 is turned off so that the plan predicted is the plan run); ``optimal`` — 2-rank
+   steps with the buckets the exact dynamic program (``optimal.optimal_plan``) chose from a first
+   profile, passed as ``groups=``.
+4. **Prediction**, per round, from that round's profiles and Gloo samples: ``step.simulate`` with
+   the line fitted to that round's samples and the copy bandwidth; a synchronous step waits for
+   the slower rank, so the job's prediction is the larger of the two ranks'. The processor model
+   is ``shared`` when ranks x threads fill the cores (here 2 x 1 on 2): Gloo's copies and sums
+   need the cores backward uses, so nothing hides; the ``dedicated`` (GPU-like) prediction is
+   printed beside it. Each round's prediction is compared with that round's measured job step
+   (the slower rank's median), so load that drifts while the benchmark runs (the machine may be
+   shared) hits both; the report gives the medians over rounds and the range of their errors.
 
 Models: ``mlp10m`` and ``cnn10m`` from ``examples/models.py`` (batch 32), ResNet-18 from
 ``gpucomm.scaling.zoo`` on 3x64x64 images (batch 16: 224x224 would take seconds per step on one
@@ -67,6 +69,7 @@ SPECS = {  # name: (builder, sample shape, batch per rank)
 SIZES = [64 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20, 32 << 20]
 FULL = {"rounds": 7, "steps": 3, "fit_reps": 9}
 QUICK = {"rounds": 2, "steps": 2, "fit_reps": 3}
+ROUND_FIT_REPS = 3  # Gloo samples per size in each round
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -103,21 +106,25 @@ def gloo_group() -> tuple[dist.ProcessGroupGloo, dist.TCPStore]:
     return dist.ProcessGroupGloo(store, hvd.rank(), hvd.size(), opts), store
 
 
-def measure_gloo(reps: int) -> list[tuple[int, float]]:
-    """(bytes, seconds) of raw Gloo allreduces, each after a barrier, sizes interleaved."""
-    pg, store = gloo_group()
-    tensors = {n: torch.ones(n // 4) for n in SIZES}
-    for t in tensors.values():
-        pg.allreduce([t]).wait()
-    samples = []
-    for _ in range(reps):
-        for n, t in tensors.items():
-            pg.barrier().wait()
-            t0 = time.perf_counter()
-            pg.allreduce([t]).wait()
-            samples.append((n, time.perf_counter() - t0))
-    del pg, store
-    return samples
+class GlooProbe:
+    """Raw Gloo allreduces of the sizes in ``SIZES`` on a group of their own."""
+
+    def __init__(self) -> None:
+        self.pg, self._store = gloo_group()
+        self.tensors = {n: torch.ones(n // 4) for n in SIZES}
+        for t in self.tensors.values():
+            self.pg.allreduce([t]).wait()
+
+    def sample(self, reps: int) -> list[tuple[int, float]]:
+        """(bytes, seconds) of ``reps`` allreduces per size, each after a barrier, sizes interleaved."""
+        samples = []
+        for _ in range(reps):
+            for n, t in self.tensors.items():
+                self.pg.barrier().wait()
+                t0 = time.perf_counter()
+                self.pg.allreduce([t]).wait()
+                samples.append((n, time.perf_counter() - t0))
+        return samples
 
 
 def copy_bandwidth() -> float:
@@ -141,7 +148,8 @@ def median_profile(profiles: list[Profile]) -> Profile:
                    med(p.update_s for p in profiles), p0.device, f"median of {len(profiles)} profile rounds", p0.extra)
 
 
-def check_model(name: str, args: argparse.Namespace, cost: AlphaBeta, overheads: Overheads) -> dict:
+def check_model(name: str, args: argparse.Namespace, cost: AlphaBeta, overheads: Overheads,
+                probe: GlooProbe) -> dict:
     make, shape, batch = SPECS[name]
     torch.manual_seed(0)
     base = make()
@@ -180,21 +188,25 @@ def check_model(name: str, args: argparse.Namespace, cost: AlphaBeta, overheads:
     for variant in variants:  # warm-up: the first steps build groups and buffers
         train(variant, 1)
     rounds = []
-    order = ["profile", "default", "optimal"]
+    order = ["profile", "gloo", "default", "optimal"]
     for r in range(args.rounds):
         this: dict = {}
-        for variant in order[r % 3:] + order[:r % 3]:
+        for variant in order[r % 4:] + order[:r % 4]:
             if variant == "profile":
                 this["profile"] = profile_model(local, x, loss_fn, steps=args.steps, warmup=0, name=name)
+            elif variant == "gloo":
+                this["gloo"] = probe.sample(ROUND_FIT_REPS)
             else:
                 this[variant] = statistics.median(train(variant, args.steps))
         rounds.append(this)
     every = hvd.allgather_object(rounds, name=f"model_check.{name}.results")  # [rank][round]
     buckets = {"default": default_buckets, "optimal": [list(b) for b in plan.buckets]}
 
-    def predict(prof: Profile, bk: list[list[int]], mode: str) -> float:
-        return simulate(prof.ready_s, prof.sizes, bk, cost, overheads=overheads, forward_s=prof.forward_s,
+    def predict(prof: Profile, bk: list[list[int]], mode: str, line: AlphaBeta) -> float:
+        return simulate(prof.ready_s, prof.sizes, bk, line, overheads=overheads, forward_s=prof.forward_s,
                         backward_s=prof.backward_s, update_s=prof.update_s, processor=mode).step_s
+
+    round_fits = [fit_alpha_beta(medians(rd["gloo"])) for rd in every[0]]  # rank 0's samples of each round
 
     other = "dedicated" if args.processor == "shared" else "shared"
     profs = [median_profile([rd["profile"] for rd in mine]) for mine in every]
@@ -204,11 +216,12 @@ def check_model(name: str, args: argparse.Namespace, cost: AlphaBeta, overheads:
         per_round = []
         for r in range(args.rounds):
             # a synchronous step waits for the slower rank: each rank's own profile through the model
-            pred = max(predict(every[k][r]["profile"], bk, args.processor) for k in range(len(every)))
-            alt = max(predict(every[k][r]["profile"], bk, other) for k in range(len(every)))
+            line = round_fits[r]
+            pred = max(predict(every[k][r]["profile"], bk, args.processor, line) for k in range(len(every)))
+            alt = max(predict(every[k][r]["profile"], bk, other, line) for k in range(len(every)))
             measured = max(every[k][r][variant] for k in range(len(every)))
             per_round.append({"predicted_s": pred, "measured_s": measured, "error": pred / measured - 1,
-                              f"{other}_s": alt})
+                              f"{other}_s": alt, "gloo_fit": line.to_dict()})
         med = statistics.median
         detail = simulate(profs[0].ready_s, profs[0].sizes, bk, cost, overheads=overheads,
                           forward_s=profs[0].forward_s, backward_s=profs[0].backward_s, update_s=profs[0].update_s,
@@ -221,6 +234,7 @@ def check_model(name: str, args: argparse.Namespace, cost: AlphaBeta, overheads:
             "error_range": [min(x["error"] for x in per_round), max(x["error"] for x in per_round)],
             "other_processor_step_s": med(x[f"{other}_s"] for x in per_round),
             "predicted_rank0_median_profile": detail.to_dict()}
+    result["round_gloo_fits"] = [f.to_dict() for f in round_fits]
     return result
 
 
@@ -238,18 +252,21 @@ def main(argv: list[str] | None = None) -> None:
                          "predictions are for the 2-rank job that this script measures.")
     torch.set_num_threads(1)
     load_before = os.getloadavg()
-    samples = measure_gloo(args.fit_reps)
+    probe = GlooProbe()
+    samples = probe.sample(args.fit_reps)
     cost = fit_alpha_beta(medians(samples))
     hook_Bps = copy_bandwidth()
     cost, hook_Bps, samples = hvd.broadcast_object((cost, hook_Bps, samples), 0, name="model_check.fit")
     overheads = Overheads(hook_Bps=hook_Bps)
     # every core computes (ranks x threads >= cores): Gloo's work needs those cores too
     args.processor = "shared" if hvd.size() * torch.get_num_threads() >= (os.cpu_count() or 1) else "dedicated"
-    results = [check_model(name, args, cost, overheads) for name in args.models]
+    results = [check_model(name, args, cost, overheads, probe) for name in args.models]
     load_after = os.getloadavg()
     if hvd.rank() == 0:
+        busy = max(load_before[0], load_after[0]) > (os.cpu_count() or 1)
         print(f"machine: {os.cpu_count()} CPUs, 2 ranks x 1 thread, Gloo over loopback; load average "
-              f"{load_before[0]:.1f} before, {load_after[0]:.1f} after (above 2, other work shared the cores)")
+              f"{load_before[0]:.1f} before, {load_after[0]:.1f} after"
+              + (" (above the core count: other work shared the cores; expect noisy rounds)" if busy else ""))
         print(f"Gloo allreduce fit: alpha {cost.alpha_s * 1e6:.0f} us, beta {cost.bandwidth_Bps / 1e9:.2f} GB/s "
               f"(medians: " + ", ".join(f"{b >> 10} KiB {s * 1e3:.2f} ms" for b, s in medians(samples)) + ")")
         print(f"hook copy bandwidth: {hook_Bps / 1e9:.2f} GB/s")
