@@ -69,7 +69,7 @@ from bench_jobs import stop_group  # noqa: E402
 from bench_stats import fmt, median, percentile, ratio, scaled, write_json  # noqa: E402
 
 import gpucomm  # noqa: E402
-import gpucomm.runtime  # noqa: E402
+import gpucomm.job  # noqa: E402
 import gpucomm.torch as hvd  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -150,7 +150,7 @@ class Local:
 def frames_sent() -> int | None:
     """Request frames this rank has sent to the coordinator; None in a 1-rank job, which gpucomm runs
     with no control plane."""
-    controller = gpucomm.runtime.current().controller
+    controller = gpucomm.job.current().controller
     return None if controller is None else controller.frames_sent
 
 
@@ -161,7 +161,7 @@ def frames_since(before: int | None) -> int | None:
 
 def control_config() -> dict[str, Any]:
     """The settings this generation runs with (None where this gpucomm does not say)."""
-    job = gpucomm.runtime.current()
+    job = gpucomm.job.current()
     config = job.controller.config if job.controller is not None else getattr(job, "control", None)
     if config is None:
         return {"inline_bytes": None, "cycle_time_ms": None}

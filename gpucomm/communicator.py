@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import runtime
+from . import job as jobs
 from .control.config import Send
 from .dataplane.requests import Request, check_op, check_tensors
 from .reduce_op import ReduceOp
@@ -69,7 +69,7 @@ class Communicator:
     """The job's collectives on raw arrays; ``Communicator()`` calls ``init()`` if needed."""
 
     def __init__(self) -> None:
-        self._rt = runtime.init()
+        self._rt = jobs.init()
 
     @property
     def rank(self) -> int:

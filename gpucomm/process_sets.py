@@ -30,10 +30,12 @@ class ProcessSet:
         self.process_set_id: int | None = None
         self._my_rank: int | None = None  # this process's global rank, once registered
 
-    def _bind(self, set_id: int, ranks: Sequence[int], my_rank: int) -> None:
+    def register(self, set_id: int, ranks: Sequence[int], my_rank: int) -> None:
+        """The job registered this set as ``set_id`` (called by ``init``/``add_process_set``, not by scripts)."""
         self.process_set_id, self.ranks, self._my_rank = set_id, sorted(ranks), my_rank
 
-    def _unbind(self) -> None:
+    def unregister(self) -> None:
+        """The set was removed from the job (``remove_process_set``) or the job ended."""
         self.process_set_id, self._my_rank = None, None
 
     def size(self) -> int | None:

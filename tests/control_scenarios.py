@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 import gpucomm.torch as hvd
-from gpucomm import runtime
+from gpucomm import job as jobs
 
 BIG = 6000  # float32 elements: over the 16 KiB inline limit, so these allreduces use the data plane
 
@@ -148,7 +148,7 @@ def cache_bursts() -> dict[str, list[int]]:
         os.environ["GPUCOMM_INLINE_BYTES"] = inline
         hvd.init()
         n, r = hvd.size(), hvd.rank()
-        ctl = runtime.current().controller
+        ctl = jobs.current().controller
         frames[inline] = []
         for burst in range(2):
             hvd.barrier()
@@ -195,7 +195,7 @@ def stall_shutdown() -> dict[str, Any]:
     if r != 1:
         out["elapsed"], out["error"] = _raises(RuntimeError, lambda: hvd.allreduce(torch.ones(2), name="forgotten"))
     else:
-        ctl = runtime.current().controller
+        ctl = jobs.current().controller
         deadline = time.monotonic() + 20
         while ctl.failure() is None:  # rank 1 is not waiting on anything: it learns in the background
             assert time.monotonic() < deadline, "the stall shutdown never reached rank 1"

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import gpucomm.torch as hvd
-from gpucomm import runtime
+from gpucomm import job as jobs
 from gpucomm.bootstrap import devices
 from gpucomm.counters import COUNTERS
 
@@ -90,7 +90,7 @@ def communicators_on_failure(fail: bool) -> dict:
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
-    job = runtime.current()
+    job = jobs.current()
     backend = recording_backend(r, n)
     group = job.data.register(Group(77, range(n), r, lambda g: job.gloo, lambda g: backend))
     group.nccl()  # created, as the first CUDA collective on the set would
@@ -113,7 +113,7 @@ def optimizer_schedules_outlive_garbage_collection() -> dict:
     """An optimizer that is garbage-collected keeps its schedule's communicator (released only at a
     collective point); ``close()`` releases it."""
     hvd.init()
-    job = runtime.current()
+    job = jobs.current()
 
     def make() -> torch.optim.Optimizer:  # model and optimizer unreachable once it returns (but a cycle)
         model = nn.Linear(3, 1)
@@ -346,7 +346,7 @@ def events_per_step(steps: int = 12) -> dict:
     torch.cuda.synchronize()
     time.sleep(0.5)
     after = hvd.stats()
-    retired = runtime.current().data.watchdog.retired
+    retired = jobs.current().data.watchdog.retired
     hvd.shutdown()
     return {"created": after["cuda_events_created"] - before["cuda_events_created"], "retired": retired,
             "collectives": after["collectives"] - before["collectives"]}
@@ -364,7 +364,7 @@ def cuda_job_failure(steps: int = 50) -> dict:
     try:
         for s in range(steps):
             if s == 3 and r == 1:
-                runtime.current().controller.report_failure("rank 1 fails on purpose")
+                jobs.current().controller.report_failure("rank 1 fails on purpose")
             opt.zero_grad()
             model(torch.randn(4, 16, device="cuda")).sum().backward()
             opt.step()
@@ -408,7 +408,7 @@ def contexts_per_gpu() -> dict:
                 on.append(pynvml.nvmlDeviceGetPciInfo(handle).busId)
     finally:
         pynvml.nvmlShutdown()
-    bus = runtime.current().device.gpu.pci_bus_id
+    bus = jobs.current().device.gpu.pci_bus_id
     hvd.shutdown()
     return {"mine": mine, "bus": bus, "contexts_on": [devices.normalize_bus_id(b) for b in on]}
 
@@ -439,7 +439,7 @@ def timeline_gpu_timer_device(path: str) -> dict:
     for i in range(3):
         hvd.allreduce(torch.ones(1024, device="cuda"), name=f"traced.{i}")
     torch.cuda.synchronize()
-    job = runtime.current()
+    job = jobs.current()
     timer = job.tracer._gpu if job.tracer is not None else None
     seen = {"mine": torch.cuda.current_device(),
             "timer": None if timer is None else timer.device.index,
@@ -482,7 +482,7 @@ def negotiated_handles_are_not_kept(ops: int = 100) -> dict:
         hvd.allreduce(t, name=f"op.{i}")
         del t
     gc.collect()
-    order = runtime.current().data.order(torch.device("cpu"))
+    order = jobs.current().data.order(torch.device("cpu"))
     kept = len(order._submitted) if order is not None else -1
     alive = sum(1 for ref in refs if ref() is not None)
     hvd.shutdown()
@@ -497,7 +497,7 @@ def sparse_without_gradients_on_one_rank(steps: int = 3) -> dict:
     torch.manual_seed(0)
     emb = nn.Embedding(10, 3, sparse=True)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), named_parameters=emb.named_parameters())
-    job = runtime.current()
+    job = jobs.current()
     seen = []
     real_launch = opt._schedule.launch
 
@@ -523,7 +523,7 @@ def stop_while_rank_0s_link_closes() -> str:
     the reader (holding it) cleared ``_link`` when rank 0's connection closed; stop() then sent on None.
     Here the reader's clearing happens exactly in that window."""
     hvd.init()
-    controller = runtime.current().controller
+    controller = jobs.current().controller
     if hvd.rank() == 0:
         hvd.barrier()
         hvd.shutdown()

@@ -99,13 +99,13 @@ def _reset_worker() -> None:
     """What one task may leave behind: an initialized job, unsynchronized handles, log settings."""
     import logging  # noqa: PLC0415
 
-    from gpucomm import runtime  # noqa: PLC0415
-    from gpucomm.torch import mpi_ops  # noqa: PLC0415
+    from gpucomm import job as jobs  # noqa: PLC0415
+    from gpucomm.torch import submission  # noqa: PLC0415
 
-    if runtime.is_initialized():
-        runtime.shutdown()
-    runtime._generation = 0  # a job's ranks count their inits alike; pooled workers have other histories
-    mpi_ops._handles.clear()
+    if jobs.is_initialized():
+        jobs.shutdown()
+    jobs.reset_process_history()  # a job's ranks count their inits alike; pooled workers have other histories
+    submission.clear_handles()
     log = logging.getLogger("gpucomm")
     log.setLevel(logging.NOTSET)
     for handler in [h for h in log.handlers if getattr(h, "_gpucomm", False)]:

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import gpucomm.torch as hvd
-from gpucomm import runtime
+from gpucomm import job as jobs
 from tests.optimizer_scenarios import batch, half, make_model, max_rel_diff
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -71,7 +71,7 @@ def one_rank_inline() -> dict:
     """A one-rank job: collectives of every kind, a barrier, join and an optimizer step, with no
     control plane, no control thread and no control round."""
     hvd.init()
-    job = runtime.current()
+    job = jobs.current()
     before = hvd.stats()
     x = torch.arange(6, dtype=torch.float32).reshape(3, 2)
     assert torch.equal(hvd.allreduce(x, name="a"), x)

@@ -38,10 +38,10 @@ def test_uncaught_exception_is_reported_and_still_printed():
     code = textwrap.dedent("""
         import sys
         import gpucomm.torch as hvd
-        from gpucomm import runtime
+        from gpucomm import job as jobs
         from gpucomm.failures import read_failures
         hvd.init()
-        rt = runtime.current()
+        rt = jobs.current()
         inner = sys.excepthook
         def check(*exc_info):
             inner(*exc_info)

@@ -34,7 +34,7 @@ def test_launcher_and_package_face_import_nothing_heavy(statement):
 
 def test_gpucomm_torch_loads_the_job_machinery_only_at_init():
     loaded = _modules_after("import gpucomm.torch")
-    later = ("gpucomm.job", "gpucomm.startup", "gpucomm.control.controller", "gpucomm.control.hub",
+    later = ("gpucomm.job.state", "gpucomm.job.setup", "gpucomm.control.controller", "gpucomm.control.hub",
              "gpucomm.dataplane.executor", "gpucomm.torch.optimizer", "gpucomm.timeline.writer", "gpucomm.kernels.api",
              "numba", "cupy", "matplotlib")
     assert not [m for m in later if m in loaded], [m for m in later if m in loaded]

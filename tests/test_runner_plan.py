@@ -7,7 +7,8 @@ import shlex
 import pytest
 
 from gpucomm.runner.cli import build_parser, tunables_env
-from gpucomm.runner.hosts import HostSlots, HostSpecError, Slot, assign_slots, parse_hostfile, parse_hostfile_text, \
+from gpucomm.bootstrap.placement import Placement
+from gpucomm.runner.hosts import HostSlots, HostSpecError, assign_slots, parse_hostfile, parse_hostfile_text, \
     parse_hosts
 from gpucomm.runner.remote import encode_request
 from gpucomm.runner.spawn import SshOptions, build_launches, is_local, split_user, ssh_argv
@@ -60,8 +61,8 @@ def test_missing_hostfile_names_the_path(tmp_path):
 
 def test_slots_fill_hosts_in_order():
     slots = assign_slots([HostSlots("h1", 2), HostSlots("h2", 2)], 4)
-    assert slots == [Slot("h1", 0, 4, 0, 2, 0, 2), Slot("h1", 1, 4, 1, 2, 0, 2),
-                     Slot("h2", 2, 4, 0, 2, 1, 2), Slot("h2", 3, 4, 1, 2, 1, 2)]
+    assert slots == [Placement("h1", 0, 4, 0, 2, 0, 2), Placement("h1", 1, 4, 1, 2, 0, 2),
+                     Placement("h2", 2, 4, 0, 2, 1, 2), Placement("h2", 3, 4, 1, 2, 1, 2)]
 
 
 def test_slots_uneven_hosts_follow_horovod_cross_rank():

@@ -31,10 +31,10 @@ SNOOP = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     import gpucomm.torch as hvd
-    from gpucomm import runtime
+    from gpucomm import job as jobs
 
     hvd.init()
-    secret = runtime.current().client.secret
+    secret = jobs.current().client.secret
     if hvd.rank() == 1:  # read every key gpucomm wrote into torchrun's store, as any local process could
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=datetime.timedelta(seconds=30))

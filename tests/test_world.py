@@ -8,6 +8,7 @@ import pytest
 
 from gpucomm.bootstrap import world as W
 from gpucomm.bootstrap.slurm import SlurmSyntaxError
+from gpucomm.bootstrap.placement import Placement
 from gpucomm.bootstrap.world import (World, WorldError, derive_port, detect_world,
                            expand_slurm_nodelist, parse_slurm_tasks_per_node)
 
@@ -201,8 +202,7 @@ def test_sbatch_shell_is_not_a_job() -> None:
 
 def test_none_launcher() -> None:
     w = detect({"PATH": "/usr/bin"})
-    assert w == World(0, 1, 0, 1, 0, 1, "none", "here", None, None, False, False,
-                      None, "random", "")
+    assert w == World(Placement("here", 0, 1, 0, 1, 0, 1), "none", None, None, False, False, None, "random", "")
 
 
 # ------------------------------------------------------------------ precedence

@@ -60,9 +60,9 @@ def hold() -> None:
     except Exception as e:  # noqa: BLE001 - the message is the point
         print(f"INIT-ERROR {_one_line(e)}", flush=True)
         raise SystemExit(3)
-    from gpucomm import runtime
+    from gpucomm import job as jobs
 
-    job = runtime.current()
+    job = jobs.current()
     if hvd.rank() == 0:  # tell an impostor where the coordinator listens (it could read the store itself)
         job.client.set("trust-test/control", job.client.get(job.prefix + "control"))
     print(f"READY {hvd.rank()} {os.getpid()}", flush=True)

@@ -14,6 +14,7 @@ import re
 from collections import defaultdict
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
+from ..errors import DevicePinningError
 
 __all__ = [
     "DevicePinningError", "GpuInfo", "PinnedDevice", "normalize_bus_id", "nvml_gpus",
@@ -29,10 +30,6 @@ _BUS_ID_RE = re.compile(
     r"^(?:(?P<domain>[0-9a-f]{1,8}):)?(?P<bus>[0-9a-f]{1,2}):(?P<dev>[0-9a-f]{1,2})(?:\.(?P<fn>[0-7]))?$"
 )
 _FIX_SINGLE_GPU = "set GPUCOMM_SINGLE_GPU_TEST=1 to test several ranks on one GPU"
-
-
-class DevicePinningError(RuntimeError):
-    """Raised when the local ranks cannot be given one GPU each."""
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterable
+from ..errors import FrameError
 
 MAGIC = b"GPCM"
 VERSION = 2  # 2: clients authenticate with a first frame at once (the store closes silent connections)
@@ -33,10 +34,6 @@ DENY = b"\x00\x00\x00\x00DENY"
 _LEN = struct.Struct(">I")
 _SEQ = struct.Struct(">Q")
 SKIP_CHUNK = 1 << 20  # a refused frame is read and dropped this much at a time
-
-
-class FrameError(Exception):
-    """A frame broke the protocol (internal: the connection is closed)."""
 
 
 def encode_fields(op: int, fields: Iterable[bytes]) -> bytes:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from ..errors import SealError
 
 __all__ = ["KeyPair", "seal", "unseal", "SealError"]
 
@@ -28,10 +29,6 @@ P = int(
 G = 2
 _BYTES = (P.bit_length() + 7) // 8
 _MAC = 32
-
-
-class SealError(ValueError):
-    """A sealed secret did not open: wrong key (the store was tampered with) or corrupt."""
 
 
 class KeyPair:

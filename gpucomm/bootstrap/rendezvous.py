@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from ..settings import env_number
 from .framing import (DENY, HELLO_BYTES, MAC_BYTES, MAGIC, NONCE_BYTES, VERSION, FrameError, FramedChannel,
                       decode_fields, encode_fields, recv_exact)
+from ..errors import RendezvousError, RendezvousAuthError, RendezvousRefused, RendezvousTimeout
 
 log = logging.getLogger("gpucomm.rendezvous")
 
@@ -57,27 +58,6 @@ _I64 = struct.Struct(">q")
 
 OP_SET, OP_GET, OP_ADD, OP_WAIT, OP_CHECK, OP_DELETE, OP_NUM_KEYS, OP_COMPARE_SET, OP_PING = range(1, 10)
 ST_OK, ST_TIMEOUT, ST_ERROR, ST_REFUSED = 0, 1, 2, 3
-
-
-class RendezvousError(RuntimeError):
-    """The bootstrap store could not be reached or answered wrongly."""
-
-
-class RendezvousAuthError(RendezvousError):
-    """The server rejected our frames: the job secrets differ."""
-
-
-class RendezvousRefused(RendezvousError):
-    """The store refused a request (too large, or it would exceed the store's byte cap); the
-    message says which limit and how to change it."""
-
-
-class RendezvousTimeout(RendezvousError):
-    """A wait ran out; ``missing`` lists the keys that never appeared."""
-
-    def __init__(self, message: str, missing: Sequence[str]) -> None:
-        super().__init__(message)
-        self.missing = list(missing)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import re
-
-
-class SlurmSyntaxError(ValueError):
-    """A Slurm variable that does not follow Slurm's notation."""
+from ..errors import SlurmSyntaxError
 
 
 def _split_top_level(text: str) -> list[str]:

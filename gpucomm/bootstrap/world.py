@@ -13,10 +13,12 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, NamedTuple
 
 from .slurm import SlurmSyntaxError, expand_slurm_nodelist, parse_slurm_tasks_per_node
+from ..errors import WorldError
+from .placement import Placement
 
 __all__ = [
     "World", "WorldError", "LauncherVars", "detect_world", "derive_port",
@@ -85,22 +87,12 @@ SLURM_VARS = LauncherVars("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID
                           "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID", "SLURM_STEP_NUM_NODES")
 
 
-class WorldError(ValueError):
-    """The environment describes an impossible or incomplete job."""
-
-
 @dataclass(frozen=True)
 class World:
-    """Where this process sits in the job and how to reach the bootstrap store."""
+    """Where this process sits in the job (its ``Placement``) and how to reach the bootstrap store."""
 
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int | None
-    cross_size: int | None
+    placement: Placement
     launcher: str
-    hostname: str
     rendezvous_addr: str | None
     rendezvous_port: int | None
     rendezvous_hosted: bool
@@ -109,14 +101,33 @@ class World:
     secret_source: str
     run_id: str
 
+    @property
+    def rank(self) -> int:
+        return self.placement.rank
 
-class _Counts(NamedTuple):
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int | None
-    cross_size: int | None
+    @property
+    def size(self) -> int:
+        return self.placement.size
+
+    @property
+    def local_rank(self) -> int:
+        return self.placement.local_rank
+
+    @property
+    def local_size(self) -> int:
+        return self.placement.local_size
+
+    @property
+    def cross_rank(self) -> int | None:
+        return self.placement.cross_rank
+
+    @property
+    def cross_size(self) -> int | None:
+        return self.placement.cross_size
+
+    @property
+    def hostname(self) -> str:
+        return self.placement.host
 
 
 # ---------------------------------------------------------------- small readers
@@ -216,7 +227,7 @@ def _derive_secret(run_id: str, addr: str, port: int) -> bytes:
 
 # ---------------------------------------------------------------- validation
 
-def _check_counts(c: _Counts, v: LauncherVars) -> None:
+def _check_counts(c: Placement, v: LauncherVars) -> None:
     """Check the rank/size invariants, naming the launcher's variables."""
     cause = ("The launcher and the script disagree on the job layout (a stale variable "
              "left in the shell, or a wrapper overriding one value but not the other); "
@@ -240,17 +251,17 @@ def _check_counts(c: _Counts, v: LauncherVars) -> None:
                          f"< cross_size. {cause}")
 
 
-def _read_counts(env: Mapping[str, str], v: LauncherVars) -> _Counts:
+def _read_counts(env: Mapping[str, str], v: LauncherVars) -> Placement:
     """Read and check the six counts a launcher exports under the names in ``v``."""
-    c = _Counts(_to_int(v.rank, _get(env, v.rank)), _to_int(v.size, _get(env, v.size)),
-                _to_int(str(v.local_rank), _get(env, str(v.local_rank))),
-                _to_int(str(v.local_size), _get(env, str(v.local_size))),
-                _opt_int(env, v.cross_rank), _opt_int(env, v.cross_size))
+    c = Placement("", _to_int(v.rank, _get(env, v.rank)), _to_int(v.size, _get(env, v.size)),
+                  _to_int(str(v.local_rank), _get(env, str(v.local_rank))),
+                  _to_int(str(v.local_size), _get(env, str(v.local_size))),
+                  _opt_int(env, v.cross_rank), _opt_int(env, v.cross_size))
     _check_counts(c, v)
     return c
 
 
-def _missing_addr(c: _Counts, v: LauncherVars, what: str, how: str) -> WorldError:
+def _missing_addr(c: Placement, v: LauncherVars, what: str, how: str) -> WorldError:
     return WorldError(f"No rendezvous address for a {c.size}-rank job ({v.size}={c.size}, "
                       f"{v.local_size}={c.local_size}): every rank must reach rank 0's "
                       f"bootstrap store, and {what}. Set {how}.")
@@ -258,15 +269,14 @@ def _missing_addr(c: _Counts, v: LauncherVars, what: str, how: str) -> WorldErro
 
 # ---------------------------------------------------------------- launchers
 
-def _world(c: _Counts, launcher: str, host: str, addr: str | None, port: int | None,
+def _world(c: Placement, launcher: str, host: str, addr: str | None, port: int | None,
            env: Mapping[str, str], secret: bytes | None, source: str, run_id: str,
            via_store: bool = False) -> World:
-    return World(c.rank, c.size, c.local_rank, c.local_size, c.cross_rank, c.cross_size,
-                 launcher, host, addr, port, _flag(env, GPUCOMM_RENDEZVOUS_HOSTED),
+    return World(replace(c, host=host), launcher, addr, port, _flag(env, GPUCOMM_RENDEZVOUS_HOSTED),
                  via_store, secret, source, run_id)
 
 
-def _finish(env: Mapping[str, str], c: _Counts, v: LauncherVars, launcher: str, host: str,
+def _finish(env: Mapping[str, str], c: Placement, v: LauncherVars, launcher: str, host: str,
             run_id: str, addr: str | None = None, port: int | None = None,
             how: str = GPUCOMM_RENDEZVOUS_ADDR + "=<rank 0's host>") -> World:
     """Apply GPUCOMM_* overrides and defaults shared by Horovod, MPI and Slurm."""
@@ -324,11 +334,11 @@ def _torchrun(env: Mapping[str, str], hostname: str | None) -> World | None:
                          f"with torchrun, or export {v.local_rank} and {v.local_size} too.")
     c = _read_counts(env, v._replace(cross_rank=None))
     if c.size % c.local_size == 0:  # torchrun runs the same number of ranks per node
-        c = c._replace(cross_rank=_opt_int(env, v.cross_rank), cross_size=c.size // c.local_size)
+        c = replace(c, cross_rank=_opt_int(env, v.cross_rank), cross_size=c.size // c.local_size)
         if c.cross_rank is not None:
             _check_counts(c, v._replace(cross_size=f"{v.size}/{v.local_size}"))
         else:
-            c = c._replace(cross_size=None)
+            c = replace(c, cross_size=None)
     addr = _get(env, GPUCOMM_RENDEZVOUS_ADDR) or _get(env, MASTER_ADDR)
     own_port = _port(GPUCOMM_RENDEZVOUS_PORT, _get(env, GPUCOMM_RENDEZVOUS_PORT))
     port = own_port or _port(MASTER_PORT, _get(env, MASTER_PORT))
@@ -396,7 +406,7 @@ def _slurm(env: Mapping[str, str], hostname: str | None) -> World | None:
 
 
 def _single(env: Mapping[str, str], hostname: str | None) -> World:
-    return World(0, 1, 0, 1, 0, 1, "none", _hostname(env, None, hostname), None, None,
+    return World(Placement(_hostname(env, None, hostname), 0, 1, 0, 1, 0, 1), "none", None, None,
                  False, False, None, "random", "")
 
 

@@ -23,6 +23,7 @@ from typing import Callable, Mapping
 
 from ..bootstrap.framing import HELLO_BYTES, MAGIC, NONCE_BYTES, VERSION, FrameError, FramedChannel as Channel, recv_exact
 from ..bootstrap.meeting import duplicate_claim
+from ..errors import ControlError
 
 log = logging.getLogger("gpucomm.control")
 
@@ -32,10 +33,6 @@ HELLO_SECONDS = 10.0  # connect -> the identifying first frame
 HELLO_MAX = 4096  # the largest first frame read from a peer that has not authenticated yet
 
 Claimant = tuple[str, object]  # (host, pid) as a process states it
-
-
-class ControlError(RuntimeError):
-    """The control connection could not be set up or broke."""
 
 
 def send(chan: Channel, messages: list) -> None:

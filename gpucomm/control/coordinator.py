@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from .negotiation import CONTROL_KINDS, Descriptor, disagreement, joined_disagreement
+from ..errors import ProtocolError
 
 Key = tuple[int, str]  # (process set id, op name)
 Outgoing = tuple[tuple[int, ...], tuple]  # (destination ranks, response)
@@ -48,10 +49,6 @@ class _CacheEntry:
     key: Key
     descriptors: dict[int, Descriptor]
     meta: Any = None
-
-
-class ProtocolError(RuntimeError):
-    """A rank sent something the coordinator cannot interpret (a bug, or mixed gpucomm versions)."""
 
 
 class Coordinator:

@@ -4,7 +4,7 @@ The command line lives in ``gpucomm.runner.cli`` (imported on use, so that the r
 ``python -m gpucomm.runner.remote`` starts without loading the launcher).
 """
 
-from .hosts import HostSlots, HostSpecError, Slot, assign_slots, parse_hostfile, parse_hostfile_text, parse_hosts
+from .hosts import HostSlots, HostSpecError, assign_slots, parse_hostfile, parse_hostfile_text, parse_hosts
 
-__all__ = ["HostSlots", "HostSpecError", "Slot", "assign_slots", "parse_hostfile", "parse_hostfile_text",
+__all__ = ["HostSlots", "HostSpecError", "assign_slots", "parse_hostfile", "parse_hostfile_text",
            "parse_hosts"]

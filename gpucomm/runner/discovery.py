@@ -11,12 +11,9 @@ import subprocess
 from dataclasses import dataclass
 
 from .hosts import HostSpecError, HostSlots, parse_hosts
+from ..errors import DiscoveryError
 
 SCRIPT_TIMEOUT_S = 30.0
-
-
-class DiscoveryError(RuntimeError):
-    """The discovery script failed or printed something that is not a host list."""
 
 
 @dataclass(frozen=True)

@@ -28,21 +28,19 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from ..bootstrap.rendezvous import RendezvousServer
-from ..elastic import rounds
+from ..bootstrap import rounds
+from ..bootstrap.placement import Placement, place
 from . import proctree
 from .discovery import DiscoveryError
-from .hosts import HostSlots, Slot
+from .hosts import HostSlots
 from .output import OutputSink
 from .spawn import SshOptions, launch_for
 from .supervisor import Launch, describe_exit, exit_status
+from ..errors import ElasticJobError
 
 DISCOVERY_INTERVAL_S = 1.0
 SETTLE_S = 0.3  # events this close together form one round (a death is often followed by its echoes)
 REMOVED_GRACE_S = 60.0  # a removed worker that has not left by itself is stopped after this long
-
-
-class ElasticJobError(RuntimeError):
-    """The elastic job cannot go on (reason in the message)."""
 
 
 class _Stopped(Exception):
@@ -283,7 +281,7 @@ class ElasticDriver:
         new = [wid for wid in members if wid not in self._workers or self._workers[wid].exit_code is not None]
         self._round += 1
         number = self._round
-        placements = rounds.place([(wid, wid.rsplit(":", 1)[0]) for wid in members])
+        placements = place([(wid, wid.rsplit(":", 1)[0]) for wid in members])
         for wid in new:
             self._start(wid, wid.rsplit(":", 1)[0])
         for wid, p in placements.items():
@@ -374,7 +372,7 @@ class ElasticDriver:
             "GPUCOMM_RENDEZVOUS_ADDR": self._addr(host), "GPUCOMM_RENDEZVOUS_PORT": str(self._server.port),
             "GPUCOMM_RENDEZVOUS_HOSTED": "1", "GPUCOMM_SECRET": self._secret.hex(), "GPUCOMM_RUN_ID": self._run_id,
             "PYTHONUNBUFFERED": "1"})
-        launch: Launch = launch_for(Slot(host, number, 0, 0, 0, 0, 0), self._command, self._base_env, env,
+        launch: Launch = launch_for(Placement(host, number, 0, 0, 0, 0, 0), self._command, self._base_env, env,
                                     cwd=os.getcwd(), ssh=self._ssh, grace=self._grace)
         w = self._workers[wid] = _Worker(number, wid, host)
         self._started.append(w)

@@ -1,6 +1,7 @@
 """Host lists and slot assignment for ``gpucomm-run``: pure functions, no I/O but reading a hostfile.
 
-A *slot* is one rank's place: which host it runs on and its rank, local rank and cross rank.
+A rank's place (``gpucomm.bootstrap.placement.Placement``) says which host it runs on and its rank,
+local rank and cross rank.
 Ranks fill hosts in the order given, ``slots`` ranks per host (Horovod's rule), so ranks on one host
 are contiguous and local rank 0 of every host is the first rank placed there.
 """
@@ -10,10 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-
-
-class HostSpecError(ValueError):
-    """A ``-H`` list, hostfile or ``-np`` that cannot describe a job."""
+from ..bootstrap.placement import Placement
+from ..errors import HostSpecError
 
 
 @dataclass(frozen=True)
@@ -22,19 +21,6 @@ class HostSlots:
 
     host: str
     slots: int
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One rank's place in the job (the values exported to that rank)."""
-
-    host: str
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
 
 
 _HOST = re.compile(r"^[A-Za-z0-9_.\-@\[\]:]+$")
@@ -126,7 +112,7 @@ def parse_hostfile(path: str | Path) -> list[HostSlots]:
     return parse_hostfile_text(text, str(path))
 
 
-def assign_slots(hosts: list[HostSlots], np: int) -> list[Slot]:
+def assign_slots(hosts: list[HostSlots], np: int) -> list[Placement]:
     """Place ``np`` ranks on ``hosts``, filling each host's slots in order.
 
     Hosts that get no rank are left out of the job. The cross rank of a rank is its index among
@@ -154,9 +140,9 @@ def assign_slots(hosts: list[HostSlots], np: int) -> list[Slot]:
     slots = []
     for rank, (host, lr) in enumerate(placed):
         peers = by_local_rank[lr]
-        slots.append(Slot(host, rank, np, lr, local_sizes[host], peers.index(rank), len(peers)))
+        slots.append(Placement(host, rank, np, lr, local_sizes[host], peers.index(rank), len(peers)))
     return slots
 
 
-__all__ = ["HostSlots", "HostSpecError", "Slot", "assign_slots", "parse_hostfile", "parse_hostfile_text",
+__all__ = ["HostSlots", "HostSpecError", "assign_slots", "parse_hostfile", "parse_hostfile_text",
            "parse_hosts"]

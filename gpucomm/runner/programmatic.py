@@ -31,7 +31,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..errors import GpucommError
+from ..errors import GpucommError, RunError
 from .run_task import MAX_PAYLOAD, dumps, key
 
 ELASTIC_ADVICE = ("gpucomm.run starts fixed-size jobs only: leave out {names}, or run the training script "
@@ -40,21 +40,6 @@ ELASTIC_ADVICE = ("gpucomm.run starts fixed-size jobs only: leave out {names}, o
 MPI_ADVICE = ("gpucomm does not launch through MPI: leave out {names} (gpucomm.run always uses its own launcher, "
               "Gloo on CPU and NCCL on GPU), or start a script with `mpirun ... python train.py` as in "
               "launch/mpirun.sh.")
-
-
-class RunError(GpucommError):
-    """A rank of a ``gpucomm.run`` job failed (a RuntimeError, as Horovod raises).
-
-    ``rank``/``host``: the first rank to fail; ``exception``: its exception, when it could be
-    brought back (also the ``__cause__``); ``remote_traceback``: its traceback as text;
-    ``exit_code``: its exit status, when it died without raising."""
-
-    def __init__(self, message: str, *, rank: int | None = None, host: str | None = None,
-                 exception: BaseException | None = None, remote_traceback: str | None = None,
-                 exit_code: int | None = None) -> None:
-        super().__init__(message)
-        self.rank, self.host, self.exception = rank, host, exception
-        self.remote_traceback, self.exit_code = remote_traceback, exit_code
 
 
 def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None, num_proc: int = 1,

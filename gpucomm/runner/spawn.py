@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from .hosts import Slot
+from ..bootstrap.placement import Placement
 from .remote import encode_request
 from .supervisor import Launch
 from .worker_env import worker_env
@@ -57,7 +57,7 @@ def ssh_argv(host: str, opts: SshOptions) -> list[str]:
     return argv + [host, remote]
 
 
-def launch_for(slot: Slot, command: list[str], base_env: Mapping[str, str], job_env: Mapping[str, str], *, cwd: str,
+def launch_for(slot: Placement, command: list[str], base_env: Mapping[str, str], job_env: Mapping[str, str], *, cwd: str,
                ssh: SshOptions, grace: float) -> Launch:
     """How to start one process on ``slot.host`` with ``job_env`` over the launcher's environment
     (filtered for a remote host): directly here, or through ssh and the remote wrapper."""
@@ -69,7 +69,7 @@ def launch_for(slot: Slot, command: list[str], base_env: Mapping[str, str], job_
     return Launch(slot, ssh_argv(slot.host, ssh), dict(base_env), True, payload)
 
 
-def build_launches(slots: list[Slot], command: list[str], base_env: Mapping[str, str], tunables: Mapping[str, str],
+def build_launches(slots: list[Placement], command: list[str], base_env: Mapping[str, str], tunables: Mapping[str, str],
                    *, rendezvous_addr: str, rendezvous_port: int, secret: bytes, run_id: str, cwd: str,
                    ssh: SshOptions, grace: float) -> list[Launch]:
     """One ``Launch`` per slot. Local ranks get their environment directly; remote ranks get it
@@ -77,7 +77,7 @@ def build_launches(slots: list[Slot], command: list[str], base_env: Mapping[str,
     launches = []
     for slot in slots:
         remote = not is_local(slot.host)
-        exported = Slot(split_user(slot.host)[1], slot.rank, slot.size, slot.local_rank, slot.local_size,
+        exported = Placement(split_user(slot.host)[1], slot.rank, slot.size, slot.local_rank, slot.local_size,
                         slot.cross_rank, slot.cross_size)
         env = worker_env(base_env, exported, tunables, remote=remote, rendezvous_addr=rendezvous_addr,
                          rendezvous_port=rendezvous_port, secret=secret, run_id=run_id)

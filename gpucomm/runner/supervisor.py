@@ -22,7 +22,7 @@ import psutil
 
 from . import proctree
 from ..failures import Failure
-from .hosts import Slot
+from ..bootstrap.placement import Placement
 from .output import OutputSink
 
 SSH_UNREACHABLE = 255  # ssh's own exit code when it cannot connect or authenticate
@@ -34,7 +34,7 @@ class Launch:
     """How to start one rank: ``argv`` with ``env``; a remote rank's ``stdin_payload`` (its
     environment and command for the remote wrapper) is written to its stdin, which stays open."""
 
-    slot: Slot
+    slot: Placement
     argv: list[str]
     env: dict[str, str]
     remote: bool = False

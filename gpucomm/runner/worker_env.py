@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .hosts import Slot
+from ..bootstrap.placement import Placement, placement_env
 
 # Launcher variables a remote host must not inherit from this one: they describe this shell, this
 # login or this host, and the remote login sets its own.
@@ -19,21 +19,9 @@ NOT_FORWARDED = frozenset({
 NOT_FORWARDED_PREFIXES = ("BASH_FUNC_", "XDG_", "SSH_")
 
 
-def slot_env(slot: Slot) -> dict[str, str]:
-    """The variables that place one rank in the job (``gpucomm.bootstrap.world`` reads them back),
-    under gpucomm's and Horovod's names."""
-    env = {}
-    for prefix in ("GPUCOMM", "HOROVOD"):
-        env.update({f"{prefix}_RANK": str(slot.rank), f"{prefix}_SIZE": str(slot.size),
-                    f"{prefix}_LOCAL_RANK": str(slot.local_rank), f"{prefix}_LOCAL_SIZE": str(slot.local_size),
-                    f"{prefix}_CROSS_RANK": str(slot.cross_rank), f"{prefix}_CROSS_SIZE": str(slot.cross_size),
-                    f"{prefix}_HOSTNAME": slot.host})
-    return env
-
-
-def job_env(slot: Slot, *, rendezvous_addr: str, rendezvous_port: int, secret: bytes, run_id: str) -> dict[str, str]:
-    """``slot_env`` and where to meet: the store's address, the job secret and the run id."""
-    return slot_env(slot) | {
+def job_env(slot: Placement, *, rendezvous_addr: str, rendezvous_port: int, secret: bytes, run_id: str) -> dict[str, str]:
+    """``placement_env`` and where to meet: the store's address, the job secret and the run id."""
+    return placement_env(slot) | {
         "GPUCOMM_RENDEZVOUS_ADDR": rendezvous_addr, "GPUCOMM_RENDEZVOUS_PORT": str(rendezvous_port),
         "GPUCOMM_RENDEZVOUS_HOSTED": "1", "GPUCOMM_SECRET": secret.hex(), "GPUCOMM_RUN_ID": run_id,
         "PYTHONUNBUFFERED": "1"}
@@ -46,7 +34,7 @@ def forwarded_env(env: Mapping[str, str]) -> dict[str, str]:
             if k not in NOT_FORWARDED and not k.startswith(NOT_FORWARDED_PREFIXES)}
 
 
-def worker_env(base: Mapping[str, str], slot: Slot, tunables: Mapping[str, str], *, remote: bool,
+def worker_env(base: Mapping[str, str], slot: Placement, tunables: Mapping[str, str], *, remote: bool,
                rendezvous_addr: str, rendezvous_port: int, secret: bytes, run_id: str) -> dict[str, str]:
     """The whole environment of one rank: the launcher's (filtered for a remote host), then the
     tunables, then the job variables (which nothing overrides)."""
@@ -57,4 +45,4 @@ def worker_env(base: Mapping[str, str], slot: Slot, tunables: Mapping[str, str],
     return env
 
 
-__all__ = ["NOT_FORWARDED", "forwarded_env", "job_env", "slot_env", "worker_env"]
+__all__ = ["NOT_FORWARDED", "forwarded_env", "job_env", "worker_env"]

@@ -6,25 +6,26 @@ machinery, and ``DistributedOptimizer``, the broadcast helpers and checkpoints l
 
 from __future__ import annotations
 
-from .. import runtime as _runtime
+from .. import job as _jobs
 from ..lazy import lazy_names
 from ..counters import stats
 from ..errors import CollectiveError as HorovodInternalError
 from ..errors import HostsUpdatedInterrupt
 from .autograd import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
                        grouped_reducescatter, reducescatter)
+from . import adasum as _adasum  # noqa: F401 - registers how an Adasum allreduce starts
 from .compression import Compression
-from .mpi_ops import (Adasum, Average, Max, Min, Product, Sum, add_process_set, allgather_async, allreduce_,
-                      allreduce_async, allreduce_async_, alltoall_async, barrier, broadcast_, broadcast_async,
-                      broadcast_async_, grouped_allgather_async, grouped_allreduce_, grouped_allreduce_async,
-                      grouped_allreduce_async_, grouped_reducescatter_async, join, poll, reducescatter_async,
-                      remove_process_set, synchronize)
+from .collectives import (Adasum, Average, Max, Min, Product, Sum, add_process_set, allgather_async, allreduce_,
+                          allreduce_async, allreduce_async_, alltoall_async, barrier, broadcast_, broadcast_async,
+                          broadcast_async_, grouped_allgather_async, grouped_allreduce_, grouped_allreduce_async,
+                          grouped_allreduce_async_, grouped_reducescatter_async, join, poll, reducescatter_async,
+                          remove_process_set, synchronize)
 from ..process_sets import ProcessSet, global_process_set
 
 _LAZY = {"DistributedOptimizer": "optimizer", "save_checkpoint": "checkpoint", "allgather_object": "functions",
          "broadcast_object": "functions", "broadcast_optimizer_state": "functions",
          "broadcast_parameters": "functions", "SyncBatchNorm": "sync_batch_norm",
-         "sparse_allreduce_async": "mpi_ops", "elastic": "elastic"}
+         "sparse_allreduce_async": "collectives", "elastic": "elastic"}
 
 
 __getattr__ = lazy_names(__name__, _LAZY, globals())
@@ -48,72 +49,73 @@ def init(comm=None, process_sets=None) -> None:
     for ps in sets:
         if not isinstance(ps, ProcessSet):
             raise ValueError(f"init(process_sets=...) takes hvd.ProcessSet objects, got {type(ps).__name__}.")
-    if _runtime.is_initialized():
-        _runtime.init()
+    if _jobs.is_initialized():
+        _jobs.init()
         return
-    job = _runtime.init(process_sets)
-    global_process_set._bind(0, range(job.world.size), job.world.rank)
+    job = _jobs.init(process_sets)
+    global_process_set.register(0, range(job.world.size), job.world.rank)
     for set_id, ps in enumerate(sets, start=1):
-        ps._bind(set_id, ps.ranks, job.world.rank)
+        ps.register(set_id, ps.ranks, job.world.rank)
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Start writing a Horovod-format timeline (Chrome trace JSON) to ``file_path`` on rank 0."""
-    _world().start_timeline(file_path, mark_cycles)
+    _job().start_timeline(file_path, mark_cycles)
 
 
 def stop_timeline() -> None:
     """Stop the timeline and close its file (valid JSON)."""
-    _world().stop_timeline()
+    _job().stop_timeline()
 
 
 def shutdown() -> None:
     """Leave the job; outstanding operations fail. ``init()`` may be called again afterwards."""
-    _runtime.shutdown()
+    _jobs.shutdown()
 
 
 def is_initialized() -> bool:
-    return _runtime.is_initialized()
+    return _jobs.is_initialized()
 
 
-def _world():
-    return _runtime.current()  # NotInitializedError is a ValueError, as Horovod raises
+def _job():
+    """The initialized job (the world, hosts and timeline live there)."""
+    return _jobs.current()  # NotInitializedError is a ValueError, as Horovod raises
 
 
 def size() -> int:
     """Number of processes in the job."""
-    return _world().world.size
+    return _job().world.size
 
 
 def rank() -> int:
     """This process's index in the job."""
-    return _world().world.rank
+    return _job().world.rank
 
 
 def local_size() -> int:
     """Number of processes on this host."""
-    return _world().world.local_size
+    return _job().world.local_size
 
 
 def local_rank() -> int:
     """This process's index on its host (pick the GPU with it)."""
-    return _world().world.local_rank
+    return _job().world.local_rank
 
 
 def cross_size() -> int:
     """Number of processes with this process's local rank (one per host in homogeneous jobs)."""
-    return _world().cross_size
+    return _job().cross_size
 
 
 def cross_rank() -> int:
     """This process's index among those with its local rank (its host's index, usually)."""
-    return _world().cross_rank
+    return _job().cross_rank
 
 
 def is_homogeneous() -> bool:
     """True when every host runs the same number of ranks (Horovod's ``is_homogeneous``)."""
     counts: dict[str, int] = {}
-    for host in _world().hosts:
+    for host in _job().hosts:
         counts[host] = counts.get(host, 0) + 1
     return len(set(counts.values())) == 1
 
@@ -135,7 +137,7 @@ def mpi_built() -> bool:
 
 
 def gloo_enabled() -> bool:
-    return _runtime.is_initialized()
+    return _jobs.is_initialized()
 
 
 def mpi_enabled() -> bool:

@@ -30,13 +30,14 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .. import runtime
+from .. import job as jobs
+from ..control.config import Send
 from ..dataplane.requests import check_tensors
 from ..process_sets import ProcessSet, global_process_set
-from . import mpi_ops
+from . import submission
 from .functions import allgather_object
-from .optimizer import (TWICE_ERROR, ZERO_GRAD_ERROR, DistributedOptimizer, _check_passes, _check_same,
-                        _DistributedOptimizer, _names)
+from .parameters import (TWICE_ERROR, ZERO_GRAD_ERROR, check_passes, check_same_parameters, parameter_names,
+                         shared_steps)
 
 ADASUM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 TINY = sys.float_info.min ** 0.5  # Horovod's threshold below which a squared norm counts as zero
@@ -73,7 +74,7 @@ def check_adasum(tensors: Sequence[torch.Tensor], process_set: ProcessSet | None
     and floating-point tensors."""
     if process_set is not None and process_set != global_process_set:
         raise NotImplementedError(NON_GLOBAL_ERROR)
-    size = runtime.current().world.size
+    size = jobs.current().world.size
     if size & (size - 1):
         raise NotImplementedError(
             f"Running Adasum with non-power of 2 ranks is not supported yet. This job has {size} ranks; Adasum "
@@ -90,14 +91,14 @@ def _as_allgather(tensors: Sequence[torch.Tensor], name: str | None, in_place: b
                   postscale: float, process_set: ProcessSet | None) -> tuple[list, str | None, Callable[[Any], list]]:
     """Validate an Adasum allreduce and turn it into an allgather of one row per tensor, plus the
     step that reduces the gathered rows into the results (written into ``tensors`` when in place)."""
-    mpi_ops.check_name("allreduce", name)
+    submission.check_name("allreduce", name)
     tensors = list(tensors)
     check_tensors("allreduce", tensors, reducing=True)
     check_adasum(tensors, process_set)
     if in_place:
-        mpi_ops._mark_written("allreduce", tensors)
+        submission.mark_written("allreduce", tensors)
     rows = [t.detach().unsqueeze(0) for t in tensors]  # one row per rank; a shape mismatch names the user's shapes
-    size = runtime.current().world.size
+    size = jobs.current().world.size
 
     def finish(gathered: Any) -> list:
         outs = []
@@ -118,19 +119,25 @@ def _as_allgather(tensors: Sequence[torch.Tensor], name: str | None, in_place: b
     return rows, (f"adasum.{name}" if name else None), finish
 
 
-def submit(tensors: Sequence[torch.Tensor], name: str | None, convert: Callable[[list], Any], *,
-           in_place: bool = False, prescale: float = 1.0, postscale: float = 1.0,
-           process_set: ProcessSet | None = None, **_: Any) -> int:
-    """The asynchronous Adasum allreduce forms: an integer handle for ``hvd.poll``/``hvd.synchronize``."""
+def start(tensors: Sequence[torch.Tensor], name: str | None, convert: Callable[[list], Any], send: Send, *,
+          in_place: bool = False, prescale: float = 1.0, postscale: float = 1.0,
+          process_set: ProcessSet | None = None, **_: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """Start an Adasum allreduce (``submission``'s one dispatch calls this for ``op=hvd.Adasum``):
+    the allgather's handle, and what turns its result into the reduced tensors (``tensors``
+    themselves when in place), then ``convert``'s form."""
     rows, gather_name, finish = _as_allgather(tensors, name, in_place, prescale, postscale, process_set)
-    return mpi_ops._submit("allgather", rows, gather_name, lambda gathered: convert(finish(gathered)))
+    job = jobs.current()
+    handle = job.submit(submission.build_request(job, "allgather", rows, gather_name), send=send)
+    return handle, lambda gathered: convert(finish(gathered))
 
 
-def execute(tensors: Sequence[torch.Tensor], name: str | None, *, in_place: bool = False, prescale: float = 1.0,
-            postscale: float = 1.0, process_set: ProcessSet | None = None, **_: Any) -> list[torch.Tensor]:
-    """The synchronous Adasum allreduce forms: the reduced tensors (``tensors`` themselves when in place)."""
-    rows, gather_name, finish = _as_allgather(tensors, name, in_place, prescale, postscale, process_set)
-    return finish(mpi_ops._execute("allgather", rows, gather_name))
+def allreduce(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The Adasum of ``tensors`` over the job (the delta optimizer's one request per step)."""
+    return submission.execute("allreduce", list(tensors), None,
+                              **submission.reduction(submission.Adasum, None, 1.0, 1.0, None))
+
+
+submission.register_adasum(start)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,7 +156,7 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         self._compression = compression
         self._passes = backward_passes_per_step
         self._params = [p for group in self.param_groups for p in group["params"]]
-        self._parameter_names = _names(named_parameters, self._params)
+        self._parameter_names = parameter_names(named_parameters, self._params)
         self._lock = threading.Lock()  # hooks of CPU and CUDA parameters run on different autograd threads
         self._fired: set[torch.Tensor] = set()
         self._delay = {p: self._passes for p in self._params if p.requires_grad}
@@ -157,7 +164,7 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
                 for p in self._params]
         every = allgather_object(mine, name="DistributedAdasumOptimizer.params")
         for rank, theirs in enumerate(every):
-            _check_same(every[0], theirs, rank)
+            check_same_parameters(every[0], theirs, rank)
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in self._delay]
 
     def _hook(self, p: torch.Tensor) -> None:
@@ -175,8 +182,6 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         raise AssertionError(SKIP_SYNC_ERROR)
         yield  # never reached; the yield makes this a context manager, so the error comes at ``with``
 
-    set_backward_passes_per_step = _DistributedOptimizer.set_backward_passes_per_step
-
     def step(self, closure=None):
         loss = None
         if closure is not None:
@@ -187,7 +192,7 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
             start = [p.detach().clone() for p in params]
             super(self.__class__, self).step()
             pairs = [self._compression.compress(p.detach() - s) for p, s in zip(params, start)]
-            reduced = execute([c for c, _ in pairs], None) if params else []
+            reduced = allreduce([c for c, _ in pairs]) if params else []
             for p, s, r, (_, ctx) in zip(params, start, reduced, pairs):
                 p.copy_(s.add_(self._compression.decompress(r, ctx)))
         with self._lock:
@@ -205,20 +210,19 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
 def adasum_optimizer(optimizer: torch.optim.Optimizer, named_parameters: Any, compression: Any,
                      backward_passes_per_step: int, gradient_predivide_factor: float, num_groups: int, groups: Any,
                      sparse_as_dense: bool, process_set: ProcessSet) -> torch.optim.Optimizer:
-    """``DistributedOptimizer(..., op=Adasum)``: Horovod's delta optimizer, or at size 1 the plain
-    DistributedOptimizer (whose reduction over one rank changes nothing)."""
+    """``DistributedOptimizer(..., op=Adasum)`` on more than one rank: Horovod's delta optimizer
+    (``DistributedOptimizer`` itself takes a one-rank job, where the reduction changes nothing)."""
     if gradient_predivide_factor != 1.0:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
-    if runtime.current().world.size == 1:
-        return DistributedOptimizer(optimizer, named_parameters, compression, backward_passes_per_step, mpi_ops.Sum,
-                                    1.0, num_groups, groups, sparse_as_dense, process_set)
-    _check_passes(backward_passes_per_step)
+    check_passes(backward_passes_per_step)
     if num_groups:
         warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
                       DeprecationWarning)
     check_adasum([], process_set)
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedAdasumOptimizer.__dict__))
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               {**_DistributedAdasumOptimizer.__dict__, "set_backward_passes_per_step":
+                shared_steps()["set_backward_passes_per_step"]})
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step)
 
 
-__all__ = ["ADASUM_DTYPES", "adasum_optimizer", "adasum_rows", "check_adasum", "execute", "submit"]
+__all__ = ["ADASUM_DTYPES", "adasum_optimizer", "adasum_rows", "allreduce", "check_adasum", "start"]

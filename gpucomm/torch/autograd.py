@@ -8,40 +8,40 @@ from __future__ import annotations
 
 import torch
 
-from .. import runtime
+from .. import job as jobs
 from ..dataplane.requests import check_tensor_arg, check_tensor_list, reduce_op_of
 from ..process_sets import ProcessSet, global_process_set
 from .compression import Compression, NoneCompressor
-from .mpi_ops import (Average, Sum, _check_root, _execute, _reduction, _set_id, alltoall_now,
-                      handle_average_backwards_compatibility)
+from .collectives import alltoall_now
+from .submission import Average, Sum, check_root, execute, handle_average_backwards_compatibility, reduction, set_id
 
 
 def _group(process_set: ProcessSet):
-    return runtime.current().group(_set_id(process_set))
+    return jobs.current().group(set_id(process_set))
 
 
 def _allreduce_now(tensor, op, pre, post, name, process_set):
-    return _execute("allreduce", [tensor], name, **_reduction(op, None, pre, post, process_set))[0]
+    return execute("allreduce", [tensor], name, **reduction(op, None, pre, post, process_set))[0]
 
 
 def _grouped_allreduce_now(tensors, op, pre, post, name, process_set):
-    return _execute("allreduce", list(tensors), name, **_reduction(op, None, pre, post, process_set))
+    return execute("allreduce", list(tensors), name, **reduction(op, None, pre, post, process_set))
 
 
 def _allgather_now(tensors, name, process_set):
     """(outputs, rows per rank for each tensor)"""
-    return _execute("allgather", list(tensors), name, process_set=process_set)
+    return execute("allgather", list(tensors), name, process_set=process_set)
 
 
 def _broadcast_now(tensor, root_rank, name, process_set):
-    return _execute("broadcast", [tensor], name, root=_check_root(root_rank, process_set), process_set=process_set)[0]
+    return execute("broadcast", [tensor], name, root=check_root(root_rank, process_set), process_set=process_set)[0]
 
 
 def _reducescatter_now(tensors, op, pre, post, name, process_set):
     for t in tensors:
         if t.dim() == 0:
             raise ValueError("reducescatter needs tensors of at least one dimension (it splits dim 0).")
-    return _execute("reducescatter", list(tensors), name, **_reduction(op, None, pre, post, process_set))
+    return execute("reducescatter", list(tensors), name, **reduction(op, None, pre, post, process_set))
 
 
 class _Allreduce(torch.autograd.Function):
@@ -113,7 +113,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         reduced = _allreduce_now(grad.contiguous(), Average, 1.0, 1.0, None, ctx.process_set)
-        if runtime.current().world.rank != ctx.root:
+        if jobs.current().world.rank != ctx.root:
             reduced = reduced * 0
         return reduced, None, None, None
 

@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
-from .. import runtime
+from .. import job as jobs
 from ..process_sets import ProcessSet, global_process_set
-from .mpi_ops import _execute, _set_id, broadcast_, broadcast_async_, synchronize
+from .collectives import broadcast_, broadcast_async_
+from .submission import execute, set_id, synchronize
 
 try:  # cloudpickle handles lambdas and local classes, as Horovod's helpers do
     import cloudpickle as _pickler
@@ -48,7 +49,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Root's ``obj`` on every rank of ``process_set`` (pickled, two broadcasts: size then bytes)."""
     name = name or type(obj).__name__
-    rank = runtime.current().world.rank
+    rank = jobs.current().world.rank
     if rank == root_rank:
         data = _to_bytes_tensor(obj)
         size = torch.tensor([data.numel()], dtype=torch.int64)
@@ -64,9 +65,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
 def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list[Any]:
     """Every rank's ``obj``, as a list indexed by rank (in ``process_set``)."""
     name = name or type(obj).__name__
-    _set_id(process_set)
+    set_id(process_set)
     data = _to_bytes_tensor(obj)
-    gathered, rows_per_tensor = _execute("allgather", [data], name, process_set=process_set)
+    gathered, rows_per_tensor = execute("allgather", [data], name, process_set=process_set)
     outs, rows = gathered[0], rows_per_tensor[0]
     result, pos = [], 0
     for n in rows:
@@ -89,7 +90,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state: its state holds closures' history that does "
                          "not transfer between processes; broadcast the model and start LBFGS fresh on every rank.")
-    rt = runtime.current()
+    rt = jobs.current()
     blob = None
     if rt.world.rank == root_rank:
         if not any(optimizer.state.values()):

@@ -35,29 +35,24 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from .. import runtime
+from .. import job as jobs
 from ..counters import COUNTERS
 from ..dataplane import fusion
 from ..process_sets import ProcessSet, global_process_set
 from .buckets import GradientBuckets
 from . import finite_check
+from .adasum import adasum_optimizer
 from .compression import Compression
 from ..errors import CollectiveError as HorovodInternalError, NonFiniteGradientError
 from ..settings import env_flag_default_on
 from .functions import allgather_object, broadcast_object
-from .mpi_ops import Adasum, Average, Sum, _set_id, barrier
+from .collectives import barrier
+from .submission import Adasum, Average, Sum, set_id
+from .parameters import (STEP_AFTER_SYNC_WARNING, TWICE_ERROR, ZERO_GRAD_ERROR, check_passes,  # noqa: F401
+                         check_same_parameters, parameter_names, shared_steps)
 from .sparse_grads import SparseGradients
 
 log = logging.getLogger("gpucomm")
-
-TWICE_ERROR = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
-               "Increase backward_passes_per_step to accumulate gradients locally.")
-ZERO_GRAD_ERROR = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
-                   "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
-STEP_AFTER_SYNC_WARNING = ("optimizer.step() called without optimizer.skip_synchronize() context after "
-                           "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
-                           "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in "
-                           "your code.")
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -74,7 +69,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._passes = backward_passes_per_step
         self._groups = groups
         self._params = [p for group in self.param_groups for p in group["params"]]
-        self._parameter_names = _names(named_parameters, self._params)
+        self._parameter_names = parameter_names(named_parameters, self._params)
         self._process_set = process_set
         self._op, self._predivide = op, float(gradient_predivide_factor)
         self._synchronized = False
@@ -88,14 +83,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._in_backward = False  # this step's backward is running (a flush from another thread waits)
         self._backward_cv = threading.Condition()
         self._hooked = False  # a gradient hook fired since the last synchronize
-        self._bind(runtime.current())
+        self._bind(jobs.current())
 
     def _bind(self, job) -> None:
         """Attach to ``job``: its size sets the scaling, its schedule carries the buckets, and the
         layout is agreed among its ranks (a collective)."""
         self._job_ref = weakref.ref(job)
         self._hooked = False
-        self._set_id = _set_id(self._process_set)
+        self._set_id = set_id(self._process_set)
         group = job.group(self._set_id)
         self._size, self._ranks = group.size, group.ranks
         self._finite = (finite_check.FiniteSlots(self._check_mode, group.rank, self._size)
@@ -136,7 +131,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Elastic training re-formed the job (``hvd.elastic.run``): attach to the new one. Every
         rank of the new job calls this at the same point (``TorchState.sync()`` does, or the first
         gradient hook or ``synchronize()`` after the re-form)."""
-        job = runtime.current()
+        job = jobs.current()
         if self._job_ref is not None and self._job_ref() is job:
             return
         self._bind(job)
@@ -186,7 +181,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         every = allgather_object(mine, name=f"DistributedOptimizer.layout.{self._schedule.number}.{self._layouts}",
                                  process_set=self._process_set)
         for rank, theirs in enumerate(every):
-            _check_same(every[0]["params"], theirs["params"], rank)
+            check_same_parameters(every[0]["params"], theirs["params"], rank)
         for rank, theirs in enumerate(every):
             if theirs != every[0]:
                 raise ValueError(
@@ -209,7 +204,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not sparse_agreed:
             self._sparse.agree()
         before = set(self._trainable)
-        self._buckets = self._agree_on_layout(runtime.current())
+        self._buckets = self._agree_on_layout(jobs.current())
         added = [p for p in self._trainable if p not in before]
         if added and self._size > 1:
             self._buckets.reduce_once(added, f"DistributedOptimizer.added.{self._layouts}")
@@ -219,7 +214,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _hook(self, p: torch.Tensor) -> None:
         if self._local_only:
             return
-        if self._job_ref() is not runtime._job:
+        if self._job_ref() is not jobs.active():
             self._rebind()
         with self._lock:
             delay = self._delay.get(p)
@@ -233,7 +228,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 # launch: a bucket missing a gradient on one rank would otherwise open it later there than
                 # elsewhere), and the tracer is looked up once for the step
                 self._schedule.begin_step(self._flush_step)
-                self._tracer = self._buckets.tracer = runtime.current().tracer
+                self._tracer = self._buckets.tracer = jobs.current().tracer
                 self._mark_backward()
             tracer = self._tracer
             if tracer is not None:  # the backward pass, as seen from its gradients (timeline)
@@ -260,7 +255,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._closed:
             raise ValueError("this DistributedOptimizer was closed (optimizer.close()): it averages no more gradients "
                              "and has released its communicator. Build a new DistributedOptimizer to keep training.")
-        if self._job_ref() is not runtime._job:
+        if self._job_ref() is not jobs.active():
             self._rebind()
         if self._size == 1:
             self._synchronized = True
@@ -277,7 +272,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.last_nonfinite = self._findings(reports) if reports else []
         self._synchronized = True
         span, self._backward_span = self._backward_span, None
-        tracer = runtime.current().tracer
+        tracer = jobs.current().tracer
         if tracer is not None and span is not None:
             tracer.span("DistributedOptimizer.backward", "BACKWARD", span[0], span[1])
         if self._watch is not None and self._cut_where_backward_pauses():
@@ -316,7 +311,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         if self._check_mode == "raise":
             raise NonFiniteGradientError(text, self._steps, findings)
-        if self._ranks[0] == runtime.current().world.rank:
+        if self._ranks[0] == jobs.current().world.rank:
             warnings.warn(text, RuntimeWarning, stacklevel=3)
         else:
             log.debug("%s", text)
@@ -329,7 +324,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         watched, self._watch = self._watch, None
         start = min(watched.values(), default=0.0)
         mine = [None if p not in watched else (watched[p] - start) * 1e6 for p in self._params]
-        root = runtime.current().group(self._set_id).ranks[0]
+        root = jobs.current().group(self._set_id).ranks[0]
         try:
             self._ready_us = broadcast_object(mine, root_rank=root, name=f"DistributedOptimizer.ready.{self._schedule.number}",
                                               process_set=self._process_set)
@@ -379,7 +374,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         point). Without it, the communicator lives until ``hvd.shutdown()``; it is never released
         when the optimizer is garbage-collected, which happens at a different moment on every rank."""
         job = self._job_ref() if self._job_ref is not None else None
-        if self._schedule is not None and job is not None and job is runtime._job:
+        if self._schedule is not None and job is not None and job is jobs.active():
             # a collective point: no member may still be building the communicator this releases
             barrier(self._process_set)
         schedule, self._schedule = self._schedule, None
@@ -407,15 +402,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._fired.clear()
 
     @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """Inside this context ``step()`` does not synchronize (call ``synchronize()`` yourself first)."""
-        self._should_synchronize = False
-        try:
-            yield
-        finally:
-            self._should_synchronize = True
-
-    @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside this context only accumulate gradients locally (like DDP's
         ``no_sync``); the first backward after it averages the accumulated sum."""
@@ -424,21 +410,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             yield
         finally:
             self._local_only = False
-
-    def set_backward_passes_per_step(self, passes: int) -> None:
-        """Average every ``passes`` backward passes (gradients accumulate locally in between)."""
-        _check_passes(passes)
-        self._passes = passes
-        for p in self._delay:
-            self._delay[p] = passes
-
-    def step(self, closure=None):
-        if self._should_synchronize:
-            if self._synchronized:
-                warnings.warn(STEP_AFTER_SYNC_WARNING)
-            self.synchronize()
-        self._synchronized = False
-        return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._hooked or self._buckets.in_flight or self._sparse.in_flight:
@@ -461,62 +432,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 # construction
 
 
-def _describe_param(entry) -> str:
-    if entry is None:
-        return "missing"
-    name, shape, dtype, requires_grad = entry
-    return f"{name!r} {shape} {dtype}" + ("" if requires_grad else " (frozen)")
-
-
-def _check_passes(passes: int) -> None:
-    if not isinstance(passes, int) or passes <= 0:
-        raise ValueError(f"backward_passes_per_step must be a positive integer, got {passes!r}.")
-
-
-def _names(named_parameters, params_in_order: list[torch.Tensor]) -> dict[torch.Tensor, str]:
-    """Map each optimizer parameter to its name, validating ``named_parameters`` as Horovod does."""
-    if named_parameters is None:
-        return {p: f"allreduce.noname.{i}" for i, p in enumerate(params_in_order)}
-    named = list(named_parameters)
-    if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
-        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced by "
-                         "model.named_parameters().")
-    names = [n for n, _ in named]
-    dups = sorted({n for n in names if names.count(n) > 1})
-    if dups:
-        raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(dups)}")
-    by_id = {id(p): n for n, p in named}
-    unnamed = [p for p in params_in_order if id(p) not in by_id]
-    if unnamed:
-        raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
-                         f"Python object ids: {', '.join(str(id(p)) for p in unnamed)}. Pass "
-                         f"model.named_parameters() of the model whose parameters the optimizer holds.")
-    return {p: by_id[id(p)] for p in params_in_order}
-
-
 def _trainable_groups(groups: Any, trainable: list[torch.Tensor]) -> Any:
     """``groups`` restricted to the parameters that need gradients now (lists of parameters)."""
     if isinstance(groups, int):
         return groups
     keep = set(trainable)
     return [[p for p in g if p in keep] for g in groups]
-
-
-def _check_same(reference: list, theirs: list, rank: int) -> None:
-    """Raise on every rank when ``rank``'s parameter list differs from rank 0's, naming the first difference."""
-    if theirs == reference:
-        return
-    for i in range(max(len(theirs), len(reference))):
-        a = reference[i] if i < len(reference) else None
-        b = theirs[i] if i < len(theirs) else None
-        if a != b:
-            raise ValueError(
-                f"DistributedOptimizer: ranks disagree on the parameters to average. Parameter #{i} is "
-                f"{_describe_param(a)} on rank 0 but {_describe_param(b)} on rank {rank} (name, shape, "
-                f"dtype, requires_grad). Every rank must build the same model and pass its parameters in "
-                f"the same order; otherwise ranks would average unrelated tensors or wait for each other "
-                f"forever. Likely causes: rank-dependent model construction, a different model config or "
-                f"checkpoint on some ranks, or parameters frozen on only some ranks.")
 
 
 def _layout_text(mine: dict) -> str:
@@ -532,7 +453,7 @@ class _OutsideProcessSet(torch.optim.Optimizer):
 
     def __init__(self, params, named_parameters, backward_passes_per_step):
         super(self.__class__, self).__init__(params)
-        self._parameter_names = _names(named_parameters, [p for g in self.param_groups for p in g["params"]])
+        self._parameter_names = parameter_names(named_parameters, [p for g in self.param_groups for p in g["params"]])
         self._passes = backward_passes_per_step
         self._delay: dict = {}
         self._synchronized = False
@@ -541,14 +462,9 @@ class _OutsideProcessSet(torch.optim.Optimizer):
     def synchronize(self) -> None:
         self._synchronized = True
 
-    skip_synchronize = _DistributedOptimizer.skip_synchronize
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         yield
-
-    set_backward_passes_per_step = _DistributedOptimizer.set_backward_passes_per_step  # no countdowns: _delay is empty
-    step = _DistributedOptimizer.step
 
     def close(self) -> None:
         """Nothing to release: a rank outside the process set holds no communicator."""
@@ -571,23 +487,26 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
         if finite_check.resolve_mode(check_finite) is not None:
             raise NotImplementedError("check_finite is not supported with op=hvd.Adasum (its delta optimizer "
                                       "reduces weight changes, not gradients); use op=hvd.Average or hvd.Sum.")
-        from .adasum import adasum_optimizer  # noqa: PLC0415 - adasum.py builds on this module
-        return adasum_optimizer(optimizer, named_parameters, compression, backward_passes_per_step,
-                                gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set)
+        if jobs.current().world.size > 1:
+            return adasum_optimizer(optimizer, named_parameters, compression, backward_passes_per_step,
+                                    gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set)
+        if gradient_predivide_factor != 1.0:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        op = Sum  # one rank: the Adasum of one rank's gradients is those gradients
     if op not in (Average, Sum):
         raise ValueError(f"DistributedOptimizer op must be hvd.Average or hvd.Sum, got {op!r}.")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
-    _check_passes(backward_passes_per_step)
+    check_passes(backward_passes_per_step)
     if num_groups:
         warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
                       DeprecationWarning)
         if groups is None:
             groups = num_groups
     if isinstance(process_set, ProcessSet) and process_set.included() is False:  # registered, without this rank
-        cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_OutsideProcessSet.__dict__))
+        cls = type(optimizer.__class__.__name__, (optimizer.__class__,), {**_OutsideProcessSet.__dict__, **shared_steps()})
         return cls(optimizer.param_groups, named_parameters, backward_passes_per_step)
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), {**_DistributedOptimizer.__dict__, **shared_steps()})
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set, check_finite)
 

@@ -18,7 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..process_sets import ProcessSet, global_process_set
 from .autograd import allgather, allreduce
-from .mpi_ops import Sum, _set_id, _set_size
+from .submission import Sum, set_id, set_size
 
 # Fixed names, as Horovod's: every layer's call is blocking, so one name never has two calls in
 # flight, and (unlike unnamed calls, numbered job-wide) they stay aligned when only a process
@@ -123,7 +123,7 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         uses_batch_stats = self.training or self.running_mean is None
-        if not uses_batch_stats or _set_size(_set_id(self.process_set)) == 1:
+        if not uses_batch_stats or set_size(set_id(self.process_set)) == 1:
             return super().forward(input)
         factor = 0.0
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:

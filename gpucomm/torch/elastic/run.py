@@ -18,11 +18,10 @@ import logging
 import time
 from typing import Any, Callable, TypeVar
 
-from ... import runtime
+from ... import job as jobs
+from ...bootstrap import rounds
 from ...counters import COUNTERS
-from ...elastic import rounds, worker
-from ...elastic.notify import elastic_mode
-from ...errors import CollectiveError, GpucommError, HostsUpdatedInterrupt
+from ...errors import CollectiveError, GpucommError, HostsUpdatedInterrupt, WorkerRemoved
 
 log = logging.getLogger("gpucomm")
 
@@ -57,8 +56,8 @@ def run(func: F) -> F:
 
 
 def _mark(key_of: Callable[[str, str], str]) -> None:
-    if elastic_mode():
-        worker.mark(key_of)
+    if rounds.elastic_mode():
+        jobs.current().tell_launcher(key_of)
 
 
 def _reform(state, skip_sync: bool) -> bool:
@@ -68,7 +67,7 @@ def _reform(state, skip_sync: bool) -> bool:
     t0 = time.monotonic()
     for attempt in range(MAX_REFORM_ATTEMPTS):
         try:
-            runtime.shutdown()
+            jobs.shutdown()
         except Exception as e:  # noqa: BLE001 - the old job is left either way; its teardown must not end this worker
             log.warning("gpucomm elastic: leaving the old job raised %s: %s; joining the next round anyway",
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
@@ -76,12 +75,13 @@ def _reform(state, skip_sync: bool) -> bool:
             from .. import init  # noqa: PLC0415 - gpucomm.torch.init binds the global process set
 
             init()
-            skip_sync = skip_sync and not worker.new_workers_joined()
+            job = jobs.current()
+            skip_sync = skip_sync and not job.new_workers_joined
             state.on_reset()
             COUNTERS.elastic_resets += 1
-            log.info("gpucomm elastic: re-formed in %.2f s (round %d)", time.monotonic() - t0, worker.current_round())
+            log.info("gpucomm elastic: re-formed in %.2f s (round %d)", time.monotonic() - t0, job.elastic_round)
             return skip_sync
-        except worker.WorkerRemoved:
+        except WorkerRemoved:
             raise
         except CollectiveError as e:  # a reset callback's collective (the optimizer's rebind) failed
             log.warning("gpucomm elastic: re-forming failed (%s); restoring the last commit and trying the next "

@@ -20,15 +20,15 @@ from collections.abc import Iterator, Sized
 
 import torch.utils.data
 
-from ... import runtime
+from ... import job as jobs
 
 
 def _world() -> tuple[int, int]:
     """(rank, size) of the current job; (0, 1) when gpucomm is not initialized (one process, as
     ``init()`` without a launcher would make it). Read at every re-partition."""
-    if not runtime.is_initialized():
+    if not jobs.is_initialized():
         return 0, 1
-    world = runtime.current().world
+    world = jobs.current().world
     return world.rank, world.size
 
 

@@ -21,8 +21,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ... import runtime
-from ...elastic import notify
+from ... import job as jobs
+from ...bootstrap.rounds import elastic_mode
+from ...errors import HostsUpdatedInterrupt
 from ..functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .sampler import ElasticSampler
 
@@ -57,8 +58,17 @@ class State:
 
     def check_host_updates(self) -> None:
         """Raise ``HostsUpdatedInterrupt`` on every rank alike when the launcher changed the hosts;
-        a no-op outside elastic mode. Cheaper than ``commit()``: nothing is copied."""
-        notify.check_host_updates()
+        a no-op outside elastic mode. Cheaper than ``commit()``: nothing is copied.
+
+        In elastic mode a collective: rank 0 reads the launcher's newest round from the store and
+        hands it to every rank with the state's own ``bcast_object``, so every rank decides alike."""
+        if not elastic_mode():
+            return
+        job = jobs.current()
+        seen = job.newest_round() if self._rank() == 0 else None
+        newest, hosts_added = self._bcast_object(seen)
+        if newest > job.elastic_round:
+            raise HostsUpdatedInterrupt(skip_sync=not hosts_added)
 
     def save(self) -> None:
         """Copy the state to memory (the commit)."""
@@ -164,7 +174,7 @@ class TorchState(ObjectState):
 
 
 def _rank() -> int:
-    return runtime.current().world.rank
+    return jobs.current().world.rank
 
 
 # ---------------------------------------------------------------------------------------------

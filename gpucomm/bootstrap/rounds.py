@@ -1,4 +1,5 @@
-"""The rounds of an elastic job, as the launcher publishes them in the rendezvous store.
+"""The rounds of an elastic job, as the launcher publishes them in the rendezvous store (data both
+the launcher and the workers read: it sits below both).
 
 A *round* is one membership of the job: which workers take part and each one's rank, size and
 local/cross placement. The launcher (``gpucomm.runner.elastic_driver``) writes round ``n``'s
@@ -19,16 +20,19 @@ Keys (under ``{run_id}/elastic/``):
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict
 from typing import Mapping
 
-from ..runner.hosts import Slot
-
-
-Placement = Slot  # one worker's place in one round: host, rank, size, local and cross rank and size
-
+from .placement import Placement
 
 DEFAULT_ELASTIC_TIMEOUT = 600.0  # Horovod's default
+
+
+def elastic_mode(env: Mapping[str, str] | None = None) -> bool:
+    """True in a worker started by ``gpucomm-run`` in elastic mode (``env``: default this process's)."""
+    env = os.environ if env is None else env
+    return env.get("GPUCOMM_ELASTIC", env.get("HOROVOD_ELASTIC", "")) == "1"
 
 
 def elastic_timeout(env: Mapping[str, str]) -> float:
@@ -83,19 +87,5 @@ def decode_placement(raw: bytes) -> Placement | str:
     return Placement(**data)
 
 
-def place(workers: list[tuple[str, str]]) -> dict[str, Placement]:
-    """Ranks for ``workers`` (``(worker id, host)`` in rank order): local rank counts within a
-    host, cross rank counts hosts among the ranks with the same local rank (Horovod's definitions)."""
-    hosts: dict[str, list[str]] = {}
-    for worker, host in workers:
-        hosts.setdefault(host, []).append(worker)
-    out: dict[str, Placement] = {}
-    for rank, (worker, host) in enumerate(workers):
-        local = hosts[host].index(worker)
-        peers = [h for h, ws in hosts.items() if len(ws) > local]
-        out[worker] = Placement(host, rank, len(workers), local, len(hosts[host]), peers.index(host), len(peers))
-    return out
-
-
-__all__ = ["Placement", "decode_placement", "done_key", "elastic_timeout", "encode_placement", "fatal_key", "holds_key", "hosts_added_key",
-           "place", "placement_key", "round_key", "want_key"]
+__all__ = ["decode_placement", "done_key", "elastic_mode", "elastic_timeout", "encode_placement", "fatal_key", "holds_key",
+           "hosts_added_key", "placement_key", "round_key", "want_key"]

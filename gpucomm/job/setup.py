@@ -9,23 +9,22 @@ import os
 import time
 from typing import Any, Mapping
 
-from .backends.gloo import gloo_group, gloo_iface
-from .backends.local import SelfBackend
-from .bootstrap import devices
-from .bootstrap.meeting import (BIND_VAR, REQUIRE_SECRET_VAR, arrive, claim_arrival, conflict_key, cross_placement,
+from ..backends.gloo import gloo_group, gloo_iface
+from ..backends.local import SelfBackend
+from ..bootstrap import devices
+from ..bootstrap.meeting import (BIND_VAR, REQUIRE_SECRET_VAR, arrive, claim_arrival, conflict_key, cross_placement,
                                 open_store, watch_conflicts)
-from .bootstrap.netaddr import address_towards, interface_ipv4
-from .bootstrap.rendezvous import RendezvousClient, RendezvousError, wait_for_ranks
-from .bootstrap.world import World, detect_world
-from .control.channel import ControlListener, connect as connect_control
-from .control.controller import ControlConfig, ControlLinks
-from .elastic.notify import elastic_mode
-from .elastic.worker import PLACEMENT_VARS, join_round, round_interrupt
-from .errors import GpucommError
-from .job import SHUTDOWN_GRACE, Job
-from .logs import SetupSteps, configure_logging
-from .process_sets import init_sets
-from .settings import env_flag, env_seconds
+from ..bootstrap.netaddr import address_towards, interface_ipv4
+from ..bootstrap.rendezvous import RendezvousClient, RendezvousError, wait_for_ranks
+from ..bootstrap.world import World, detect_world
+from ..control.channel import ControlListener, connect as connect_control
+from ..control.controller import ControlConfig, ControlLinks
+from ..errors import GpucommError
+from ..logs import SetupSteps, configure_logging
+from ..process_sets import init_sets
+from ..settings import env_flag, env_seconds
+from .elastic import JoinedRound, round_interrupt
+from .state import SHUTDOWN_GRACE, Job
 
 log = logging.getLogger("gpucomm")
 
@@ -33,13 +32,13 @@ DEFAULT_TIMEOUT = 300.0  # seconds a collective may take before it is declared f
 DEFAULT_START_TIMEOUT = 120.0  # seconds all ranks have to reach init()
 
 
-def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None) -> Job:
+def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None,
+              joined: JoinedRound | None = None) -> Job:
     """Join the job ``env`` describes; ``generation`` keeps a re-init's store keys apart from the last one's.
-    An elastic worker first waits for the launcher's next round, which says where it sits now."""
-    elastic_round = 0
-    if elastic_mode(env):
-        env, elastic_round = join_round(env)
-        os.environ.update({k: env[k] for k in PLACEMENT_VARS})  # what the script reads matches the job
+    An elastic worker passes the round it joined (``joined.env`` places it in that round)."""
+    elastic_round = joined.number if joined is not None else 0
+    if joined is not None:
+        env = joined.env
     world = detect_world(env)
     configure_logging(env, world.rank)
     steps = SetupSteps()
@@ -54,7 +53,8 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None)
     server, client = open_store(world, generation, start_timeout, timeout, prefix=prefix, record=record,
                                 require_secret=env_flag(env, (REQUIRE_SECRET_VAR,)), bind=env.get(BIND_VAR) or None)
     steps.done(f"rendezvous store at {client.host}:{client.port} reached (launcher: {world.launcher})")
-    interrupt = round_interrupt(client, world.run_id) if elastic_round else None  # a replaced round stops the waits
+    # a replaced round stops the waits
+    interrupt = round_interrupt(client, world.run_id, elastic_round) if elastic_round else None
     listener = None
     try:
         single_gpu = devices.single_gpu_test_enabled(env)
@@ -92,7 +92,8 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None)
              pinned or "CPU")
     try:
         job = Job(world, client, server, prefix, timeout, gloo, pinned, hosts, cross_rank, cross_size, control,
-                  links, static_sets, dynamic_sets, elastic_round)
+                  links, static_sets, dynamic_sets, elastic_round,
+                  new_workers_joined=joined is not None and joined.new_workers)
     except BaseException:
         if listener is not None:
             listener.close()

@@ -16,29 +16,30 @@ import os
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from .backends.gloo import GlooBackend, gloo_group, gloo_iface
-from .backends.local import SelfBackend
-from .backends.nccl import create_nccl
-from .bootstrap import devices
-from .bootstrap.rendezvous import RendezvousClient, RendezvousError, RendezvousServer
-from .bootstrap.world import World
-from .control.controller import ControlConfig, Controller, ControlLinks, Send
-from .control.coordinator import Coordinator
-from .control.local import LocalPlane
-from .control.standins import StandIns
-from .dataplane.executor import prepare
-from .dataplane.groups import Group
-from .dataplane.handles import Handle
-from .dataplane.inline import reduce_inline
-from .dataplane.plane import DataPlane
-from .dataplane.requests import Request
-from .dataplane.schedule import Schedule
-from .errors import CollectiveError
-from .timeline.tracing import Tracer
+from ..backends.gloo import GlooBackend, gloo_group, gloo_iface
+from ..backends.local import SelfBackend
+from ..backends.nccl import create_nccl
+from ..bootstrap import devices
+from ..bootstrap.rendezvous import RendezvousClient, RendezvousError, RendezvousServer
+from ..bootstrap.world import World
+from ..control.controller import ControlConfig, Controller, ControlLinks, Send
+from ..control.coordinator import Coordinator
+from ..control.local import LocalPlane
+from ..control.standins import StandIns
+from ..dataplane.executor import prepare
+from ..dataplane.groups import Group
+from ..dataplane.handles import Handle
+from ..dataplane.inline import reduce_inline
+from ..dataplane.plane import DataPlane
+from ..dataplane.requests import Request
+from ..dataplane.schedule import Schedule
+from ..errors import CollectiveError
+from ..timeline.tracing import Tracer
+from .elastic import WORKER_VAR, newest_round
 
 log = logging.getLogger("gpucomm")
 
@@ -65,6 +66,7 @@ class Job:
     static_sets: list[tuple[int, ...]] = field(default_factory=list)
     dynamic_sets: bool = False
     elastic_round: int = 0  # the launcher's round this job is (elastic mode), else 0
+    new_workers_joined: bool = False  # the round (or one since this worker's last) added workers without the state
     plane: Controller | LocalPlane = field(init=False)
     data: DataPlane = field(init=False)  # the data plane: communicators, CUDA events, watchdog, issue orders
     groups: dict[int, Group] = field(init=False)
@@ -116,6 +118,17 @@ class Job:
     @property
     def elastic(self) -> bool:
         return self.elastic_round > 0
+
+    def newest_round(self) -> tuple[int, bool]:
+        """Elastic mode: the launcher's newest round, and whether hosts were added since this job's
+        round (the trained state must then be synced)."""
+        return newest_round(self.client, self.world.run_id, self.elastic_round)
+
+    def tell_launcher(self, key_of: Callable[[str, str], str]) -> None:
+        """Elastic mode: tell the launcher something about this worker in this round
+        (``rounds.holds_key`` / ``rounds.done_key``)."""
+        worker = os.environ.get(WORKER_VAR, "")
+        self.client.set(key_of(self.world.run_id, worker), str(self.elastic_round).encode())
 
     @property
     def controller(self) -> Controller | None:

@@ -1,0 +1,210 @@
+"""The torch front's one seam into the job: request building, submission (asynchronous with
+Horovod's integer handles, or synchronous), the handle table, process-set ids, and the checks every
+collective shares. ``collectives.py`` (Horovod's functions), ``autograd.py``, ``functions.py``,
+``sync_batch_norm.py``, the optimizer and Adasum all go through it; nothing of the front reaches
+the job another way. An Adasum allreduce starts in one place, ``_start``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from importlib import import_module
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .. import job as jobs
+from ..control.config import Send
+from ..dataplane.requests import Request, check_op, check_tensors, reduce_op_of
+from ..process_sets import ProcessSet, global_process_set
+from ..reduce_op import ReduceOp
+
+Average, Sum, Adasum, Min, Max, Product = (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM, ReduceOp.MIN,
+                                           ReduceOp.MAX, ReduceOp.PRODUCT)
+_OPS = {int(op): op for op in ReduceOp}
+
+_handles: dict[int, tuple[Any, Callable[[Any], Any]]] = {}
+_handles_lock = threading.Lock()
+_handle_ids = itertools.count()
+
+
+def clear_handles() -> None:
+    """Forget every outstanding handle, as if the process had just started (a process reused as a
+    fresh rank: the test harness's pooled workers)."""
+    with _handles_lock:
+        _handles.clear()
+
+
+def handle_average_backwards_compatibility(op: int | None, average: bool | None) -> ReduceOp:
+    """Horovod's rule for the deprecated ``average=`` flag."""
+    if average is not None:
+        if op is not None:
+            raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+        return Average if average else Sum
+    if op is None:
+        return Average
+    rop = _OPS.get(op) if isinstance(op, int) else None
+    return rop if rop is not None else reduce_op_of(op)
+
+
+def set_id(process_set: ProcessSet | None) -> int:
+    """The registered id of ``process_set``; ``ValueError`` when this rank cannot use it."""
+    if process_set is None or process_set is global_process_set:
+        return 0
+    if not isinstance(process_set, ProcessSet):
+        raise ValueError(f"process_set must be a hvd.ProcessSet, got {type(process_set).__name__}.")
+    if process_set.process_set_id is None:
+        raise ValueError(f"{process_set} is not registered: pass it to hvd.init(process_sets=[...]) or register it "
+                         f"with hvd.add_process_set() on every rank first.")
+    if not process_set.included():
+        raise ValueError(f"Rank {jobs.current().world.rank} is not a member of the provided process set "
+                         f"{process_set.ranks}; only its members may run collectives on it.")
+    return process_set.process_set_id
+
+
+def set_size(sid: int) -> int:
+    """The number of ranks in registered process set ``sid``."""
+    return jobs.current().group(sid).size
+
+
+def build_request(job: Any, kind: str, tensors: Sequence[torch.Tensor], name: str | None, *, in_place: bool = False,
+                  reducing: bool = False, process_set: ProcessSet | None = None, **fields: Any) -> Request:
+    """Validate the arguments (on the caller's thread, so bad input raises here) and build the request.
+    Unnamed requests are numbered per job, so every rank names them alike."""
+    check_name(kind, name)
+    device = check_tensors(kind, tensors, reducing=reducing)
+    if "op" in fields:
+        check_op(kind, fields["op"])
+    sid = set_id(process_set)
+    if in_place:
+        mark_written(kind, tensors)
+    detached = [t.detach() if t.requires_grad else t for t in tensors]
+    return Request(kind, f"{kind}.{name}" if name else job.unnamed_name(kind, sid), detached,
+                   outputs=detached if in_place else None, device=device, set_id=sid, **fields)
+
+
+def check_name(kind: str, name: object) -> None:
+    """A collective's name must be a string every rank spells alike (it is how ranks find each
+    other's requests): not another type, and not an object's default repr, whose address differs
+    from process to process."""
+    if name is None:
+        return
+    if not isinstance(name, str):
+        raise TypeError(f"{kind}: name must be a str (the same on every rank) or None, got {type(name).__name__} "
+                        f"{name!r}. Pass a string such as name='layer3.weight', or leave it out.")
+    if " object at 0x" in name:
+        raise ValueError(f"{kind}: name {name!r} contains an object's default repr, whose address differs on every "
+                         f"rank, so the ranks' requests would never meet. Use a stable string (e.g. the parameter's "
+                         f"name).")
+
+
+def mark_written(kind: str, tensors: Sequence[torch.Tensor]) -> None:
+    """An in-place collective writes its tensors as torch's in-place ops do: a leaf that requires
+    grad is refused while grad mode is on (torch's rule and message), and every tensor's version
+    counter is bumped, so autograd raises if one was saved for backward."""
+    grad_mode = torch.is_grad_enabled()
+    for t in tensors:
+        if grad_mode and t.requires_grad and t.is_leaf:
+            raise RuntimeError(
+                f"a leaf Variable that requires grad is being used in an in-place operation. ({kind}_ writes its "
+                f"result into the tensor.) Fix: use the out-of-place hvd.{kind}(), or write under torch.no_grad() "
+                f"(or into p.data) when changing parameters on purpose, as broadcast_parameters does.")
+    with torch.no_grad():
+        for t in tensors:
+            t.as_strided_(t.size(), t.stride(), t.storage_offset())  # no data touched: bumps _version
+
+
+def submit(kind: str, tensors: Sequence[torch.Tensor], name: str | None, convert: Callable[[Any], Any],
+            **options: Any) -> int:
+    """Validate, submit and register a request; returns Horovod's integer handle (``synchronize``
+    gives ``convert(result)``)."""
+    handle, convert = _start(kind, tensors, name, convert, Send.CYCLE, options)
+    handle_id = next(_handle_ids)
+    with _handles_lock:
+        _handles[handle_id] = (handle, convert)
+    return handle_id
+
+
+def execute(kind: str, tensors: Sequence[torch.Tensor], name: str | None, **options: Any) -> Any:
+    """Submit and wait: the synchronous forms."""
+    handle, convert = _start(kind, tensors, name, _unchanged, Send.ON_WAIT, options)
+    return convert(handle.wait())
+
+
+def register_adasum(start: Callable[..., tuple[Any, Callable[[Any], Any]]]) -> None:
+    """``start(tensors, name, convert, send, **options) -> (handle, convert)``: how an Adasum
+    allreduce is started (``adasum.py`` registers it when first imported)."""
+    _adasum.append(start)
+
+
+def _start(kind: str, tensors: Sequence[torch.Tensor], name: str | None, convert: Callable[[Any], Any], send: Send,
+           options: dict) -> tuple[Any, Callable[[Any], Any]]:
+    """The one place a collective starts: an Adasum allreduce goes to ``adasum.py``, anything else
+    is validated and submitted to the job."""
+    if kind == "allreduce" and options.get("op") is ReduceOp.ADASUM:
+        if not _adasum:
+            import_module(f"{__package__}.adasum")  # registers itself (it builds on this module)
+        return _adasum[0](tensors, name, convert, send, **options)
+    job = jobs.current()
+    return job.submit(build_request(job, kind, tensors, name, **options), send=send), convert
+
+
+def _unchanged(result: Any) -> Any:
+    return result
+
+
+_adasum: list[Callable[..., tuple[Any, Callable[[Any], Any]]]] = []
+
+
+def poll(handle: int) -> bool:
+    """True if the operation behind ``handle`` has finished; never blocks."""
+    with _handles_lock:
+        entry = _handles.get(handle)
+    if entry is None:
+        raise ValueError(f"poll: unknown handle {handle!r}; it was never issued or was already synchronized.")
+    return entry[0].poll()
+
+
+def synchronize(handle: int) -> Any:
+    """Wait for ``handle`` and return its output; raises ``HorovodInternalError`` if it failed."""
+    with _handles_lock:
+        entry = _handles.pop(handle, None)
+    if entry is None:
+        raise ValueError(f"synchronize: unknown handle {handle!r}; it was never issued or was already synchronized.")
+    h, convert = entry
+    return convert(h.wait())
+
+
+def first(outs: list) -> torch.Tensor:
+    """The one output of a single-tensor collective."""
+    return outs[0]
+
+
+def reduction(op: ReduceOp | int | None, average: bool | None, prescale_factor: float, postscale_factor: float,
+               process_set: ProcessSet | None) -> dict:
+    """The request fields of a reduction (``op`` may already be resolved to a ``ReduceOp``)."""
+    resolved = op if op.__class__ is ReduceOp and average is None else handle_average_backwards_compatibility(op, average)
+    return {"reducing": True, "op": resolved,
+            "prescale": float(prescale_factor), "postscale": float(postscale_factor), "process_set": process_set}
+
+
+def check_root(root_rank: int, process_set: ProcessSet | None = None) -> int:
+    """``root_rank`` if it is a (global) rank of ``process_set``; ValueError naming the valid ones."""
+    sid = set_id(process_set)
+    members = jobs.current().group(sid).ranks
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or root_rank not in members:
+        where = (f"a rank of this job (0..{len(members) - 1})" if sid == 0 else
+                 f"a member of the process set {list(members)} (root_rank is a global rank)")
+        raise ValueError(f"root_rank={root_rank!r} is not {where}.")
+    return root_rank
+
+
+def control(kind: str, name: str, sid: int = 0, **fields: Any) -> Any:
+    """Run a control operation (no tensors) on process set ``sid`` and return its value."""
+    return jobs.current().submit(Request(kind, name, [], set_id=sid, **fields), send=Send.ON_WAIT).wait()
+
+
+__all__ = ["Adasum", "Average", "Max", "Min", "Product", "Sum", "build_request", "check_name", "check_root", "control",
+           "execute", "first", "handle_average_backwards_compatibility", "mark_written", "poll", "reduction",
+           "register_adasum", "set_id", "set_size", "submit", "synchronize"]
