@@ -26,7 +26,7 @@ def test_accepted_flags_map_to_the_settings_they_mean():
     assert _tunables("--fusion-threshold-mb", "2")["GPUCOMM_FUSION_THRESHOLD"] == str(2 << 20)
 
 
-@pytest.mark.parametrize("flag,advice", [("--mpi", "launch/mpirun.sh"), ("--autotune", "--fusion-threshold-mb"),
+@pytest.mark.parametrize("flag,advice", [("--autotune", "--fusion-threshold-mb"),
                                          ("--hierarchical-allreduce", "NCCL chooses"),
                                          ("--hierarchical-allgather", "leave the flag out")])
 def test_refused_flags_say_what_to_do_instead(flag, advice, capsys):

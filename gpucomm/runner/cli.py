@@ -21,6 +21,7 @@ from ..bootstrap.netaddr import address_towards, interface_ipv4
 from ..bootstrap.rendezvous import RendezvousServer
 from ..settings import env_seconds
 from .hosts import HostSlots, HostSpecError, assign_slots, parse_hostfile, parse_hosts
+from .mpi_launch import run_mpi_job
 from .output import OutputSink
 from .spawn import SshOptions, build_launches, is_local, split_user
 from .supervisor import Supervisor
@@ -51,8 +52,6 @@ def _non_negative(kind: type):
 
 
 _REFUSED_FLAGS = {
-    "--mpi": "gpucomm-run does not start jobs through MPI; run `mpirun ... python train.py` with the recipe in "
-             "launch/mpirun.sh (gpucomm reads Open MPI's variables), or leave --mpi out",
     "--autotune": "gpucomm has no autotuner; set --fusion-threshold-mb and --cycle-time-ms yourself "
                   "(benchmarks/optimizer_vs_ddp.py compares settings)",
     "--hierarchical-allreduce": "gpucomm has no hierarchical allreduce; NCCL chooses ring or tree across nodes by "
@@ -110,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     compat = p.add_argument_group("horovodrun flags that gpucomm accepts or explains")
     compat.add_argument("--gloo", action="store_true",
                         help="accepted: gpucomm's own controller always runs the job (Gloo on CPU, NCCL on GPU)")
+    compat.add_argument("--mpi", action="store_true",
+                        help="start the ranks through MPI's launcher (MPICH's mpiexec from `pip install "
+                             "\"gpucomm[mpi]\"`, or Open MPI's mpirun; GPUCOMM_MPIEXEC names one), so CPU "
+                             "collectives can move through MPI (shared memory on one host)")
+    compat.add_argument("--mpi-args", default="",
+                        help="more arguments for the MPI launcher, one string, e.g. \"--mca plm_rsh_args '-p 2222'\"")
     compat.add_argument("--tcp", action="store_true", help="use TCP, not InfiniBand/RDMA, for NCCL (NCCL_IB_DISABLE=1)")
     compat.add_argument("--disable-cache", action="store_true",
                         help="turn the response cache off (GPUCOMM_CACHE_CAPACITY=0)")
@@ -252,6 +257,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.command:
         parser.error("no command given: gpucomm-run -np 2 python train.py")
     if args.host_discovery_script or args.min_np is not None:
+        if args.mpi:
+            parser.error("--mpi cannot start an elastic job: MPI's communicators cannot add or remove ranks; leave "
+                         "--mpi out (elastic jobs run on Gloo)")
         return run_elastic(args, parser)
     for flag, value in (("--max-np", args.max_np), ("--slots-per-host", args.slots_per_host),
                         ("--elastic-timeout", args.elastic_timeout), ("--reset-limit", args.reset_limit)):
@@ -262,7 +270,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         slots = assign_slots(_host_list(args), args.np)
     except HostSpecError as e:
         parser.error(str(e))
+    if args.mpi:
+        return run_through_mpi(args, parser, slots, dict(os.environ))
+    if args.mpi_args:
+        parser.error("--mpi-args needs --mpi")
     return run_fixed_job(args, slots, list(args.command), dict(os.environ))[0]
+
+
+def store_address(args: argparse.Namespace, tunables: dict[str, str], hosts: Sequence[str]) -> str:
+    """Where the launcher's store listens (and the ranks reach it): the --network-interface's
+    address, else this host's address towards the first remote host, else loopback."""
+    remote_hosts = [h for h in hosts if not is_local(h)]
+    if args.nics:
+        return interface_address(tunables["GPUCOMM_GLOO_IFACE"])
+    if remote_hosts:
+        return address_towards(split_user(remote_hosts[0])[1].strip("[]"))
+    return "127.0.0.1"
+
+
+def run_through_mpi(args: argparse.Namespace, parser: argparse.ArgumentParser, slots: list,
+                    env: dict[str, str]) -> int:
+    """``--mpi``: the job started by the MPI launcher, with the store served here."""
+    for flag, given in (("-p/--ssh-port", args.ssh_port), ("-i/--ssh-identity-file", args.ssh_identity_file),
+                        ("--ssh-args", args.ssh_args)):
+        if given:
+            parser.error(f"{flag} does not apply with --mpi: the MPI launcher reaches other hosts itself; pass its own "
+                         f"options with --mpi-args (e.g. \"--mca plm_rsh_args '-p 2222'\" for Open MPI, "
+                         f"\"-launcher-exec 'ssh -p 2222'\" for MPICH)")
+    hosts = [s.host for s in slots]
+    tunables = tunables_env(args, env)
+    threads = omp_threads(env, slots, [h for h in hosts if not is_local(h)])
+    if threads is not None:
+        tunables["OMP_NUM_THREADS"] = str(threads)
+    return run_mpi_job(hosts, list(args.command), env, tunables, store_addr=store_address(args, tunables, hosts),
+                       grace=args.stop_grace, output_dir=args.output_filename,
+                       timestamps=args.prefix_output_with_timestamp, verbose=args.verbose,
+                       nic=tunables.get("GPUCOMM_GLOO_IFACE"), mpi_args=args.mpi_args)
 
 
 def run_fixed_job(args: argparse.Namespace, slots: list, command: list[str], env: dict[str, str], *,
@@ -275,12 +318,7 @@ def run_fixed_job(args: argparse.Namespace, slots: list, command: list[str], env
     tunables = tunables_env(args, env)
     remote_hosts = [s.host for s in slots if not is_local(s.host)]
     # the store listens only on the address the ranks are told to use (it holds the job's keys)
-    if args.nics:
-        addr = interface_address(tunables["GPUCOMM_GLOO_IFACE"])
-    elif remote_hosts:
-        addr = address_towards(split_user(remote_hosts[0])[1].strip("[]"))
-    else:
-        addr = "127.0.0.1"
+    addr = store_address(args, tunables, [s.host for s in slots])
     secret = secrets.token_bytes(32)
     run_id = secrets.token_hex(8)
     start_timeout = float(tunables["GPUCOMM_START_TIMEOUT"])
@@ -352,4 +390,5 @@ def console_main() -> None:
     sys.exit(main())
 
 
-__all__ = ["build_parser", "console_main", "interface_address", "main", "omp_threads", "run_fixed_job", "tunables_env"]
+__all__ = ["build_parser", "console_main", "interface_address", "main", "omp_threads", "run_fixed_job", "run_through_mpi",
+           "store_address", "tunables_env"]

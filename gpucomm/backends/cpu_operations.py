@@ -1,0 +1,83 @@
+"""Which transport carries CPU collectives: Gloo (TCP, any launcher) or MPI (shared memory on one
+host, the launcher's fabric across hosts; only under an MPI launcher).
+
+``GPUCOMM_CPU_OPERATIONS`` (or Horovod's ``HOROVOD_CPU_OPERATIONS``) chooses: ``gloo``, ``mpi`` or
+``auto`` (the default). ``auto`` takes MPI when an MPI launcher started the process (``mpiexec``,
+``mpirun``, ``gpucomm-run --mpi``), mpi4py is installed and its MPI library can serve (the
+launcher's own library, ``MPI_THREAD_MULTIPLE``); otherwise Gloo, with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, NamedTuple
+
+from .mpi import MpiUnavailable, launcher_family, load_mpi, mpi4py_installed
+
+CHOICE_VARS = ("GPUCOMM_CPU_OPERATIONS", "HOROVOD_CPU_OPERATIONS")
+CHOICES = ("auto", "gloo", "mpi")
+_LAUNCHER_NAMES = {"openmpi": "Open MPI's mpirun", "mpich": "MPICH's mpiexec (Hydra)"}
+
+
+class CpuOperations(NamedTuple):
+    """The choice and why it was made (a sentence for the log)."""
+
+    name: str  # "gloo" or "mpi"
+    reason: str
+
+
+def requested_cpu_operations(env: Mapping[str, str]) -> tuple[str, str | None]:
+    """What the environment asks for, and the variable that asked (None: nobody, ``auto``)."""
+    for var in CHOICE_VARS:
+        value = env.get(var, "").strip().lower()
+        if value:
+            if value not in CHOICES:
+                hint = " (Horovod's oneCCL is not offered)" if value == "ccl" else ""
+                raise ValueError(f"{var}={env[var]!r} is not a CPU transport gpucomm offers{hint}: use gloo, mpi or "
+                                 f"auto (auto: MPI under an MPI launcher with mpi4py installed, else Gloo).")
+            return value, var
+    return "auto", None
+
+
+def explain_cpu_operations(env: Mapping[str, str]) -> CpuOperations:
+    """Decide the CPU transport for the job ``env`` describes, with the reason.
+
+    Raises ``MpiUnavailable`` when MPI was asked for explicitly and cannot serve, and
+    ``ValueError`` for a value other than gloo, mpi or auto. When MPI can serve, MPI is
+    initialized here (its thread level can only be known that way); under ``auto``, a library
+    that belongs to another launcher is never initialized (MPICH would abort the process)."""
+    requested, var = requested_cpu_operations(env)
+    if requested == "gloo":
+        return CpuOperations("gloo", f"{var}=gloo")
+    launcher = launcher_family(env)
+    elastic = env.get("GPUCOMM_ELASTIC", env.get("HOROVOD_ELASTIC", "")) == "1"
+    if requested == "mpi":
+        if elastic:
+            raise MpiUnavailable(f"{var}=mpi, but this is an elastic job: MPI's communicators cannot add or remove "
+                                 f"ranks, so elastic jobs run on Gloo. Unset {var} (or set it to gloo).")
+        if launcher is None:
+            raise MpiUnavailable(f"{var}=mpi, but no MPI launcher started this process (none of OMPI_COMM_WORLD_SIZE, "
+                                 f"PMIX_RANK, PMI_SIZE is set), so MPI would see each rank alone. Launch with "
+                                 f"`gpucomm-run --mpi`, mpiexec or mpirun, or unset {var}.")
+        load_mpi(env)  # raises MpiUnavailable with the reason and the fix
+        return CpuOperations("mpi", f"{var}=mpi, under {_LAUNCHER_NAMES[launcher]}")
+    if launcher is None:
+        return CpuOperations("gloo", "no MPI launcher started this process")
+    if elastic:
+        return CpuOperations("gloo", "an elastic job (MPI communicators cannot change size)")
+    if not mpi4py_installed():
+        return CpuOperations("gloo", f"started by {_LAUNCHER_NAMES[launcher]} but mpi4py is not installed "
+                                     f"(pip install \"gpucomm[mpi]\" to move CPU tensors through MPI)")
+    try:
+        load_mpi(env)
+    except MpiUnavailable as e:
+        return CpuOperations("gloo", f"MPI cannot serve: {e}")
+    return CpuOperations("mpi", f"started by {_LAUNCHER_NAMES[launcher]} with mpi4py installed")
+
+
+def choose_cpu_operations(env: Mapping[str, str]) -> str:
+    """``"mpi"`` or ``"gloo"``: the CPU transport for this job (``explain_cpu_operations`` says why)."""
+    return explain_cpu_operations(env).name
+
+
+__all__ = ["CHOICES", "CHOICE_VARS", "CpuOperations", "choose_cpu_operations", "explain_cpu_operations",
+           "requested_cpu_operations"]
