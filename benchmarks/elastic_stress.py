@@ -1,7 +1,7 @@
 """Elastic jobs that finish must report success: a stress run of the scenario that used to fail at
 teardown (issue 26, item 7).
 
-A 3-worker elastic job on three loopback "hosts" (127.0.0.1-3) trains ``tests/elastic_job.py``; once
+A 3-worker elastic job on three loopback "hosts" (127.0.0.1-3) trains ``tests/ranks/elastic_job.py``; once
 it has 3 ranks, rank 0 removes one host from the discovery file, the job re-forms with 2 and
 finishes. Before the fix a survivor could die at the very end (``gloo::IoException ... Connection
 closed by peer``, SIGABRT, or SIGSEGV) when the removed worker tore down its side of an earlier
@@ -40,7 +40,7 @@ def one_run(workdir: Path, remove: str, kill: str, timeout: float) -> dict:
     else:  # discovery drops a host: the old round closes cleanly
         env["ELASTIC_REMOVE"] = f"3@{remove}"
     cmd = [sys.executable, "-m", "gpucomm.runner", "-np", "3", "--min-np", "2", "--host-discovery-script",
-           f"cat {hosts}", sys.executable, str(ROOT / "tests" / "elastic_job.py")]
+           f"cat {hosts}", sys.executable, str(ROOT / "tests" / "ranks" / "elastic_job.py")]
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_stats import fmt, ratio, spread, write_json  # noqa: E402
 
-from gpucomm.backends.base import WireOp  # noqa: E402
+from gpucomm.backends.base import BackendOp  # noqa: E402
 from gpucomm.backends.mpi import mpi_world  # noqa: E402
 
 KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
@@ -90,7 +90,7 @@ class Bench:
     def gpucomm_mpi(self) -> None:
         b, k = self.backend, self.kind
         if k == "allreduce":
-            w = b.allreduce(self.a, self.a, op=WireOp.SUM)
+            w = b.allreduce(self.a, self.a, op=BackendOp.SUM)
         elif k == "allgather":
             w = b.allgather(self.part, self.b)
         elif k == "broadcast":
@@ -99,7 +99,7 @@ class Bench:
             c = [self.n // self.p] * self.p
             w = b.alltoall(self.a, self.b, c, c)
         else:
-            w = b.reducescatter(self.a, self.small, op=WireOp.SUM)
+            w = b.reducescatter(self.a, self.small, op=BackendOp.SUM)
         w.wait(TIMEOUT)
 
     def mpi4py(self) -> None:

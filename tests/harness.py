@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -309,6 +310,55 @@ def run(cmd: list[str], *, timeout: float = 180.0, env: dict[str, str] | None = 
             proc.wait()
     seconds = time.monotonic() - t0
     return Result(proc.returncode, out, err, collect_leftovers(mark), seconds)
+
+
+@dataclass
+class Started:
+    """A process a test talks to while it runs (``started``): ``proc`` is its ``Popen``, ``mark``
+    the value every process it starts carries in ``MARK``; ``leftovers`` is filled when the block ends."""
+
+    proc: subprocess.Popen
+    mark: str
+    leftovers: list[str]
+
+
+@contextlib.contextmanager
+def started(cmd: Sequence[str], *, timeout: float = 180.0, env: dict[str, str] | None = None,
+            cwd: Path | None = None, stdin: Any = subprocess.DEVNULL, stdout: Any = subprocess.PIPE,
+            stderr: Any = subprocess.PIPE, inherit_env: bool = False, text: bool = True) -> Any:
+    """Start ``cmd`` in a session of its own for a test that interacts with it (reads its output
+    as it comes, signals it, feeds its stdin). At ``timeout`` the session is killed even if the
+    test is still waiting on it, so a hang fails the test instead of stalling the suite; when the
+    block ends, whatever still runs (the process, its children, any process carrying the mark) is
+    killed and reaped, and described in ``Started.leftovers``. ``inherit_env``: ``env`` extends
+    this process's environment alone (no test defaults), still marked."""
+    mark = uuid.uuid4().hex
+    full_env = dict(os.environ, **(env or {}), **{MARK: mark}) if inherit_env else base_env(mark, **(env or {}))
+    proc = subprocess.Popen(list(cmd), stdin=stdin, stdout=stdout, stderr=stderr, text=text, env=full_env,
+                            cwd=cwd or ROOT, start_new_session=True)
+    handle = Started(proc, mark, [])
+    timer = threading.Timer(timeout, lambda: _kill_session(proc))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield handle
+    finally:
+        timer.cancel()
+        _kill_session(proc)
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+        handle.leftovers = collect_leftovers(mark, 0)
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s session (it was started in one of its own) and reap ``proc``."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
 
 
 def run_rank_scripts(argv: list[str], size: int, *, timeout: float = 60.0,

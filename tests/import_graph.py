@@ -27,13 +27,13 @@ LAYERS = {
     "bootstrap": 1,
     "backends": 2, "kernels": 2,
     "dataplane": 3,
-    "control": 4,
-    "job": 5, "elastic": 5,
+    "control": 4, "tuning": 4,  # tuning plans fusion buckets (dataplane.fusion) for the front to use
+    "job": 5, "elastic": 5,  # elastic/: main's worker side of the rounds (now job/elastic.py)
     "torch": 6, "scaling": 6,
-    "timeline": 0, "tuning": 0,
+    "timeline": 0,
     "runner": 6,
 }
-# package-root modules that belong to a layer above the utilities
+# package-root modules that belong to a layer above the utilities (runtime, startup: main's names)
 ROOT_MODULE_LAYERS = {"job": "job", "runtime": "job", "startup": "job", "process_sets": "job", "failures": "job",
                       "communicator": "torch", "run": "job", "scaling": "scaling"}
 
@@ -48,9 +48,18 @@ class Import:
 
 
 @dataclass
+class AttributeRead:
+    source: str  # the reading module
+    target: str  # the gpucomm module whose private name is read
+    name: str
+    line: int
+
+
+@dataclass
 class Graph:
     modules: dict[str, Path] = field(default_factory=dict)
     imports: list[Import] = field(default_factory=list)
+    private_reads: list[AttributeRead] = field(default_factory=list)  # ``other_module._name``
 
 
 def module_name(path: Path) -> str:
@@ -115,7 +124,29 @@ def build() -> Graph:
                 rest = [n for n in names if f"{target}.{n}" not in graph.modules]
                 if rest or not modules:
                     graph.imports.append(Import(name, target, rest, id(node) in functions, node.lineno))
+        graph.private_reads += _private_reads(name, is_package, tree, graph.modules)
     return graph
+
+
+def _private_reads(name: str, is_package: bool, tree: ast.AST, modules: dict[str, Path]) -> list[AttributeRead]:
+    """``alias._name`` where ``alias`` is bound to another gpucomm module by an import in ``name``."""
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("gpucomm") and a.asname:
+                    aliases[a.asname] = a.name
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(name, is_package, node.level, node.module)
+            for a in node.names:
+                if f"{target}.{a.name}" in modules:
+                    aliases[a.asname or a.name] = f"{target}.{a.name}"
+    out = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and node.attr.startswith("_") and not node.attr.startswith("__") and aliases[node.value.id] != name):
+            out.append(AttributeRead(name, aliases[node.value.id], node.attr, node.lineno))
+    return out
 
 
 def upward(graph: Graph) -> list[Import]:
@@ -179,7 +210,7 @@ def report() -> dict:
     graph = build()
     up, private, circles, inner = upward(graph), private_names(graph), cycles(graph), in_function(graph)
     return {"modules": len(graph.modules), "upward": up, "private": private, "cycles": circles,
-            "in_function": inner}
+            "in_function": inner, "private_reads": graph.private_reads}
 
 
 def main() -> None:
@@ -195,6 +226,9 @@ def main() -> None:
     print(f"imports of private names from another module: {len(r['private'])} ({len(names)} names)")
     for i in r["private"]:
         print(f"  {i.source}:{i.line} <- {i.target}: {', '.join(n for n in i.names if n.startswith('_'))}")
+    print(f"private names read from another module (module._name): {len(r['private_reads'])}")
+    for a in r["private_reads"]:
+        print(f"  {a.source}:{a.line} reads {a.target}.{a.name}")
     print(f"in-function imports of gpucomm modules: {len(r['in_function'])}")
     for i in r["in_function"]:
         print(f"  {i.source}:{i.line} -> {i.target}")

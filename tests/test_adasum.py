@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests import adasum_scenarios as scenarios
+from tests.ranks import adasum_scenarios as scenarios
 from tests.harness import run_ranks
 
 try:

@@ -1,6 +1,6 @@
 """Every public name of ``horovod.torch`` 0.28.1 (tests/horovod_torch_api.py) exists in
 ``gpucomm.torch`` with a compatible signature, so a script that changes only its import keeps
-working. The rule is in tests/api_parity_scenarios.py: same parameter names, positions, kinds and
+working. The rule is in tests/ranks/api_parity_scenarios.py: same parameter names, positions, kinds and
 defaults; gpucomm's extra parameters last, with defaults.
 
 What gpucomm refuses on purpose is listed in ``NOT_OFFERED`` with the reason; using it raises
@@ -19,7 +19,7 @@ from typing import Any, Callable
 import pytest
 
 import gpucomm.torch as hvd
-from tests import api_parity_scenarios as scenarios
+from tests.ranks import api_parity_scenarios as scenarios
 from tests.harness import run_ranks
 from tests.horovod_torch_api import (AVERAGE, COMMON_EXCEPTIONS, GPS, HOROVOD_TORCH, HOROVOD_VERSION, MPI_OPS_ONLY,
                                      NO_COMPRESSION, SUBMODULES, Module, P)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests import collective_checks as checks
+from tests.ranks import collective_checks as checks
 from tests.harness import run_ranks
 
 

@@ -1,6 +1,6 @@
 """The control plane end to end, in 2 and 3 real processes on CPU: errors when ranks disagree,
 duplicate names, ordering, the response cache, the stall inspector, join, process sets, and ranks
-that die while the others wait. The rank-side halves live in ``tests/control_scenarios.py``.
+that die while the others wait. The rank-side halves live in ``tests/ranks/control_scenarios.py``.
 
 Three ranks where a third rank shows something two cannot (ranks grouped by value, a missing rank
 among several, sets of a subset); two elsewhere. Time bounds only catch hangs: each is at least ten
@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from tests import control_scenarios as sc
+from tests.ranks import control_scenarios as sc
 from tests.harness import run_rank_scripts, run_ranks
 
 ERROR_BOUND_S = 20.0  # a mismatch or a dead peer is an error within 2 s (benchmarks/control_plane.py); 10x that
@@ -214,9 +214,9 @@ def test_dynamic_process_sets():
 
 
 def _run_scripts(size: int, argv: list[str], timeout: float = 60.0) -> list[tuple[int, str, str]]:
-    """Run ``python -m tests.control_scenarios *argv`` as every rank (real scripts, so an uncaught
+    """Run ``python -m tests.ranks.control_scenarios *argv`` as every rank (real scripts, so an uncaught
     exception goes through sys.excepthook); (rc, stdout, stderr) per rank, every process reaped."""
-    ranks = run_rank_scripts(["-m", "tests.control_scenarios", *argv], size, timeout=timeout)
+    ranks = run_rank_scripts(["-m", "tests.ranks.control_scenarios", *argv], size, timeout=timeout)
     assert not ranks[0].leftovers, ranks[0].leftovers
     return [(r.returncode, r.stdout, r.stderr) for r in ranks]
 

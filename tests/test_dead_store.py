@@ -16,7 +16,7 @@ def _stamp(text: str, what: str) -> float | None:
 
 
 def test_survivors_of_a_dead_store_host_exit_with_the_cause():
-    ranks = run_rank_scripts(["-m", "tests.dead_store_program"], 3, timeout=60, store_on_rank0=True,
+    ranks = run_rank_scripts(["-m", "tests.ranks.dead_store_program"], 3, timeout=60, store_on_rank0=True,
                              env={"GPUCOMM_START_TIMEOUT": "300", "GPUCOMM_TIMEOUT": "300"})
     assert ranks[0].returncode == -9, ranks[0].stderr[-2000:]
     killed = _stamp(ranks[0].stderr, "KILLED_AT")

@@ -12,7 +12,7 @@ from gpucomm.timeline import plot as timeline_plot
 
 
 def _job(name: str, *extra: str, env: dict | None = None, np: int = 2, timeout: float = 120.0):
-    return run(launcher_cmd("-np", str(np), PYTHON, "-m", "tests.diag_programs", name, *extra),
+    return run(launcher_cmd("-np", str(np), PYTHON, "-m", "tests.ranks.diag_programs", name, *extra),
                env=env, timeout=timeout)
 
 

@@ -2,7 +2,7 @@
 added and removed hosts, and the limits that end a job (issue 20).
 
 Each host is a distinct loopback address (127.0.0.x), so that blacklisting a failed host leaves
-the others. The job is ``tests/elastic_job.py``; its result is checked against one process
+the others. The job is ``tests/ranks/elastic_job.py``; its result is checked against one process
 trained on the same batches, not only that it ran.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import elastic_job as job
+from tests.ranks import elastic_job as job
 from tests.harness import PYTHON, launcher_cmd, run
 
 

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from gpucomm.errors import CollectiveError, HostsUpdatedInterrupt
 from gpucomm.torch import elastic
 from gpucomm.torch.elastic import sampler as sampler_module
-from tests import elastic_state_scenarios as scenarios
+from tests.ranks import elastic_state_scenarios as scenarios
 from tests.harness import run_ranks
 
 ITEM_OFFSET = 1000  # dataset items differ from their indices, so the test reads what the loader delivered
@@ -27,7 +27,7 @@ def _dataset(n: int) -> list[int]:
 
 
 def _as_rank(monkeypatch, rank: int, size: int) -> None:
-    monkeypatch.setattr(sampler_module, "_world", lambda: (rank, size))
+    monkeypatch.setattr(sampler_module, "_rank_and_size", lambda: (rank, size))
 
 
 def _samplers(monkeypatch, size: int, dataset, state: dict | None = None, **kwargs) -> list:
@@ -258,7 +258,7 @@ def test_torch_state_sync_commit_and_restore(size):
         if rank:  # every tracked value started out different from rank 0's ...
             assert all(r["before_sync"][k] != root[k] for k in root), rank
         assert r["after_sync"] == root, rank  # ... and sync() gave each rank rank 0's
-        assert r["rebinds"] == [r["momenta_before_sync"]], rank  # _rebind ran once, before the broadcast
+        assert r["rebinds"] == [r["momenta_before_sync"]], rank  # rebind ran once, before the broadcast
         assert r["committed"] == root, rank
         for modified in r["modified"]:
             assert all(modified[k] != r["committed"][k] for k in root), rank

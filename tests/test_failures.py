@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 from gpucomm.failures import Failure, read_failures, record_failure, summarize
 from gpucomm.bootstrap.rendezvous import RendezvousClient, RendezvousServer
-from tests.harness import ROOT
+from tests.harness import PYTHON, run
 
 
 def test_reports_come_back_in_arrival_order():
@@ -49,8 +47,7 @@ def test_uncaught_exception_is_reported_and_still_printed():
         sys.excepthook = check
         raise KeyError("lost key")
     """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    proc = run([PYTHON, "-c", code], timeout=120)
     assert proc.returncode == 1
     assert "KeyError: 'lost key'" in proc.stderr  # the traceback is still printed
     assert "REPORTED [Failure(order=1, rank=0, host=" in proc.stdout and "error=\"KeyError: 'lost key'\")]" in proc.stdout

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests import finite_scenarios as sc
+from tests.ranks import finite_scenarios as sc
 from tests.harness import run_ranks
 
 

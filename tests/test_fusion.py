@@ -3,14 +3,14 @@ pack/unpack path (torch ops) with the kernels' contract."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from gpucomm.dataplane import fusion
-from gpucomm.dataplane.fusion import Bucket, FusionBuffers, FusionLimits, fusion_limits, pack_bucket, plan_buckets, unpack_bucket
+from gpucomm.dataplane.buffers import FusionBuffers
+from gpucomm.dataplane.bucket_copy import KERNELS_ENV, pack_bucket, unpack_bucket
+from gpucomm.dataplane.fusion import Bucket, FusionLimits, fusion_limits, plan_buckets
+from tests.harness import PYTHON, run
 from tests.kernels.reference import assert_same_bits, random_values, reference, special_values
 
 MiB = 1 << 20
@@ -242,12 +242,12 @@ def test_cpu_empty_lists_and_zero_length():
 
 
 def test_cpu_path_does_not_import_numba():
-    code = ("import sys, torch; from gpucomm.dataplane import fusion; "
-            "fusion.unpack_bucket(fusion.pack_bucket([torch.ones(3)], torch.empty(3), scale=2.0), [torch.empty(3)]); "
+    code = ("import sys, torch; from gpucomm.dataplane import bucket_copy, fusion; "
+            "bucket_copy.unpack_bucket(bucket_copy.pack_bucket([torch.ones(3)], torch.empty(3), scale=2.0), [torch.empty(3)]); "
             "fusion.plan_buckets([torch.ones(3)]); from gpucomm.dataplane.bucket_copy import BucketCopy; "
             "c = BucketCopy(pack_scale=2.0); f = torch.empty(3); c.pack([torch.ones(3)], f); c.unpack(f, [torch.empty(3)]); "
             "assert 'numba' not in sys.modules, 'numba was imported'")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = run([PYTHON, "-c", code], timeout=120)
     assert result.returncode == 0, result.stderr
 
 
@@ -257,6 +257,6 @@ def test_gpu_torch_fallback_matches_kernels(monkeypatch):
     ts = [t.cuda() for t in _tensors(torch.float32, torch.Generator().manual_seed(3))]
     total = sum(t.numel() for t in ts)
     kernel = pack_bucket(ts, torch.empty(total, dtype=torch.bfloat16, device="cuda"), scale=0.5)
-    monkeypatch.setenv(fusion.KERNELS_ENV, "0")
+    monkeypatch.setenv(KERNELS_ENV, "0")
     torch_ops = pack_bucket(ts, torch.empty(total, dtype=torch.bfloat16, device="cuda"), scale=0.5)
     assert_same_bits(kernel.cpu(), torch_ops.cpu())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests import data_plane_scenarios as sc
+from tests.ranks import data_plane_scenarios as sc
 from tests.harness import run_ranks
 
 try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests import parity_scenarios as scenarios
+from tests.ranks import parity_scenarios as scenarios
 from tests.harness import run_ranks
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests import hot_path_scenarios as sc
+from tests.ranks import hot_path_scenarios as sc
 from tests.harness import run_ranks
 
 SMALL_BUCKETS = {"GPUCOMM_FUSION_THRESHOLD": "256", "GPUCOMM_FUSION_FIRST_BUCKET": "128"}  # several buckets

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -48,7 +47,7 @@ def test_allreduce_under_open_mpi():
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         pytest.skip("Open MPI's mpirun is not installed (apt-get install openmpi-bin; .ci/run does this)")
-    version = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=60)
+    version = run([mpirun, "--version"], timeout=60)
     if "Open MPI" not in version.stdout + version.stderr:
         pytest.skip(f"mpirun on PATH is not Open MPI: {(version.stdout + version.stderr).strip()[:200]}")
     r = run([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
@@ -83,7 +82,8 @@ def test_launch_recipes_run_a_job(recipe, args):
 
 @pytest.mark.parametrize("recipe", ["slurm.sbatch", "docker-run.sh"])
 def test_other_recipes_are_valid_bash(recipe):
-    subprocess.run(["bash", "-n", str(ROOT / "launch" / recipe)], check=True)
+    r = run(["bash", "-n", str(ROOT / "launch" / recipe)], timeout=60)
+    assert r.returncode == 0, r.stderr
 
 
 def test_allreduce_with_an_srun_environment():

@@ -1,7 +1,7 @@
 """The MPI data plane (``gpucomm/backends/mpi.py``), the CPU transport choice and ``gpucomm-run
 --mpi``, under real MPI launchers: MPICH's mpiexec (``pip install "gpucomm[mpi]"``) and Open MPI's
 mpirun (``apt-get install openmpi-bin``), each where installed. The rank side is
-``tests/mpi_backend_program.py``. Every test skips with the reason when mpi4py or a launcher is
+``tests/ranks/mpi_backend_program.py``. Every test skips with the reason when mpi4py or a launcher is
 missing."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import socket
-import sys
 import textwrap
 import time
 from importlib.metadata import PackageNotFoundError, distribution
@@ -30,7 +29,7 @@ from gpucomm.runner.mpi_rank import hello
 from gpucomm.runner.output import OutputSink
 from tests.harness import MARK, PYTHON, ROOT, launcher_cmd, run, write_script
 
-PROGRAM = str(ROOT / "tests" / "mpi_backend_program.py")
+PROGRAM = str(ROOT / "tests" / "ranks" / "mpi_backend_program.py")
 NEEDS_MPI4PY = pytest.mark.skipif(find_spec("mpi4py") is None,
                                   reason='mpi4py is not installed (pip install "gpucomm[mpi]")')
 

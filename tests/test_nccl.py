@@ -8,11 +8,11 @@ import threading
 import pytest
 import torch
 
-from gpucomm.backends.base import WireOp
+from gpucomm.backends.base import BackendOp
 from gpucomm.backends.nccl import NcclBackend, _tables, nccl_module, nccl_version
 from gpucomm.errors import CollectiveError
 from gpucomm.bootstrap.rendezvous import RendezvousClient, RendezvousServer
-from tests import collective_checks as checks
+from tests.ranks import collective_checks as checks
 from tests.harness import run_ranks
 
 nccl = nccl_module()
@@ -25,7 +25,7 @@ gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU, CUDA torch and C
 def test_dtype_and_op_tables_cover_everything_we_reduce():
     dtypes, ops = _tables(nccl)
     assert dtypes[torch.bfloat16] == nccl.NCCL_BFLOAT16 and dtypes[torch.float16] == nccl.NCCL_FLOAT16
-    assert set(ops) == set(WireOp) and ops[WireOp.AVG] == nccl.NCCL_AVG
+    assert set(ops) == set(BackendOp) and ops[BackendOp.AVG] == nccl.NCCL_AVG
     from gpucomm.dataplane.requests import REDUCIBLE
 
     assert all(dt in dtypes for dt in REDUCIBLE)

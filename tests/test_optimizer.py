@@ -8,7 +8,7 @@ import pytest
 
 import torch
 
-from tests import optimizer_scenarios as sc
+from tests.ranks import optimizer_scenarios as sc
 from tests.harness import run_ranks
 
 SMALL_BUCKETS = {"GPUCOMM_FUSION_THRESHOLD": "256", "GPUCOMM_FUSION_FIRST_BUCKET": "128"}  # several buckets

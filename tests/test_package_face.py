@@ -35,7 +35,7 @@ def test_launcher_and_package_face_import_nothing_heavy(statement):
 def test_gpucomm_torch_loads_the_job_machinery_only_at_init():
     loaded = _modules_after("import gpucomm.torch")
     later = ("gpucomm.job.state", "gpucomm.job.setup", "gpucomm.control.controller", "gpucomm.control.hub",
-             "gpucomm.dataplane.executor", "gpucomm.torch.optimizer", "gpucomm.timeline.writer", "gpucomm.kernels.api",
+             "gpucomm.dataplane.executor", "gpucomm.torch.optimizer", "gpucomm.timeline.writer", "gpucomm.kernels.packing",
              "numba", "cupy", "matplotlib")
     assert not [m for m in later if m in loaded], [m for m in later if m in loaded]
     assert "torch" in loaded  # the front works on torch tensors

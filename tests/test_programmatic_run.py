@@ -4,7 +4,7 @@ error, and no process outlives the call.
 
 Each job is driven from a fresh interpreter (``harness.run``: a deadline, and every process the job
 started is found by its mark afterwards), with closures defined in the driver's ``__main__`` (they
-travel by value through cloudpickle) calling functions of tests/programmatic_scenarios.py (which
+travel by value through cloudpickle) calling functions of tests/ranks/programmatic_scenarios.py (which
 the ranks import by reference).
 """
 
@@ -18,7 +18,7 @@ import pytest
 
 import gpucomm
 from gpucomm.runner.programmatic import RunError
-from tests.api_parity_scenarios import param_problems, resolver
+from tests.ranks.api_parity_scenarios import param_problems, resolver
 from tests.harness import PYTHON, run, write_script
 from tests.horovod_torch_api import P
 
@@ -34,7 +34,7 @@ HOROVOD_RUN = (P("func"), P("args", ()), P("kwargs", None), P("num_proc", 1), P(
 RESULTS_DRIVER = """
 import json, sys
 import gpucomm
-from tests import programmatic_scenarios as scenarios
+from tests.ranks import programmatic_scenarios as scenarios
 
 size = int(sys.argv[1])
 offset = 1000  # captured by the closure below
@@ -56,7 +56,7 @@ FAILURE_DRIVER = """
 import json, sys
 import gpucomm
 from gpucomm.runner.programmatic import RunError
-from tests import programmatic_scenarios as scenarios
+from tests.ranks import programmatic_scenarios as scenarios
 
 size, how = int(sys.argv[1]), sys.argv[2]
 marker = "marker-" + how

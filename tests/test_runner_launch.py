@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
 import textwrap
 import time
-import uuid
 
-from tests.harness import PYTHON, ROOT, base_env, launcher_cmd, marked_processes, run, write_script
+from tests.harness import PYTHON, ROOT, launcher_cmd, marked_processes, run, started, write_script
 
 # A rank that starts a helper which leaves the rank's process group and ignores SIGTERM: only a
 # SIGKILL found through the process tree (or the launcher's subreaper sweep) stops it.
@@ -196,12 +194,8 @@ def test_single_gpu_test_mode_reaches_the_ranks(tmp_path):
 
 
 def test_second_ctrl_c_kills_at_once(tmp_path):
-    import os
-    import subprocess
     import time
-    import uuid
 
-    from tests.harness import base_env, collect_leftovers
 
     script = write_script(tmp_path, "deaf.py", textwrap.dedent("""
         import signal, time
@@ -209,29 +203,20 @@ def test_second_ctrl_c_kills_at_once(tmp_path):
         print("up", flush=True)
         time.sleep(600)
     """))
-    mark = uuid.uuid4().hex
-    proc = subprocess.Popen(launcher_cmd("-np", "2", "--stop-grace", "60", PYTHON, str(script)), cwd=ROOT,
-                            env=base_env(mark), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
+    with started(launcher_cmd("-np", "2", "--stop-grace", "60", PYTHON, str(script)), timeout=120) as job:
+        proc = job.proc
         ups = 0
         while ups < 2:
             line = proc.stdout.readline()
             assert line, proc.stderr.read()
             ups += "<stdout>:up" in line
-        t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         time.sleep(1.0)
         proc.send_signal(signal.SIGINT)  # the ranks ignore SIGTERM; without this the grace would be 60 s
-        _, err = proc.communicate(timeout=30)
-        assert time.monotonic() - t0 < 20
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _, err = proc.communicate(timeout=30)  # well inside the 60 s grace: the second signal cut it short
     assert proc.returncode == 130, err
     assert "second signal: killing all ranks now." in err
-    assert collect_leftovers(mark) == []
+    assert job.leftovers == []
 
 
 def test_a_killed_rank_is_blamed_not_the_ranks_that_noticed(tmp_path):
@@ -263,10 +248,8 @@ def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
         print("up", flush=True)
         time.sleep(600)
     """))
-    mark = uuid.uuid4().hex
-    launcher = subprocess.Popen(launcher_cmd("-np", "2", PYTHON, str(script)), stdout=subprocess.PIPE, text=True,
-                                env=base_env(mark), start_new_session=True)
-    try:
+    with started(launcher_cmd("-np", "2", PYTHON, str(script)), stderr=None, timeout=180) as job:
+        launcher, mark = job.proc, job.mark
         for _ in range(2):
             assert "up" in launcher.stdout.readline()
         ranks = [p for p in marked_processes(mark) if p.pid != launcher.pid]
@@ -280,9 +263,6 @@ def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
         left = marked_processes(mark)
         assert not left, [p.pid for p in left]
         print(f"ranks gone {gone_after:.2f} s after the launcher's SIGKILL")
-    finally:
-        for p in marked_processes(mark):
-            p.kill()
 
 
 def test_after_a_stall_shutdown_the_job_ends_at_once_and_says_so_once(tmp_path):

@@ -7,6 +7,7 @@ written ``user@127.0.0.1`` is always reached through ssh, so one machine exercis
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import os
 import shutil
@@ -17,7 +18,7 @@ import time
 
 import pytest
 
-from tests.harness import PYTHON, launcher_cmd, run, write_script
+from tests.harness import PYTHON, launcher_cmd, run, started, write_script
 
 SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd", "/sbin/sshd")
 
@@ -36,7 +37,8 @@ def sshd(tmp_path_factory):
                     ".ci/run does this)")
     d = tmp_path_factory.mktemp("sshd")
     for key in ("host_key", "user_key"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)], check=True)
+        keygen = run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)], timeout=60)
+        assert keygen.returncode == 0, keygen.stderr
     (d / "authorized_keys").write_text((d / "user_key.pub").read_text())
     (d / "authorized_keys").chmod(0o600)
     if os.geteuid() == 0:
@@ -59,25 +61,22 @@ def sshd(tmp_path_factory):
             PidFile {d / 'sshd.pid'}
             LogLevel ERROR
         """))
-        proc = subprocess.Popen([sshd_path, "-D", "-e", "-f", str(config)], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
         ssh_args = ["-o", "UserKnownHostsFile=/dev/null", "-o", "StrictHostKeyChecking=no", "-o", "LogLevel=ERROR"]
         login = f"{getpass.getuser()}@127.0.0.1"
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and proc.poll() is None:
-            probe = subprocess.run(["ssh", "-o", "BatchMode=yes", *ssh_args, "-p", str(port), "-i", str(d / "user_key"),
-                                    login, "true"], capture_output=True, text=True, timeout=15)
-            if probe.returncode == 0:
-                try:
+        # the module's tests run while it serves: its deadline covers them all
+        with started([sshd_path, "-D", "-e", "-f", str(config)], stdout=subprocess.DEVNULL, timeout=1800,
+                     inherit_env=True) as server:
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and server.proc.poll() is None:
+                probe = run(["ssh", "-o", "BatchMode=yes", *ssh_args, "-p", str(port), "-i", str(d / "user_key"),
+                             login, "true"], timeout=15)
+                if probe.returncode == 0:
                     yield {"port": port, "key": str(d / "user_key"), "login": login, "args": " ".join(ssh_args)}
-                finally:
-                    proc.terminate()
-                    proc.wait(timeout=10)
-                return
-            last_error = probe.stderr
-            time.sleep(0.2)
-        proc.kill()
-        last_error = (proc.communicate()[1] or "") + last_error
+                    return
+                last_error = probe.stderr
+                time.sleep(0.2)
+            server.proc.kill()
+            last_error = (server.proc.communicate()[1] or "") + last_error
     pytest.skip(f"could not start a test sshd on 127.0.0.1: {last_error.strip()[-500:]}")
 
 
@@ -158,29 +157,29 @@ def test_unreachable_host_is_explained(sshd, tmp_path):
 # ---------------------------------------------------------------- the remote wrapper alone (no sshd needed)
 
 
+@contextlib.contextmanager
 def _wrapper(argv, cwd, env, grace=2.0):
+    """The remote wrapper, given a request as the launcher sends it over ssh."""
     from gpucomm.runner.remote import encode_request
-    from tests.harness import ROOT
 
-    proc = subprocess.Popen([PYTHON, "-m", "gpucomm.runner.remote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
-    proc.stdin.write(encode_request(argv, str(cwd), env, grace))
-    proc.stdin.flush()
-    return proc
+    with started([PYTHON, "-m", "gpucomm.runner.remote"], stdin=subprocess.PIPE, text=False, timeout=120) as wrapper:
+        wrapper.proc.stdin.write(encode_request(argv, str(cwd), env, grace))
+        wrapper.proc.stdin.flush()
+        yield wrapper.proc
 
 
 def test_wrapper_reports_a_missing_directory(tmp_path):
-    proc = _wrapper([PYTHON, "-c", "pass"], tmp_path / "absent", dict(os.environ))
-    out, err = proc.communicate(timeout=60)
+    with _wrapper([PYTHON, "-c", "pass"], tmp_path / "absent", dict(os.environ)) as proc:
+        out, err = proc.communicate(timeout=60)
     assert proc.returncode == 126
     assert b"cannot enter the launcher's working directory" in err and b"shared file system" in err
 
 
 def test_wrapper_passes_exit_status_and_environment(tmp_path):
-    proc = _wrapper([PYTHON, "-c", "import os, sys; print(os.getcwd(), os.environ['ONLY_IN_REQUEST']); sys.exit(4)"],
-                    tmp_path, dict(os.environ, ONLY_IN_REQUEST="yes"))
-    out = proc.stdout.read()  # stdin stays open: closing it means "stop the rank"
-    assert proc.wait(timeout=60) == 4 and out.decode().split() == [str(tmp_path), "yes"]
+    with _wrapper([PYTHON, "-c", "import os, sys; print(os.getcwd(), os.environ['ONLY_IN_REQUEST']); sys.exit(4)"],
+                  tmp_path, dict(os.environ, ONLY_IN_REQUEST="yes")) as proc:
+        out = proc.stdout.read()  # stdin stays open: closing it means "stop the rank"
+        assert proc.wait(timeout=60) == 4 and out.decode().split() == [str(tmp_path), "yes"]
 
 
 def test_wrapper_stops_the_rank_when_the_connection_closes(tmp_path):
@@ -189,12 +188,12 @@ def test_wrapper_stops_the_rank_when_the_connection_closes(tmp_path):
     marker = tmp_path / "child.pid"
     code = (f"import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
             f"open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(600)")
-    proc = _wrapper([PYTHON, "-c", code], tmp_path, dict(os.environ), grace=1.0)
-    deadline = time.monotonic() + 30
-    while not marker.exists() or not marker.read_text():
-        assert time.monotonic() < deadline and proc.poll() is None, "the rank did not start"
-        time.sleep(0.05)
-    child = psutil.Process(int(marker.read_text()))
-    proc.stdin.close()  # what the launcher does to stop a remote rank, and what a dropped connection looks like
-    assert proc.wait(timeout=30) == 128 + 9  # SIGTERM ignored, so SIGKILL after the grace period
-    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+    with _wrapper([PYTHON, "-c", code], tmp_path, dict(os.environ), grace=1.0) as proc:
+        deadline = time.monotonic() + 30
+        while not marker.exists() or not marker.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, "the rank did not start"
+            time.sleep(0.05)
+        child = psutil.Process(int(marker.read_text()))
+        proc.stdin.close()  # what the launcher does to stop a remote rank, and what a dropped connection looks like
+        assert proc.wait(timeout=30) == 128 + 9  # SIGTERM ignored, so SIGKILL after the grace period
+        assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE

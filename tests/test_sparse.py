@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests import sparse_scenarios as sc
+from tests.ranks import sparse_scenarios as sc
 from tests.harness import run_ranks
 
 TOL = 1e-5  # fp32

@@ -9,7 +9,6 @@ import resource
 import socket
 import struct
 import subprocess
-import sys
 import time
 
 import psutil
@@ -17,6 +16,7 @@ import pytest
 
 from gpucomm.bootstrap.framing import HELLO_BYTES
 from gpucomm.bootstrap.rendezvous import FIRST_FRAME_SECONDS, RendezvousClient
+from tests.harness import PYTHON, started
 
 SECRET = b"fuzz-test-secret-0123456789abcdef"
 SERVER = f"""
@@ -39,14 +39,9 @@ def _raise_fd_limit() -> int:
 @pytest.fixture
 def store():
     limit = _raise_fd_limit()  # inherited by the server process
-    proc = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=os.getcwd()), start_new_session=True)
-    try:
-        port = int(proc.stdout.readline())
-        yield proc, port, limit
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
+    with started([PYTHON, "-c", SERVER], stdin=subprocess.PIPE, stderr=None, timeout=600) as server:
+        port = int(server.proc.stdout.readline())
+        yield server.proc, port, limit
 
 
 def _connect(port: int) -> socket.socket:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gpucomm.torch as hvd
-from tests import sync_batch_norm_scenarios as sc
+from tests.ranks import sync_batch_norm_scenarios as sc
 from tests.harness import run_ranks
 
 TOL = {torch.float64: 1e-9, torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 import threading
@@ -17,6 +16,7 @@ import pytest
 
 from gpucomm.timeline import GpuActivities, Timeline, dtype_name, main, shape_str
 from gpucomm.timeline.plot import busy_ms, load_trace, overlap_ms, read_records, render
+from tests.harness import PYTHON, Result, run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -37,10 +37,8 @@ def _pid_names(records: list[dict]) -> dict[int, str]:
             if r.get("ph") == "M" and r["name"] == "process_name" and "name" in r["args"]}
 
 
-def _run(args: list[str], **kw) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120, **kw)
+def _run(args: list[str]) -> Result:
+    return run([PYTHON, *args], timeout=120)
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Issue 26: trust at the edges. Secrets that hold (or a warning that says they do not), a store that
 binds only what it announces, one process per rank, and a store whose memory is bounded. Jobs run
-as real processes (``tests/trust_programs.py``) through ``tests.harness.run``."""
+as real processes (``tests/ranks/trust_programs.py``) through ``tests.harness.run``."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from gpucomm.control.channel import ControlError, ControlListener, connect
 from gpucomm.errors import GpucommError
 from tests.harness import PYTHON, run
 
-PROGRAMS = "tests/trust_programs.py"
+PROGRAMS = "tests/ranks/trust_programs.py"
 WARNING = "accepts any process that can reach"
 DUPLICATE = "two processes claim rank"
 
@@ -101,7 +101,7 @@ def test_a_loopback_rendezvous_address_binds_loopback_only(tmp_path):
 
 
 def test_bind_address_is_the_announced_one_or_a_clear_error():
-    from gpucomm.bootstrap.meeting import BIND_VAR, bind_address
+    from gpucomm.bootstrap.arrival import BIND_VAR, bind_address
 
     assert bind_address("127.0.0.1", all_local=False) == "127.0.0.1"
     assert bind_address("localhost", all_local=False) == "127.0.0.1"
@@ -248,7 +248,7 @@ def test_the_store_caps_what_clients_store_and_hold_in_flight_and_says_why_it_re
 
 
 def test_a_rank_that_reaches_the_previous_inits_store_waits_for_the_new_one():
-    from gpucomm.bootstrap.meeting import open_store
+    from gpucomm.bootstrap.arrival import open_store
     from gpucomm.bootstrap.rendezvous import RendezvousServer
     from gpucomm.bootstrap.world import detect_world
 

@@ -12,7 +12,6 @@ import copy
 import importlib.util
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -118,8 +117,7 @@ def test_refuses_to_run_without_a_gpu(tmp_path):
         pytest.skip("checks the no-GPU refusal; a GPU is visible here")
     for where in (["--out", str(tmp_path / "out")], ["--results"]):
         before = set((ROOT / "benchmarks" / "results").glob("*"))
-        r = subprocess.run([PYTHON, "benchmarks/verify_gpu.py", *where], cwd=ROOT, capture_output=True, text=True,
-                           timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+        r = run([PYTHON, "benchmarks/verify_gpu.py", *where], timeout=120)
         assert r.returncode == 2 and r.stdout == ""
         (line,) = r.stderr.strip().splitlines()
         assert "no CUDA GPU" in line and "--dry-run" in line
@@ -152,8 +150,8 @@ def test_results_folder_names(tmp_path):
 
 def test_raw_results_are_ignored_and_the_summary_is_not():
     base = "benchmarks/results/2030-01-02-h200/"
-    r = subprocess.run(["git", "check-ignore", "--no-index", base + "raw/gpu_tests.xml", base + "summary.txt",
-                        base + "summary.json", base + "summary.md"], cwd=ROOT, capture_output=True, text=True)
+    r = run(["git", "check-ignore", "--no-index", base + "raw/gpu_tests.xml", base + "summary.txt",
+             base + "summary.json", base + "summary.md"], timeout=60)
     assert r.stdout.split() == [base + "raw/gpu_tests.xml", base + "summary.txt"], r.stderr
 
 
@@ -513,7 +511,7 @@ def test_markdown_names_the_machine_the_commit_and_each_failing_test(summarized)
 
 def test_the_commit_comes_from_git_or_from_the_flag(tmp_path, monkeypatch):
     facts = verify_gpu.commit_facts(None)
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    head = run(["git", "rev-parse", "HEAD"], timeout=60).stdout.strip()
     assert facts["sha"] == head and facts["dirty"] in (True, False) and "given" not in facts
     assert verify_gpu.commit_facts("f" * 40)["given"] == "f" * 40  # disagrees with git: both kept
     monkeypatch.setattr(verify_gpu, "ROOT", tmp_path)  # a copied tree without .git

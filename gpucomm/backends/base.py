@@ -13,8 +13,9 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 
-class WireOp(str, enum.Enum):
-    """The reduction a backend performs on the wire (a str enum: hashing it costs no Python call)."""
+class BackendOp(str, enum.Enum):
+    """The reduction a backend performs (``ReduceOp`` is the user's; Average and Adasum become these). A str
+    enum: hashing it costs no Python call."""
 
     SUM = "sum"
     AVG = "avg"
@@ -37,7 +38,7 @@ class Backend(Protocol):
     rank: int
     size: int
 
-    def allreduce(self, send: torch.Tensor, recv: torch.Tensor, *, op: WireOp, stream: int | None = None) -> Work | None: ...
+    def allreduce(self, send: torch.Tensor, recv: torch.Tensor, *, op: BackendOp, stream: int | None = None) -> Work | None: ...
 
     def allgather(self, send: torch.Tensor, recv: torch.Tensor, *, stream: int | None = None) -> Work | None: ...
 
@@ -46,7 +47,7 @@ class Backend(Protocol):
     def alltoall(self, send: torch.Tensor, recv: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
                  *, stream: int | None = None) -> Work | None: ...
 
-    def reducescatter(self, send: torch.Tensor, recv: torch.Tensor, *, op: WireOp, stream: int | None = None) -> Work | None: ...
+    def reducescatter(self, send: torch.Tensor, recv: torch.Tensor, *, op: BackendOp, stream: int | None = None) -> Work | None: ...
 
     def barrier(self) -> Work | None: ...
 

@@ -18,18 +18,18 @@ import torch.distributed as dist
 
 from ..bootstrap.rendezvous import RendezvousClient, RendezvousTimeout
 from ..errors import CollectiveError
-from .base import WireOp
+from .base import BackendOp
 
 log = logging.getLogger("gpucomm")
 
 INTERRUPT_POLL_S = 0.5  # how often an interruptible store wait asks whether to stop
 
 _GLOO_OPS = {
-    WireOp.SUM: dist.ReduceOp.SUM,
-    WireOp.AVG: dist.ReduceOp.AVG,
-    WireOp.MIN: dist.ReduceOp.MIN,
-    WireOp.MAX: dist.ReduceOp.MAX,
-    WireOp.PRODUCT: dist.ReduceOp.PRODUCT,
+    BackendOp.SUM: dist.ReduceOp.SUM,
+    BackendOp.AVG: dist.ReduceOp.AVG,
+    BackendOp.MIN: dist.ReduceOp.MIN,
+    BackendOp.MAX: dist.ReduceOp.MAX,
+    BackendOp.PRODUCT: dist.ReduceOp.PRODUCT,
 }
 # Gloo has no kernels for these; data movement sends their bytes instead.
 _BYTE_MOVED = {torch.bool, torch.int16, torch.uint16, torch.uint32, torch.uint64, torch.complex64, torch.complex128}
@@ -159,13 +159,13 @@ class GlooBackend:
         opts._timeout = datetime.timedelta(seconds=timeout)
         self._store = StoreAdapter(client, prefix, timeout, interrupt)
         self._allreduce_opts = {}
-        for wire, gloo_op in _GLOO_OPS.items():
+        for op, gloo_op in _GLOO_OPS.items():
             o = dist.AllreduceOptions()
             o.reduceOp = gloo_op
-            self._allreduce_opts[wire] = o
+            self._allreduce_opts[op] = o
         self.pg = dist.ProcessGroupGloo(self._store, rank, size, opts)
 
-    def allreduce(self, send: torch.Tensor, recv: torch.Tensor, *, op: WireOp, stream: int | None = None) -> GlooWork:
+    def allreduce(self, send: torch.Tensor, recv: torch.Tensor, *, op: BackendOp, stream: int | None = None) -> GlooWork:
         if send.data_ptr() != recv.data_ptr():
             recv.copy_(send)
         return GlooWork(self.pg.allreduce([recv], self._allreduce_opts[op]))
@@ -186,7 +186,7 @@ class GlooBackend:
         return GlooWork(self.pg.alltoall_base(_movable(recv), _movable(send), [c * k for c in recv_counts],
                                               [c * k for c in send_counts], dist.AllToAllOptions()))
 
-    def reducescatter(self, send: torch.Tensor, recv: torch.Tensor, *, op: WireOp, stream: int | None = None) -> GlooWork:
+    def reducescatter(self, send: torch.Tensor, recv: torch.Tensor, *, op: BackendOp, stream: int | None = None) -> GlooWork:
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = _GLOO_OPS[op]
         return GlooWork(self.pg._reduce_scatter_base(recv, send, opts))

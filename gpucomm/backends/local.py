@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from .base import WireOp
+from .base import BackendOp
 
 
 class SelfBackend:
@@ -18,7 +18,7 @@ class SelfBackend:
     rank = 0
     size = 1
 
-    def allreduce(self, send: torch.Tensor, recv: torch.Tensor, *, op: WireOp, stream: int | None = None) -> None:
+    def allreduce(self, send: torch.Tensor, recv: torch.Tensor, *, op: BackendOp, stream: int | None = None) -> None:
         if send.data_ptr() != recv.data_ptr():  # sum, average, min, max or product of one value: the value
             recv.copy_(send)
 
@@ -33,7 +33,7 @@ class SelfBackend:
                  *, stream: int | None = None) -> None:
         recv.copy_(send)
 
-    def reducescatter(self, send: torch.Tensor, recv: torch.Tensor, *, op: WireOp, stream: int | None = None) -> None:
+    def reducescatter(self, send: torch.Tensor, recv: torch.Tensor, *, op: BackendOp, stream: int | None = None) -> None:
         recv.copy_(send[: recv.numel()])
 
     def barrier(self) -> None:

@@ -30,7 +30,7 @@ Reductions. Integer and float32/64 types reduce with MPI's own types and operati
 float16 or bfloat16: they travel as 2-byte ``MPI_UINT16_T`` elements and reduce through a
 user-defined, commutative ``MPI_Op`` whose function applies torch's own kernel to the two buffers
 (``torch.frombuffer`` views, no copy): each pairwise step rounds to the half type, as Gloo and NCCL
-do, and the wire carries 2 bytes per element. ``WireOp.AVG`` is a sum followed by a division of the
+do, and the wire carries 2 bytes per element. ``BackendOp.AVG`` is a sum followed by a division of the
 result (floating types only). Data movement (allgather, broadcast, alltoall) sends elements of the
 dtype's size, so any fixed-size dtype moves, bool and bfloat16 included.
 """
@@ -51,7 +51,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ..errors import CollectiveError, GpucommError
-from .base import WireOp
+from .base import BackendOp
 
 log = logging.getLogger("gpucomm")
 
@@ -216,7 +216,7 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 _HALF = (torch.float16, torch.bfloat16)
-_half_ops: dict[tuple[torch.dtype, WireOp], Any] = {}
+_half_ops: dict[tuple[torch.dtype, BackendOp], Any] = {}
 _types_lock = threading.Lock()
 _move_types: dict[int, Any] = {}
 
@@ -243,17 +243,17 @@ def _reduce_type(MPI: Any, dtype: torch.dtype) -> Any:
     return mpi_type
 
 
-def _half_op(MPI: Any, dtype: torch.dtype, op: WireOp) -> Any:
+def _half_op(MPI: Any, dtype: torch.dtype, op: BackendOp) -> Any:
     """A user-defined MPI reduction for a half type: torch's kernel on the two buffers."""
     key = (dtype, op)
     with _types_lock:
         found = _half_ops.get(key)
         if found is None:
             combine: Callable[[torch.Tensor, torch.Tensor], Any] = {
-                WireOp.SUM: lambda acc, x: acc.add_(x), WireOp.AVG: lambda acc, x: acc.add_(x),
-                WireOp.PRODUCT: lambda acc, x: acc.mul_(x),
-                WireOp.MIN: lambda acc, x: torch.minimum(acc, x, out=acc),
-                WireOp.MAX: lambda acc, x: torch.maximum(acc, x, out=acc)}[op]
+                BackendOp.SUM: lambda acc, x: acc.add_(x), BackendOp.AVG: lambda acc, x: acc.add_(x),
+                BackendOp.PRODUCT: lambda acc, x: acc.mul_(x),
+                BackendOp.MIN: lambda acc, x: torch.minimum(acc, x, out=acc),
+                BackendOp.MAX: lambda acc, x: torch.maximum(acc, x, out=acc)}[op]
 
             def reduce(inbuf: Any, inoutbuf: Any, _datatype: Any) -> None:
                 if len(inoutbuf) == 0:
@@ -264,9 +264,9 @@ def _half_op(MPI: Any, dtype: torch.dtype, op: WireOp) -> Any:
         return found
 
 
-def _reduce_op(MPI: Any, op: WireOp) -> Any:
-    return {WireOp.SUM: MPI.SUM, WireOp.AVG: MPI.SUM, WireOp.MIN: MPI.MIN, WireOp.MAX: MPI.MAX,
-            WireOp.PRODUCT: MPI.PROD}[op]
+def _reduce_op(MPI: Any, op: BackendOp) -> Any:
+    return {BackendOp.SUM: MPI.SUM, BackendOp.AVG: MPI.SUM, BackendOp.MIN: MPI.MIN, BackendOp.MAX: MPI.MAX,
+            BackendOp.PRODUCT: MPI.PROD}[op]
 
 
 def _move_type(MPI: Any, itemsize: int) -> Any:
@@ -443,7 +443,7 @@ class MpiBackend:
             log.debug("MPI_Comm_free of %s: %s", self.label, e)
 
     # -- collectives ------------------------------------------------------------------------------
-    def allreduce(self, send: torch.Tensor, recv: torch.Tensor, *, op: WireOp, stream: int | None = None) -> MpiWork:
+    def allreduce(self, send: torch.Tensor, recv: torch.Tensor, *, op: BackendOp, stream: int | None = None) -> MpiWork:
         MPI, n = self._MPI, recv.numel()
         if send.numel() != n or send.dtype != recv.dtype:
             raise ValueError(f"allreduce: send ({send.numel()} {send.dtype}) and recv ({n} {recv.dtype}) must match.")
@@ -455,7 +455,7 @@ class MpiBackend:
                 send = send.clone()
             source = [_buf(MPI, send), n, mpi_type]
         target = [_buf(MPI, recv), n, mpi_type]
-        comm, average, size = self.comm, op is WireOp.AVG, self.size
+        comm, average, size = self.comm, op is BackendOp.AVG, self.size
 
         def call() -> None:
             comm.Allreduce(source, target, mpi_op)
@@ -534,14 +534,14 @@ class MpiBackend:
 
         return self._issue(_describe("alltoall", send), call, (send, recv))
 
-    def reducescatter(self, send: torch.Tensor, recv: torch.Tensor, *, op: WireOp, stream: int | None = None) -> MpiWork:
+    def reducescatter(self, send: torch.Tensor, recv: torch.Tensor, *, op: BackendOp, stream: int | None = None) -> MpiWork:
         """Part ``r`` (``recv.numel()`` elements) of the reduction of every rank's ``send`` to rank ``r``."""
         MPI, n, size = self._MPI, recv.numel(), self.size
         if send.numel() != n * size or send.dtype != recv.dtype:
             raise ValueError(f"reducescatter: send must hold {size} parts of {n} {recv.dtype}, got {send.numel()} "
                              f"{send.dtype}.")
         mpi_type, mpi_op = self._reduction(recv.dtype, op)
-        comm, average, rank = self.comm, op is WireOp.AVG, self.rank
+        comm, average, rank = self.comm, op is BackendOp.AVG, self.rank
         if _overlap(send, recv) and recv.data_ptr() == send.data_ptr() + rank * n * send.element_size():
             # in place (recv is this rank's part of send): MPI leaves the result at the start of send
             whole = [_buf(MPI, send), n, mpi_type]
@@ -568,9 +568,9 @@ class MpiBackend:
         comm = self.comm
         return self._issue("barrier", lambda: comm.Barrier())
 
-    def _reduction(self, dtype: torch.dtype, op: WireOp) -> tuple[Any, Any]:
+    def _reduction(self, dtype: torch.dtype, op: BackendOp) -> tuple[Any, Any]:
         MPI = self._MPI
-        if op is WireOp.AVG and not dtype.is_floating_point:
+        if op is BackendOp.AVG and not dtype.is_floating_point:
             raise ValueError(f"the MPI backend averages floating types only, not {dtype}; reduce with SUM and scale "
                              f"(gpucomm's op layer does this for hvd.Average).")
         mpi_type = _reduce_type(MPI, dtype)

@@ -16,7 +16,7 @@ import torch
 
 from ..counters import COUNTERS
 from ..errors import CollectiveError
-from .base import WireOp
+from .base import BackendOp
 
 log = logging.getLogger("gpucomm.nccl")
 
@@ -64,8 +64,8 @@ def _tables(nccl):
     for name, const in (("uint32", "NCCL_UINT32"), ("uint64", "NCCL_UINT64")):
         if hasattr(torch, name):
             dtypes[getattr(torch, name)] = getattr(nccl, const)
-    ops = {WireOp.SUM: nccl.NCCL_SUM, WireOp.AVG: nccl.NCCL_AVG, WireOp.MIN: nccl.NCCL_MIN,
-           WireOp.MAX: nccl.NCCL_MAX, WireOp.PRODUCT: nccl.NCCL_PROD}
+    ops = {BackendOp.SUM: nccl.NCCL_SUM, BackendOp.AVG: nccl.NCCL_AVG, BackendOp.MIN: nccl.NCCL_MIN,
+           BackendOp.MAX: nccl.NCCL_MAX, BackendOp.PRODUCT: nccl.NCCL_PROD}
     return dtypes, ops
 
 
@@ -151,7 +151,7 @@ class NcclBackend:
             raise CollectiveError(f"NCCL {what} failed on rank {self.rank}: {e}. " + NCCL_HINT) from e
 
     # -- collectives ---------------------------------------------------------------------------
-    def allreduce(self, send: torch.Tensor, recv: torch.Tensor, *, op: WireOp, stream: int | None = None) -> None:
+    def allreduce(self, send: torch.Tensor, recv: torch.Tensor, *, op: BackendOp, stream: int | None = None) -> None:
         dt, n = self._dtype(send, True)
         self._call("allreduce", self.comm.allReduce, send.data_ptr(), recv.data_ptr(), n, dt, self._ops[op], stream or 0)
 
@@ -182,7 +182,7 @@ class NcclBackend:
         finally:
             nccl.groupEnd()
 
-    def reducescatter(self, send: torch.Tensor, recv: torch.Tensor, *, op: WireOp, stream: int | None = None) -> None:
+    def reducescatter(self, send: torch.Tensor, recv: torch.Tensor, *, op: BackendOp, stream: int | None = None) -> None:
         dt, n = self._dtype(recv, True)
         self._call("reducescatter", self.comm.reduceScatter, send.data_ptr(), recv.data_ptr(), n, dt,
                    self._ops[op], stream or 0)

@@ -269,7 +269,7 @@ def _missing_addr(c: Placement, v: LauncherVars, what: str, how: str) -> WorldEr
 
 # ---------------------------------------------------------------- launchers
 
-def _world(c: Placement, launcher: str, host: str, addr: str | None, port: int | None,
+def _make_world(c: Placement, launcher: str, host: str, addr: str | None, port: int | None,
            env: Mapping[str, str], secret: bytes | None, source: str, run_id: str,
            via_store: bool = False) -> World:
     return World(replace(c, host=host), launcher, addr, port, _flag(env, GPUCOMM_RENDEZVOUS_HOSTED),
@@ -289,8 +289,8 @@ def _finish(env: Mapping[str, str], c: Placement, v: LauncherVars, launcher: str
     port = port or derive_port(run_id)
     secret = _secret_from_env(env)
     if secret is not None:
-        return _world(c, launcher, host, addr, port, env, secret, "env", run_id)
-    return _world(c, launcher, host, addr, port, env, _derive_secret(run_id, addr, port),
+        return _make_world(c, launcher, host, addr, port, env, secret, "env", run_id)
+    return _make_world(c, launcher, host, addr, port, env, _derive_secret(run_id, addr, port),
                   "derived", run_id)
 
 
@@ -311,7 +311,7 @@ def _gpucomm(env: Mapping[str, str], hostname: str | None) -> World | None:
                          f"which exports it, or export the same hex secret to every rank.")
     host = _hostname(env, GPUCOMM_HOSTNAME, hostname)
     addr, port = addr or LOOPBACK, port or derive_port(run_id)
-    return _world(c, "gpucomm", host, addr, port, env, secret,
+    return _make_world(c, "gpucomm", host, addr, port, env, secret,
                   "env" if secret else "random", run_id)
 
 
@@ -349,7 +349,7 @@ def _torchrun(env: Mapping[str, str], hostname: str | None) -> World | None:
     run_id = _get(env, GPUCOMM_RUN_ID) or _get(env, TORCHELASTIC_RUN_ID) or ""
     addr, port = addr or LOOPBACK, port or derive_port(run_id)
     secret = _secret_from_env(env)
-    return _world(c, "torchrun", _hostname(env, None, hostname), addr, port, env, secret,
+    return _make_world(c, "torchrun", _hostname(env, None, hostname), addr, port, env, secret,
                   "env" if secret else "torch-store", run_id, via_store=own_port is None)
 
 

@@ -22,7 +22,7 @@ import time
 from typing import Callable, Mapping
 
 from ..bootstrap.framing import HELLO_BYTES, MAGIC, NONCE_BYTES, VERSION, FrameError, FramedChannel as Channel, recv_exact
-from ..bootstrap.meeting import duplicate_claim
+from ..bootstrap.arrival import duplicate_claim
 from ..errors import ControlError
 
 log = logging.getLogger("gpucomm.control")

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import channel as wire
+from . import channel
 from ..counters import COUNTERS
 from ..dataplane.handles import Handle, Issued
 from ..dataplane.inline import inline_payload, write_inline
@@ -93,7 +93,7 @@ class Controller:
         self._stall_info: dict[Key, list[int]] = {}
         self.frames_sent = 0  # request frames this rank sent (rank 0: coordinator steps that took requests)
         self.frames_received = 0
-        self._waker = wire.Waker()
+        self._waker = channel.Waker()
         self._thread = threading.Thread(target=self._background, name="gpucomm-control", daemon=True)
         self._thread.start()
 
@@ -193,7 +193,7 @@ class Controller:
             if until is not None and until.agreed():
                 return
             wait = 0.0 if until is None else min(deadline - time.monotonic(), self._stall_tick())
-            ready = wire.readable(self._sockets() + [self._waker.fd], max(0.0, wait))
+            ready = channel.readable(self._sockets() + [self._waker.fd], max(0.0, wait))
             for sock in ready:
                 if sock == self._waker.fd:
                     self._waker.drain()
@@ -223,7 +223,7 @@ class Controller:
             self._hub.submit_own(items)
         else:
             try:
-                wire.send(self._link, items)
+                channel.send(self._link, items)
             except OSError as e:
                 self._fail(f"the control connection to rank 0 broke while sending requests ({e}); rank 0 has "
                            f"probably exited or failed.")
@@ -231,7 +231,7 @@ class Controller:
     def _receive(self, timeout: float) -> None:
         socks = self._sockets()
         if socks:
-            for sock in wire.readable(socks, timeout):
+            for sock in channel.readable(socks, timeout):
                 self._receive_from(sock)
 
     def _receive_from(self, sock) -> None:
@@ -242,8 +242,8 @@ class Controller:
 
     def _receive_from_coordinator(self) -> None:
         try:
-            responses = wire.recv(self._link)
-        except (OSError, wire.FrameError, EOFError) as e:
+            responses = channel.recv(self._link)
+        except (OSError, channel.FrameError, EOFError) as e:
             if not self._closed:
                 self.coordinator_lost = True
                 self._fail(f"the control connection to rank 0 (the coordinator) closed ({e or 'end of stream'}): "
@@ -388,7 +388,7 @@ class Controller:
                 self._hub.coordinator.note_blocked(0, (set_id, name))
             elif self._link is not None:
                 try:
-                    wire.send(self._link, [("blocked", set_id, name)])
+                    channel.send(self._link, [("blocked", set_id, name)])
                 except OSError:
                     pass  # the receive side reports the broken connection
 
@@ -398,7 +398,7 @@ class Controller:
         if self._hub is not None:
             self._hub.beat()
         elif link is not None:
-            wire.send(link, [("hb",)])
+            channel.send(link, [("hb",)])
 
     def _beat_to_root(self) -> None:
         """Other ranks: fail if rank 0 has fallen silent."""
@@ -426,7 +426,7 @@ class Controller:
             wait = self._stall_tick()
             if unsent:
                 wait = min(wait, max(0.0, since + self.config.cycle_time - time.monotonic()))
-            ready = wire.readable(self._sockets() + [self._waker.fd], wait)
+            ready = channel.readable(self._sockets() + [self._waker.fd], wait)
             if self._closed:
                 return
             if self._waiting:
@@ -467,7 +467,7 @@ class Controller:
         else:
             if self._link is not None:
                 try:
-                    wire.send(self._link, [("fail", text)])
+                    channel.send(self._link, [("fail", text)])
                 except OSError:
                     pass
             self._fail(f"rank {self.rank} failed: {text}")
@@ -483,7 +483,7 @@ class Controller:
                 link = self._link
                 if link is not None:
                     try:
-                        wire.send(link, [("fail", reason)])
+                        channel.send(link, [("fail", reason)])
                     except OSError:
                         pass
                 self._fail(reason)
@@ -503,7 +503,7 @@ class Controller:
             link = self._link
             if link is not None:
                 try:
-                    wire.send(link, [("bye",)])
+                    channel.send(link, [("bye",)])
                 except OSError:
                     pass
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Mapping
 
-from . import channel as wire
+from . import channel
 from .config import ControlConfig
 from .coordinator import Coordinator, Outgoing, set_bits
 from .liveness import Liveness
@@ -58,8 +58,8 @@ class CoordinatorHub:
         if rank is None or rank in self.left:
             return
         try:
-            items = wire.recv(self._workers[rank])
-        except (OSError, wire.FrameError, EOFError) as e:
+            items = channel.recv(self._workers[rank])
+        except (OSError, channel.FrameError, EOFError) as e:
             self.lost(rank, f"its control connection closed ({e or 'end of stream'})")
             return
         self.frames_received += 1
@@ -112,7 +112,7 @@ class CoordinatorHub:
         for r, responses in frames.items():
             self._last_sent[r] = responses
             try:
-                wire.send(self._workers[r], responses)
+                channel.send(self._workers[r], responses)
             except OSError as e:
                 self.lost(r, f"sending to it failed: {e}")
         for response in mine:
@@ -123,7 +123,7 @@ class CoordinatorHub:
         for r, chan in list(self._workers.items()):
             if r not in self.left:
                 try:
-                    wire.send(chan, [("hb",)])
+                    channel.send(chan, [("hb",)])
                 except OSError:
                     pass  # reading from it reports the broken connection
 

@@ -6,23 +6,27 @@ once per process (``gpucomm.kernels.availability``): if not, one warning, one co
 ``kernel_fallbacks``, and from then on torch ops with as few launches as torch allows
 (``TorchCopy``): ``torch._foreach_copy_`` between the tensors and views of the buffer in the
 tensors' shapes, built once per buffer, so a copy is one multi-tensor launch (torch cuts long
-lists into a few) and a scale is one more. CPU buffers use ``fusion``'s one-pass torch path.
+lists into a few) and a scale is one more. CPU buffers use the one-pass torch path (``torch_pack``,
+``torch_unpack``). ``pack_bucket``/``unpack_bucket`` copy a bucket once.
 Both paths follow ``gpucomm.kernels.rules``: products in float32 (float64 for float64), then one
 rounding to the destination dtype.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Sequence
 
 import torch
 
 from ..kernels import availability, rules
-from . import fusion
 from .finite import FirstNonFinite
 
-__all__ = ["BucketCopy", "TorchCopy", "kernels_wanted"]
+__all__ = ["BucketCopy", "KERNELS_ENV", "TorchCopy", "kernels_wanted", "pack_bucket", "stream_context",
+           "torch_pack", "torch_unpack", "unpack_bucket"]
+
+KERNELS_ENV = "GPUCOMM_FUSION_KERNELS"  # "0": pack CUDA buckets with torch ops instead of the kernels
 
 
 def kernels_wanted(flat: torch.Tensor) -> bool:
@@ -34,13 +38,13 @@ def kernels_wanted(flat: torch.Tensor) -> bool:
 def _wants_kernels(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
-    return os.environ.get(fusion.KERNELS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return os.environ.get(KERNELS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class TorchCopy:
     """The torch-op copy between tensors of fixed shapes and a flat buffer (``direction`` "pack":
     tensors -> flat; "unpack": flat -> tensors), times ``scale``. ``lean`` (default: CUDA buffers)
-    uses the few-launch ``_foreach`` path; otherwise ``fusion``'s one-pass CPU path."""
+    uses the few-launch ``_foreach`` path; otherwise the one-pass CPU path (``torch_pack``)."""
 
     __slots__ = ("direction", "scale", "lean", "_views_key", "_views")
 
@@ -52,12 +56,12 @@ class TorchCopy:
     def __call__(self, tensors: Sequence[torch.Tensor], flat: torch.Tensor, stream: Any = None) -> None:
         tensors = rules.tensor_list(self.direction, tensors)
         lean = flat.is_cuda if self.lean is None else self.lean
-        with fusion.stream_context(flat, stream), torch.no_grad():
+        with stream_context(flat, stream), torch.no_grad():
             if not lean:
                 if self.direction == "pack":
-                    fusion._torch_pack(tensors, flat, self.scale)
+                    torch_pack(tensors, flat, self.scale)
                 else:
-                    fusion._torch_unpack(flat, tensors, self.scale)
+                    torch_unpack(flat, tensors, self.scale)
                 return
             views = self._views_of(tensors, flat)
             if views:
@@ -159,7 +163,7 @@ class BucketCopy:
         for t in tensors:  # the packed values, as they travel (a cast may have overflowed)
             pieces.append(flat[pos:pos + t.numel()])
             pos += t.numel()
-        with fusion.stream_context(flat, stream):
+        with stream_context(flat, stream):
             self._first_nonfinite(pieces, check_out, check_limit, whole=flat[:pos])
 
     def unpack(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor], stream: Any = None) -> None:
@@ -186,3 +190,109 @@ class BucketCopy:
                 bound = BoundCopy(direction, self._scales[direction])
             self._bound[direction] = bound
         return bound
+
+
+def pack_bucket(tensors: Sequence[torch.Tensor], buffer: torch.Tensor, *, scale: float = 1.0,
+                stream: Any = None, validate: bool = True) -> torch.Tensor:
+    """Copy ``tensors`` back to back into ``buffer`` (times ``scale``, cast to ``buffer.dtype``) and
+    return the filled part, ``buffer[:total]``. CUDA: one kernel launch on ``stream`` (default:
+    the current stream; ``validate`` as in ``gpucomm.kernels.pack``), or a few torch launches if the
+    kernels cannot run here (decided once per process); CPU: torch ops. For the same bucket every
+    step, ``BucketCopy`` costs less host time."""
+    tensors = rules.tensor_list("pack", tensors)
+    _copy("pack", tensors, buffer, scale, stream, validate)
+    return buffer[: sum(t.numel() for t in tensors)]
+
+
+def unpack_bucket(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], *, scale: float = 1.0,
+                  stream: Any = None, validate: bool = True) -> None:
+    """Copy consecutive pieces of ``buffer`` into ``tensors`` (times ``scale``, cast to their dtype):
+    the reverse of ``pack_bucket``."""
+    _copy("unpack", rules.tensor_list("unpack", tensors), buffer, scale, stream, validate)
+
+
+def _copy(direction: str, tensors: Sequence[torch.Tensor], buffer: torch.Tensor, scale: float, stream: Any,
+          validate: bool) -> None:
+    def with_kernels() -> None:
+        from .. import kernels  # noqa: PLC0415 - imports numba
+
+        if direction == "pack":
+            kernels.pack(tensors, buffer, scale=scale, stream=stream, validate=validate)
+        else:
+            kernels.unpack(buffer, tensors, scale=scale, stream=stream, validate=validate)
+
+    if kernels_wanted(buffer) and availability.try_kernels(with_kernels):
+        return
+    TorchCopy(direction, scale)(tensors, buffer, stream)  # CUDA: few launches; CPU: one pass
+
+
+def stream_context(buffer: torch.Tensor, stream: Any):
+    """Run a block's torch ops on ``stream`` when ``buffer`` is a CUDA tensor and a stream is given."""
+    if buffer.device.type == "cuda" and stream is not None:
+        return torch.cuda.stream(stream)
+    return contextlib.nullcontext()
+
+
+def torch_pack(tensors: Sequence[torch.Tensor], flat: torch.Tensor, scale: float) -> torch.Tensor:
+    """The CPU pack: ``tensors`` back to back into ``flat`` times ``scale``, in one pass when it can."""
+    dtype, total = rules.validate("pack", tensors, flat)
+    out = flat[:total]
+    if dtype is None:
+        return out
+    rules.conversion(dtype, flat.dtype, scale != 1.0)
+    if total == 0:
+        return out
+    pieces = [t.view(-1) for t in tensors]
+    if dtype == flat.dtype and (scale == 1.0 or dtype in (torch.float32, torch.float64)):
+        # one pass, no temporary: a piece that already lives in its slot (a gradient that is a view
+        # of this buffer) is scaled in place, or left alone
+        pos = 0
+        for piece in pieces:
+            n = piece.numel()
+            slot = out[pos : pos + n]
+            if piece.data_ptr() != slot.data_ptr():
+                torch.mul(piece, scale, out=slot) if scale != 1.0 else slot.copy_(piece)
+            elif scale != 1.0:
+                slot.mul_(scale)
+            pos += n
+        return out
+    joined = torch.cat(pieces)
+    if scale != 1.0:  # in float32 (float64 for float64), like the kernels; .to() may return joined itself
+        joined = joined.to(rules.compute_dtype(dtype, flat.dtype)).mul_(scale)
+    out.copy_(joined)
+    return out
+
+
+def torch_unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float) -> None:
+    """The CPU unpack: consecutive pieces of ``flat`` into ``tensors`` times ``scale``."""
+    dtype, total = rules.validate("unpack", tensors, flat)
+    if dtype is None:
+        return
+    rules.conversion(flat.dtype, dtype, scale != 1.0)
+    if total == 0:
+        return
+    src = flat[:total]
+    pieces = list(torch.split(src, [t.numel() for t in tensors]))
+    targets = [t.view(-1) for t in tensors]
+    if scale != 1.0 and dtype in (torch.float32, torch.float64) and flat.dtype in _SCALE_IN_TARGET[dtype]:
+        # one pass, no temporary: the product is formed in the target's dtype, which is the compute
+        # dtype here (float32, or float64), then stored; the fusion buffer is left as it is
+        for target, piece in zip(targets, pieces):
+            if piece.dtype == target.dtype:
+                torch.mul(piece, scale, out=target)
+            else:
+                target.copy_(piece).mul_(scale)
+        return
+    if scale != 1.0:  # out of place: the fusion buffer is left as it is
+        src = src.to(rules.compute_dtype(flat.dtype, dtype)) * scale
+        pieces = list(torch.split(src, [t.numel() for t in tensors]))
+    foreach_copy = getattr(torch, "_foreach_copy_", None)
+    if foreach_copy is not None:
+        foreach_copy(targets, pieces)
+    else:
+        for target, piece in zip(targets, pieces):
+            target.copy_(piece)
+
+
+# buffer dtypes whose scaled unpack can be computed directly in a float32/float64 target
+_SCALE_IN_TARGET = {torch.float32: (torch.float32, torch.float16, torch.bfloat16), torch.float64: (torch.float64,)}

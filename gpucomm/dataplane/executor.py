@@ -15,14 +15,14 @@ from typing import Any, Callable
 
 import torch
 
-from ..backends.base import WireOp
+from ..backends.base import BackendOp
 from ..counters import COUNTERS
 from ..reduce_op import ReduceOp
 from .events import EventPool
 from .handles import Issued
 from .requests import Request, reducescatter_rows, scale_
 
-_WIRE = {ReduceOp.SUM: WireOp.SUM, ReduceOp.MIN: WireOp.MIN, ReduceOp.MAX: WireOp.MAX, ReduceOp.PRODUCT: WireOp.PRODUCT}
+_BACKEND_OPS = {ReduceOp.SUM: BackendOp.SUM, ReduceOp.MIN: BackendOp.MIN, ReduceOp.MAX: BackendOp.MAX, ReduceOp.PRODUCT: BackendOp.PRODUCT}
 
 Plan = tuple[list[Any], Callable[[], Any]]  # backend works, and the step that produces the result
 
@@ -116,20 +116,20 @@ class Executor:
 
     # -- collectives -------------------------------------------------------------------------
     @staticmethod
-    def _wire(req: Request, group, backend, dtype: torch.dtype) -> tuple[WireOp, float]:
+    def _backend_op(req: Request, group, backend, dtype: torch.dtype) -> tuple[BackendOp, float]:
         """The backend reduction and the post-scale that together give ``req.op``."""
         if req.op != ReduceOp.AVERAGE:
-            return _WIRE[req.op], req.postscale
+            return _BACKEND_OPS[req.op], req.postscale
         if backend.name == "nccl" and dtype.is_floating_point and req.prescale == 1.0 and req.postscale == 1.0:
-            return WireOp.AVG, 1.0
-        return WireOp.SUM, req.postscale / group.size
+            return BackendOp.AVG, 1.0
+        return BackendOp.SUM, req.postscale / group.size
 
     def _allreduce(self, req: Request, meta: dict, group, backend, stream) -> Plan:
         if req.send is not None:  # one tensor, prepared: out of place, pre-scaled already
             outs = req.outputs
             out = outs[0]
-            wire, post = self._wire(req, group, backend, out.dtype)
-            work = backend.allreduce(req.send, out, op=wire, stream=stream)
+            op, post = self._backend_op(req, group, backend, out.dtype)
+            work = backend.allreduce(req.send, out, op=op, stream=stream)
             if post == 1.0:
                 return ([work] if work is not None else []), lambda: outs
 
@@ -145,8 +145,8 @@ class Executor:
             idx = [i for i, t in enumerate(req.tensors) if t.dtype == dtype]
             buf = torch.cat([req.tensors[i].reshape(-1) for i in idx])
             scale_(buf, req.prescale)
-            wire, post = self._wire(req, group, backend, dtype)
-            w = backend.allreduce(buf, buf, op=wire, stream=stream)
+            op, post = self._backend_op(req, group, backend, dtype)
+            w = backend.allreduce(buf, buf, op=op, stream=stream)
             if w is not None:
                 works.append(w)
             fused.append((idx, buf, post))
@@ -224,8 +224,8 @@ class Executor:
                 pos += n * row_numel
             scale_(send, req.prescale)
             recv = torch.empty(most * row_numel, dtype=t.dtype, device=t.device)
-            wire, post = self._wire(req, group, backend, t.dtype)
-            w = backend.reducescatter(send, recv, op=wire, stream=stream)
+            op, post = self._backend_op(req, group, backend, t.dtype)
+            w = backend.reducescatter(send, recv, op=op, stream=stream)
             if w is not None:
                 works.append(w)
             pieces.append((recv, rows[group.rank], row_numel, tail, post))

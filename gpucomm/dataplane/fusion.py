@@ -1,4 +1,5 @@
-"""Bucket planning, grow-only fusion buffers, and pack/unpack of a bucket (GPU kernels or torch ops).
+"""Bucket planning: which gradients share a fusion buffer, at which offsets (the copies into and out
+of the buffers are ``bucket_copy``'s, the buffers ``buffers``').
 
 Buckets follow PyTorch DDP: parameters are taken in *reverse* order (the order backward produces
 their gradients), each bucket holds one dtype on one device, the first bucket of each
@@ -9,30 +10,21 @@ others are capped (25 MiB). The cap is Horovod's fusion threshold, in bytes, and
 arguments win over the environment. Bucket indices follow the order in which buckets become
 ready, and every rank computes the same plan from the same parameter list, so buckets can be
 launched strictly in index order on every rank.
-
-Packing a CUDA bucket is one launch of ``gpucomm.kernels.pack`` (numba is imported only then), or,
-where the kernels cannot run (decided once per process, ``gpucomm.kernels.availability``), a few
-``torch._foreach_*`` launches; a CPU bucket uses plain torch ops with the same contract and
-numerics (``gpucomm.kernels.rules``). ``bucket_copy.BucketCopy`` repeats one bucket's copies.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-from ..kernels import availability, rules
-
 __all__ = [
     "DEFAULT_FIRST_BUCKET_BYTES", "DEFAULT_BUCKET_CAP_BYTES", "THRESHOLD_ENV", "FIRST_BUCKET_ENV", "FusionLimits",
-    "fusion_limits", "Bucket", "plan_buckets", "plan_by_readiness", "plan_groups", "FusionBuffers", "pack_bucket", "unpack_bucket",
+    "fusion_limits", "Bucket", "plan_buckets", "plan_by_readiness", "plan_groups",
 ]
 
 log = logging.getLogger("gpucomm.fusion")
@@ -41,7 +33,6 @@ DEFAULT_FIRST_BUCKET_BYTES = 1 << 20
 DEFAULT_BUCKET_CAP_BYTES = 25 << 20
 THRESHOLD_ENV = ("GPUCOMM_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD")  # first one set wins
 FIRST_BUCKET_ENV = "GPUCOMM_FUSION_FIRST_BUCKET"
-KERNELS_ENV = "GPUCOMM_FUSION_KERNELS"  # "0": pack CUDA buckets with torch ops instead of the kernels
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,156 +222,3 @@ def plan_groups(trainable: Sequence[torch.Tensor], groups: Any) -> list[Bucket]:
         offsets = tuple(sum(numels[:k]) for k in range(len(numels)))
         plans.append(Bucket(number, tuple(ids), offsets, numels, sum(numels), first.dtype, first.device))
     return plans
-
-
-# ---------------------------------------------------------------------------------------------
-# buffers
-
-
-class FusionBuffers:
-    """Grow-only flat buffers, one per (device, dtype, slot).
-
-    ``get`` returns the first ``numel`` elements of the slot's buffer, reallocating only when a
-    larger size is asked for, so a steady training loop allocates nothing. Buffers of one slot
-    are reused by every bucket that asks for it: that is safe when those uses are ordered (one
-    communication stream on a GPU); buckets in flight at the same time (e.g. asynchronous Gloo
-    work on the CPU) need distinct slots. A buffer replaced by a larger one is freed by torch's
-    caching allocator in the order of the stream it was allocated on.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
-        self._lock = threading.Lock()
-
-    def get(self, device: torch.device | str, dtype: torch.dtype, numel: int, *, slot: int = 0) -> torch.Tensor:
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        if numel < 0:
-            raise ValueError(f"FusionBuffers.get: numel must be >= 0, got {numel}")
-        key = (device, dtype, slot)
-        with self._lock:
-            buffer = self._buffers.get(key)
-            if buffer is None or buffer.numel() < numel:
-                buffer = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
-            return buffer[:numel]
-
-    def nbytes(self) -> int:
-        """Bytes held by all buffers."""
-        with self._lock:
-            return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
-    def clear(self) -> None:
-        with self._lock:
-            self._buffers.clear()
-
-
-# ---------------------------------------------------------------------------------------------
-# pack / unpack
-
-
-def pack_bucket(tensors: Sequence[torch.Tensor], buffer: torch.Tensor, *, scale: float = 1.0,
-                stream: Any = None, validate: bool = True) -> torch.Tensor:
-    """Copy ``tensors`` back to back into ``buffer`` (times ``scale``, cast to ``buffer.dtype``) and
-    return the filled part, ``buffer[:total]``. CUDA: one kernel launch on ``stream`` (default:
-    the current stream; ``validate`` as in ``gpucomm.kernels.pack``), or a few torch launches if the
-    kernels cannot run here (decided once per process); CPU: torch ops. For the same bucket every
-    step, ``bucket_copy.BucketCopy`` costs less host time."""
-    tensors = rules.tensor_list("pack", tensors)
-    _copy("pack", tensors, buffer, scale, stream, validate)
-    return buffer[: sum(t.numel() for t in tensors)]
-
-
-def unpack_bucket(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], *, scale: float = 1.0,
-                  stream: Any = None, validate: bool = True) -> None:
-    """Copy consecutive pieces of ``buffer`` into ``tensors`` (times ``scale``, cast to their dtype):
-    the reverse of ``pack_bucket``."""
-    _copy("unpack", rules.tensor_list("unpack", tensors), buffer, scale, stream, validate)
-
-
-def _copy(direction: str, tensors: Sequence[torch.Tensor], buffer: torch.Tensor, scale: float, stream: Any,
-          validate: bool) -> None:
-    from .bucket_copy import TorchCopy, kernels_wanted  # noqa: PLC0415
-
-    def with_kernels() -> None:
-        from .. import kernels  # noqa: PLC0415 - imports numba
-
-        if direction == "pack":
-            kernels.pack(tensors, buffer, scale=scale, stream=stream, validate=validate)
-        else:
-            kernels.unpack(buffer, tensors, scale=scale, stream=stream, validate=validate)
-
-    if kernels_wanted(buffer) and availability.try_kernels(with_kernels):
-        return
-    TorchCopy(direction, scale)(tensors, buffer, stream)  # CUDA: few launches; CPU: one pass
-
-
-def stream_context(buffer: torch.Tensor, stream: Any):
-    """Run a block's torch ops on ``stream`` when ``buffer`` is a CUDA tensor and a stream is given."""
-    if buffer.device.type == "cuda" and stream is not None:
-        return torch.cuda.stream(stream)
-    return contextlib.nullcontext()
-
-
-
-def _torch_pack(tensors: Sequence[torch.Tensor], flat: torch.Tensor, scale: float) -> torch.Tensor:
-    dtype, total = rules.validate("pack", tensors, flat)
-    out = flat[:total]
-    if dtype is None:
-        return out
-    rules.conversion(dtype, flat.dtype, scale != 1.0)
-    if total == 0:
-        return out
-    pieces = [t.view(-1) for t in tensors]
-    if dtype == flat.dtype and (scale == 1.0 or dtype in (torch.float32, torch.float64)):
-        # one pass, no temporary: a piece that already lives in its slot (a gradient that is a view
-        # of this buffer) is scaled in place, or left alone
-        pos = 0
-        for piece in pieces:
-            n = piece.numel()
-            slot = out[pos : pos + n]
-            if piece.data_ptr() != slot.data_ptr():
-                torch.mul(piece, scale, out=slot) if scale != 1.0 else slot.copy_(piece)
-            elif scale != 1.0:
-                slot.mul_(scale)
-            pos += n
-        return out
-    joined = torch.cat(pieces)
-    if scale != 1.0:  # in float32 (float64 for float64), like the kernels; .to() may return joined itself
-        joined = joined.to(rules.compute_dtype(dtype, flat.dtype)).mul_(scale)
-    out.copy_(joined)
-    return out
-
-
-def _torch_unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float) -> None:
-    dtype, total = rules.validate("unpack", tensors, flat)
-    if dtype is None:
-        return
-    rules.conversion(flat.dtype, dtype, scale != 1.0)
-    if total == 0:
-        return
-    src = flat[:total]
-    pieces = list(torch.split(src, [t.numel() for t in tensors]))
-    targets = [t.view(-1) for t in tensors]
-    if scale != 1.0 and dtype in (torch.float32, torch.float64) and flat.dtype in _SCALE_IN_TARGET[dtype]:
-        # one pass, no temporary: the product is formed in the target's dtype, which is the compute
-        # dtype here (float32, or float64), then stored; the fusion buffer is left as it is
-        for target, piece in zip(targets, pieces):
-            if piece.dtype == target.dtype:
-                torch.mul(piece, scale, out=target)
-            else:
-                target.copy_(piece).mul_(scale)
-        return
-    if scale != 1.0:  # out of place: the fusion buffer is left as it is
-        src = src.to(rules.compute_dtype(flat.dtype, dtype)) * scale
-        pieces = list(torch.split(src, [t.numel() for t in tensors]))
-    foreach_copy = getattr(torch, "_foreach_copy_", None)
-    if foreach_copy is not None:
-        foreach_copy(targets, pieces)
-    else:
-        for target, piece in zip(targets, pieces):
-            target.copy_(piece)
-
-
-# buffer dtypes whose scaled unpack can be computed directly in a float32/float64 target
-_SCALE_IN_TARGET = {torch.float32: (torch.float32, torch.float16, torch.bfloat16), torch.float64: (torch.float64,)}

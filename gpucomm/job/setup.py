@@ -12,7 +12,7 @@ from typing import Any, Mapping
 from ..backends.gloo import gloo_group, gloo_iface
 from ..backends.local import SelfBackend
 from ..bootstrap import devices
-from ..bootstrap.meeting import (BIND_VAR, REQUIRE_SECRET_VAR, arrive, claim_arrival, conflict_key, cross_placement,
+from ..bootstrap.arrival import (BIND_VAR, REQUIRE_SECRET_VAR, arrive, claim_arrival, conflict_key, cross_placement,
                                 open_store, watch_conflicts)
 from ..bootstrap.netaddr import address_towards, interface_ipv4
 from ..bootstrap.rendezvous import RendezvousClient, RendezvousError, wait_for_ranks

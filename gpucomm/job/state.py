@@ -28,7 +28,7 @@ from ..bootstrap.rendezvous import RendezvousClient, RendezvousError, Rendezvous
 from ..bootstrap.world import World
 from ..control.controller import ControlConfig, Controller, ControlLinks, Send
 from ..control.coordinator import Coordinator
-from ..control.local import LocalPlane
+from ..control.one_rank import OneRankPlane
 from ..control.standins import StandIns
 from ..dataplane.executor import prepare
 from ..dataplane.groups import Group
@@ -38,7 +38,7 @@ from ..dataplane.plane import DataPlane
 from ..dataplane.requests import Request
 from ..dataplane.schedule import Schedule
 from ..errors import CollectiveError
-from ..timeline.tracing import Tracer
+from ..timeline.tracer import Tracer
 from .elastic import WORKER_VAR, newest_round
 
 log = logging.getLogger("gpucomm")
@@ -67,7 +67,7 @@ class Job:
     dynamic_sets: bool = False
     elastic_round: int = 0  # the launcher's round this job is (elastic mode), else 0
     new_workers_joined: bool = False  # the round (or one since this worker's last) added workers without the state
-    plane: Controller | LocalPlane = field(init=False)
+    plane: Controller | OneRankPlane = field(init=False)
     data: DataPlane = field(init=False)  # the data plane: communicators, CUDA events, watchdog, issue orders
     groups: dict[int, Group] = field(init=False)
     join_device: int = -1  # hvd.join(device=...): the GPU for zero stand-ins; -1: this rank's GPU
@@ -95,7 +95,7 @@ class Job:
                                 else None)
         self._execute = self.data.executor(self.group)
         if size == 1:
-            self.plane = LocalPlane(self._execute, self.timeout, on_done=self._on_done, process_sets=self.static_sets)
+            self.plane = OneRankPlane(self._execute, self.timeout, on_done=self._on_done, process_sets=self.static_sets)
             return
         if rank == 0:
             self._coordinator = Coordinator(size, cache_capacity=self.control.cache_capacity,

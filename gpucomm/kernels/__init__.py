@@ -10,7 +10,7 @@ simulator on CPU tensors (for tests). Without either they raise ``KernelUnavaila
 ``compat.py`` holds the one NumPy 2.5 shim numba-cuda 0.30 needs.
 
 Importing this package is cheap: numba is imported on first use of a name that needs it, so the
-CPU path (``gpucomm.dataplane.fusion``) can share ``rules`` without loading Numba.
+CPU path (``gpucomm.dataplane.bucket_copy``) can share ``rules`` without loading Numba.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ..errors import KernelUnavailableError
 from ..lazy import lazy_names
 from .rules import CASTS, FLOAT_DTYPES, INT_WIDTHS, compute_dtype, conversion, validate
 
-_LAZY = {"pack": "api", "unpack": "api", "clear_cache": "api", "cache_info": "api", "compile_variant": "api", "SIMULATOR": "devicefns",
+_LAZY = {"pack": "packing", "unpack": "packing", "clear_cache": "packing", "cache_info": "packing", "compile_variant": "packing", "SIMULATOR": "devicefns",
          "KERNELS": "specs", "KernelSpec": "specs", "select_kernel": "specs", "BoundCopy": "bound",
          "status": "availability", "prepare_numba_cuda": "compat"}
 

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .api import Layout, _stream_for, new_layout, stream_context
+from .packing import Layout, new_layout, stream_context, stream_for
 from .rules import tensor_list
 
 __all__ = ["BoundCopy"]
@@ -81,7 +81,7 @@ class BoundCopy:
         layout = self._layouts.get(key) if key is not None else None
         if layout is None:
             if flat.is_cuda:
-                stream = _stream_for(stream, flat.device)
+                stream = stream_for(stream, flat.device)
             layout = new_layout(self.direction, tensors, flat, self.scale, stream, self.checked)  # checks everything
             if key is None:
                 return layout

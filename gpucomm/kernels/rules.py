@@ -1,5 +1,5 @@
 """What ``pack``/``unpack`` accept: dtypes, casts and argument checks. Imports no numba, so the
-CPU path of ``gpucomm.dataplane.fusion`` enforces exactly the same contract as the GPU kernels.
+CPU path of ``gpucomm.dataplane.bucket_copy`` enforces exactly the same contract as the GPU kernels.
 
 Semantics shared by both paths: element ``i`` of the output is ``cast(x_i * scale)`` where the
 product is taken in float32 for float32/float16/bfloat16 data (``scale`` rounded to float32)

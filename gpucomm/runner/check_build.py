@@ -6,6 +6,8 @@ from __future__ import annotations
 import shutil
 from typing import Callable
 
+from .. import __version__
+
 
 def _probe(fn: Callable[[], str]) -> tuple[bool, str]:
     try:
@@ -86,8 +88,6 @@ def _ssh() -> str:
 
 def check_build_report() -> str:
     """The ``--check-build`` text: one ``[X]`` / ``[ ]`` line per capability."""
-    from .. import __version__
-
     sections = [
         ("Frameworks", [_torch]),
         ("Collective backends", [_nccl, _gloo]),

@@ -16,10 +16,14 @@ import shlex
 import sys
 from typing import Any, Callable, Sequence
 
+from .. import __version__
 from ..failures import read_failures
 from ..bootstrap.netaddr import address_towards, interface_ipv4
 from ..bootstrap.rendezvous import RendezvousServer
 from ..settings import env_seconds
+from .check_build import check_build_report
+from .discovery import DiscoveryScript, FixedHosts
+from .elastic_driver import ElasticDriver, make_limits
 from .hosts import HostSlots, HostSpecError, assign_slots, parse_hostfile, parse_hosts
 from .mpi_launch import run_mpi_job
 from .output import OutputSink
@@ -72,8 +76,6 @@ class _Refused(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .. import __version__
-
     p = argparse.ArgumentParser(
         prog="gpucomm-run", description="Launch a gpucomm (Horovod-style) data-parallel job.", allow_abbrev=False,
         epilog="Example: gpucomm-run -np 4 -H node1:2,node2:2 python train.py")
@@ -236,7 +238,8 @@ def interface_address(nic: str) -> str:
     return address
 
 
-def _host_list(args: argparse.Namespace) -> list[HostSlots]:
+def host_list(args: argparse.Namespace) -> list[HostSlots]:
+    """The hosts and slots ``-H``/``--hostfile`` name (default: ``-np`` slots on this host)."""
     if args.hostfile:
         return parse_hostfile(args.hostfile)
     if args.hosts:
@@ -248,8 +251,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.check_build:
-        from .check_build import check_build_report
-
         sys.stdout.write(check_build_report())
         return 0
     if args.np is None:
@@ -267,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"{flag} is an elastic option: add --host-discovery-script (or --min-np with -H) to run "
                          f"an elastic job")
     try:
-        slots = assign_slots(_host_list(args), args.np)
+        slots = assign_slots(host_list(args), args.np)
     except HostSpecError as e:
         parser.error(str(e))
     if args.mpi:
@@ -351,9 +352,6 @@ def run_fixed_job(args: argparse.Namespace, slots: list, command: list[str], env
 
 def run_elastic(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """An elastic job: workers on the discovered (or listed) hosts, re-formed as they come and go."""
-    from .discovery import DiscoveryScript, FixedHosts  # noqa: PLC0415
-    from .elastic_driver import ElasticDriver, make_limits  # noqa: PLC0415
-
     env = dict(os.environ)
     try:
         limits = make_limits(args.np, args.min_np, args.max_np, args.elastic_timeout, args.reset_limit, env)
@@ -362,7 +360,7 @@ def run_elastic(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                 parser.error("give either --host-discovery-script or -H/--hostfile, not both")
             discovery = DiscoveryScript(args.host_discovery_script, args.slots_per_host or 1)
         else:
-            discovery = FixedHosts(tuple(_host_list(args)))
+            discovery = FixedHosts(tuple(host_list(args)))
     except (HostSpecError, ValueError) as e:
         parser.error(str(e))
     tunables = tunables_env(args, env)

@@ -31,8 +31,11 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..errors import GpucommError, RunError
+from ..errors import RunError
+from .cli import build_parser, host_list, run_fixed_job
+from .hosts import HostSpecError, assign_slots
 from .run_task import MAX_PAYLOAD, dumps, key
+from .supervisor import describe_exit
 
 ELASTIC_ADVICE = ("gpucomm.run starts fixed-size jobs only: leave out {names}, or run the training script "
                   "elastically with gpucomm-run's elastic options (--min-np, --max-np, --host-discovery-script) and "
@@ -118,8 +121,6 @@ def _payload(func: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
 
 def _parse(argv: list[str]):
     """The launcher's own parser and checks, raising ValueError instead of exiting."""
-    from .cli import build_parser  # noqa: PLC0415 - argparse and friends, loaded on use
-
     parser = build_parser()
 
     def error(message: str):
@@ -139,13 +140,10 @@ def _no_exit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 def _run_job(argv: list[str], payload: bytes, executable: str) -> list[Any]:
     """``gpucomm-run``'s own launch (``cli.run_fixed_job``) of ``executable -m gpucomm.runner.run_task``."""
-    from .cli import _host_list, run_fixed_job  # noqa: PLC0415
-    from .hosts import HostSpecError, assign_slots  # noqa: PLC0415
-
     opts = _parse(argv)
     opts.remote_python = executable
     try:
-        slots = assign_slots(_host_list(opts), opts.np)
+        slots = assign_slots(host_list(opts), opts.np)
     except HostSpecError as e:
         raise ValueError(f"gpucomm.run: {e}") from None
     env = dict(os.environ)
@@ -167,8 +165,6 @@ def _run_job(argv: list[str], payload: bytes, executable: str) -> list[Any]:
 def _outcome(records: dict[str, bytes], run_id: str, code: int, first_failure: tuple[int, int] | None,
              slots: list, stderr_tails: dict) -> list[Any]:
     """The results by rank, or the error of the job's first failure."""
-    from .supervisor import describe_exit  # noqa: PLC0415
-
     prefix = key(run_id, "errors/")
     raised = [pickle.loads(records[k]) for k in sorted(records)
               if k.startswith(prefix) and k[len(prefix):].isdigit()]

@@ -18,6 +18,9 @@ import sys
 import traceback
 from typing import Any
 
+from ..bootstrap.rendezvous import RendezvousClient
+from ..settings import env_seconds
+
 MAX_PAYLOAD = 64 << 20  # the store's frame limit (rendezvous.DEFAULT_MAX_FRAME); results above it cannot travel
 
 
@@ -54,9 +57,6 @@ def _use_launcher_path(entries: list[str]) -> None:
 
 
 def main() -> int:
-    from ..bootstrap.rendezvous import RendezvousClient  # noqa: PLC0415
-    from ..settings import env_seconds  # noqa: PLC0415
-
     env = os.environ
     run_id, rank, host = env["GPUCOMM_RUN_ID"], int(env["GPUCOMM_RANK"]), env.get("GPUCOMM_HOSTNAME", "")
     start_timeout = env_seconds(env, ("GPUCOMM_START_TIMEOUT", "HOROVOD_START_TIMEOUT"), 120.0)

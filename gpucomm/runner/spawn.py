@@ -12,7 +12,7 @@ from typing import Mapping
 from ..bootstrap.placement import Placement
 from .remote import encode_request
 from .supervisor import Launch
-from .worker_env import worker_env
+from .worker_env import forwarded_env, worker_env
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 
@@ -63,8 +63,6 @@ def launch_for(slot: Placement, command: list[str], base_env: Mapping[str, str],
     (filtered for a remote host): directly here, or through ssh and the remote wrapper."""
     if is_local(slot.host):
         return Launch(slot, list(command), dict(base_env) | dict(job_env))
-    from .worker_env import forwarded_env  # noqa: PLC0415
-
     payload = encode_request(command, cwd, forwarded_env(base_env) | dict(job_env), grace)
     return Launch(slot, ssh_argv(slot.host, ssh), dict(base_env), True, payload)
 

@@ -30,6 +30,7 @@ from ..tuning.nccl import NCCL_VERSION, Cluster, NcclModel
 from ..tuning.predict import predict_step, scaling_efficiency
 from ..tuning.profile import Profile
 from ..tuning.step import Overheads
+from . import sources
 
 __all__ = ["build_parser", "main", "predict_shapes"]
 
@@ -112,8 +113,6 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def get_profile(args: argparse.Namespace) -> Profile:
     """The profile the arguments ask for."""
-    from . import sources  # noqa: PLC0415
-
     if args.profile:
         prof = Profile.load(args.profile)
     elif args.analytic:

@@ -26,7 +26,7 @@ import struct
 from typing import Any
 
 from .summary import PHASE, Lane, OpTotal, build_lanes, main_phases, phase_of, rank_ops
-from .trace import Span, Trace, busy_ms, load_trace, merge_intervals, overlap_ms, read_records, select_spans
+from .reader import Span, Trace, busy_ms, load_trace, merge_intervals, overlap_ms, read_records, select_spans
 
 __all__ = ["Span", "Trace", "read_records", "load_trace", "select_spans", "busy_ms", "overlap_ms", "render",
            "VIEWS"]

@@ -3,7 +3,7 @@ picture's lanes (one per phase present, one per fusion bucket) and the ops ranke
 
 A per-op picture needs one row per op name (331 rows for a ResNet-50 run); these lanes stay
 under ``MAX_LANES`` whatever the number of tensors. Labels map to phases as gpucomm writes them
-(``tracing.py``, the optimizer) and as Horovod does; an unknown label goes to "other", never an
+(``tracer.py``, the optimizer) and as Horovod does; an unknown label goes to "other", never an
 error. Pure Python (no matplotlib): ``plot.py`` draws what this module computes.
 """
 
@@ -13,7 +13,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from .trace import Span, Trace, merge_intervals
+from .reader import Span, Trace, merge_intervals
 
 __all__ = ["MAX_LANES", "PHASES", "Phase", "Lane", "OpTotal", "phase_of", "build_lanes", "rank_ops",
            "main_phases"]

@@ -119,15 +119,17 @@ def _as_allgather(tensors: Sequence[torch.Tensor], name: str | None, in_place: b
     return rows, (f"adasum.{name}" if name else None), finish
 
 
-def start(tensors: Sequence[torch.Tensor], name: str | None, convert: Callable[[list], Any], send: Send, *,
+def start(tensors: Sequence[torch.Tensor], name: str | None, convert: Callable[[list], Any] | None, send: Send, *,
           in_place: bool = False, prescale: float = 1.0, postscale: float = 1.0,
           process_set: ProcessSet | None = None, **_: Any) -> tuple[Any, Callable[[Any], Any]]:
     """Start an Adasum allreduce (``submission``'s one dispatch calls this for ``op=hvd.Adasum``):
     the allgather's handle, and what turns its result into the reduced tensors (``tensors``
-    themselves when in place), then ``convert``'s form."""
+    themselves when in place), then ``convert``'s form (None: as they are)."""
     rows, gather_name, finish = _as_allgather(tensors, name, in_place, prescale, postscale, process_set)
     job = jobs.current()
     handle = job.submit(submission.build_request(job, "allgather", rows, gather_name), send=send)
+    if convert is None:
+        return handle, finish
     return handle, lambda gathered: convert(finish(gathered))
 
 

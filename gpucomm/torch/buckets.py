@@ -6,6 +6,16 @@ order; ``finish`` waits for them in order and unpacks each buffer into the gradi
 average in the same pass. No control-plane message is sent: every rank verified the same layout
 when the optimizer was built.
 
+A bucket is one of three kinds behind one interface (``Bucket``: ``gradient_ready``, ``fill``,
+``write_gradients``, ``zeros``, ``training_flag``), chosen once per bucket when the layout is
+built:
+- ``DirectBucket``: CPU float32/float64 gradients sent uncompressed, copied into their slots as
+  their hooks fire and handed back as views of the buffer (DDP's ``gradient_as_bucket_view``);
+- ``FusedBucket``: one pack into the fusion buffer at launch and one unpack after (the Numba
+  kernels on a GPU, ``gpucomm.dataplane.bucket_copy``), with a cast for the built-in compressors;
+- ``CompressedBucket``: a user compressor the kernels cannot fuse: each gradient is compressed and
+  the bucket is reduced as one grouped call.
+
 A gradient travels in its parameter's memory order: a ``channels_last`` gradient (or any gradient
 whose elements fill one dense block) is packed and unpacked through a flat view of its memory, with
 no ``.contiguous()`` copy and no temporary, and every rank packs the same order because parameters'
@@ -27,6 +37,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..dataplane import fusion
+from ..dataplane.buffers import FusionBuffers
 from ..dataplane.bucket_copy import BucketCopy
 from ..dataplane.handles import Handle
 from ..dataplane.requests import Request
@@ -35,28 +46,6 @@ from ..kernels.rules import CASTS
 from ..reduce_op import ReduceOp
 from .compression import BF16Compressor, Compression, FP16Compressor, NoneCompressor
 from .finite_check import FiniteSlots
-
-
-@dataclass(eq=False)
-class BucketState:
-    """A planned bucket and what happened to it this step."""
-
-    plan: fusion.Bucket
-    params: list[torch.Tensor]
-    wire_dtype: torch.dtype | None  # the fused buffer's dtype; None: a compressor the kernels cannot fuse
-    name: str
-    direct: bool = False  # gradients copied in as they arrive; averaged ones are views of the buffer
-    pending: int = 0  # gradients still to arrive before the bucket is complete
-    handle: Handle | None = None
-    reduced: list[torch.Tensor] = field(default_factory=list)  # the fusion buffer, or the compressed gradients
-    contexts: list[Any] = field(default_factory=list)  # the compressor's contexts (unfused buckets)
-    in_flight: list[torch.Tensor] = field(default_factory=list)  # gradients read by the launch, kept alive
-    full: torch.Tensor | None = None  # direct: the fusion buffer (numel, + the training flag in bucket 0)
-    slots: dict = field(default_factory=dict)  # direct: parameter -> its view of ``full``
-    copied: set = field(default_factory=set)  # direct: parameters copied in this step
-    copy: BucketCopy | None = None  # fused, not direct: the pack and unpack of its layout
-    checks: torch.Tensor | None = None  # finite check: one slot per rank, reduced with the bucket (this step's)
-    pieces: list[torch.Tensor] = field(default_factory=list)  # direct + finite check: each gradient's slot, flat
 
 
 def wire_dtype(compression: Any, dtype: torch.dtype) -> torch.dtype | None:
@@ -73,6 +62,290 @@ def wire_dtype(compression: Any, dtype: torch.dtype) -> torch.dtype | None:
     return None
 
 
+@dataclass(eq=False)
+class BucketSettings:
+    """What every bucket of one layout shares: the factors packed in and unpacked out, the
+    compressor, the process set, the finite check, the fusion buffers, the layout each gradient
+    travels in, and the timeline's tracer for the current step (None: no timeline)."""
+
+    compression: Any
+    prescale: float
+    postscale: float
+    set_id: int
+    check: FiniteSlots | None
+    buffers: FusionBuffers = field(default_factory=FusionBuffers)
+    strides: dict = field(default_factory=dict)  # parameter -> the strides its gradient travels in
+    tracer: Any = None
+
+
+class Bucket:
+    """One planned bucket and what happened to it this step; the kinds below say how its gradients
+    reach the wire (``fill``) and come back (``write_gradients``)."""
+
+    def __init__(self, plan: fusion.Bucket, params: list[torch.Tensor], wire: torch.dtype | None,
+                 settings: BucketSettings) -> None:
+        self.plan, self.params, self.wire_dtype, self.settings = plan, params, wire, settings
+        self.name = f"DistributedOptimizer.bucket.{plan.index}"
+        self.first = plan.index == 0  # bucket 0 carries the training flag
+        self.pending = len(params)  # gradients still to arrive before the bucket is complete
+        self.handle: Handle | None = None
+        self.in_flight: list[torch.Tensor] = []  # gradients read by the launch, kept alive
+        self.checks: torch.Tensor | None = None  # finite check: one slot per rank, reduced with the bucket
+
+    # -- the interface ---------------------------------------------------------------------------
+    def gradient_ready(self, p: torch.Tensor) -> None:
+        """``p``'s gradient is final for this step (its hook fired)."""
+        self.pending -= 1
+
+    def fill(self) -> list[torch.Tensor]:
+        """This rank's part of the bucket's allreduce this step (gradients, training flag, finite slots)."""
+        raise NotImplementedError
+
+    def write_gradients(self) -> None:
+        """After the allreduce: the averaged gradients into ``p.grad``."""
+        raise NotImplementedError
+
+    def zeros(self) -> list[torch.Tensor]:
+        """A joined rank's part in the bucket: zeros everywhere (training flag 0, finite slots 0)."""
+        return [torch.zeros(self.plan.numel + self.tail(), dtype=self.wire_dtype, device=self.plan.device)]
+
+    def training_flag(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Bucket 0's reduced training flag (the sum over ranks of 1 for a training rank)."""
+        return tensors[0][self.plan.numel]
+
+    def reset(self) -> None:
+        """Ready for the next step."""
+        self.pending = len(self.params)
+        self.handle = None
+        self.checks = None
+        self.in_flight = []
+
+    def release(self) -> None:
+        """Drop the gradients the last step sent (``zero_grad``)."""
+        if self.handle is None:
+            self.in_flight = []
+
+    # -- shared by the fused kinds ---------------------------------------------------------------
+    def request(self, tensors: list[torch.Tensor]) -> Request:
+        return Request("allreduce", self.name, tensors, outputs=tensors, op=ReduceOp.SUM, device=self.plan.device,
+                       set_id=self.settings.set_id)
+
+    def tail(self) -> int:
+        """Elements after a fused bucket's gradients: bucket 0's training flag, then (finite check)
+        one slot per rank."""
+        check = self.settings.check
+        return self.first + (check.size if check is not None else 0)
+
+    def buffer(self) -> torch.Tensor:
+        """The bucket's fusion buffer (its slot of the shared grow-only buffers)."""
+        return self.settings.buffers.get(self.plan.device, self.wire_dtype, self.plan.numel + self.tail(),
+                                         slot=self.plan.index)
+
+    def check_slots(self, full: torch.Tensor) -> torch.Tensor | None:
+        """The finite check's slots in ``full`` (zeroed; this rank's is written by the pack), or None."""
+        check = self.settings.check
+        if check is None:
+            return None
+        at = self.plan.numel + self.first
+        slots = full[at : at + check.size]
+        slots.zero_()
+        self.checks = slots
+        return slots[check.rank : check.rank + 1]
+
+
+class DirectBucket(Bucket):
+    """CPU float32/float64 gradients sent uncompressed: each gradient is copied into its slot as
+    soon as its hook fires, averaged in the same pass, and the averaged gradients are handed back
+    as views of the fusion buffer (as DDP's ``gradient_as_bucket_view`` does): one pass over the
+    gradients per step, where a pack and an unpack take two. A view is overwritten by the next
+    step, so a gradient kept across steps must be cloned. The gradients sent stay alive until
+    ``zero_grad`` (``release``), so their memory is freed right before the next backward allocates
+    anew, as it would be had they stayed ``p.grad``."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.full: torch.Tensor | None = None  # the fusion buffer (numel, + the tail)
+        self.slots: dict = {}  # parameter -> its view of ``full``
+        self.pieces: list[torch.Tensor] = []  # each gradient's slot, flat (the finite check's search)
+        self.copied: set = set()  # parameters copied in this step
+
+    def gradient_ready(self, p: torch.Tensor) -> None:
+        self._copy_in(p)
+        self.pending -= 1
+
+    def _copy_in(self, p: torch.Tensor) -> None:
+        if self.full is None:
+            self._bind()
+        if not self.copied:  # a new step: last step's gradients go now, if zero_grad did not release them
+            self.in_flight = []
+        g, slot = gradient_to_send(p), self.slots[p]
+        settings = self.settings
+        scale = settings.prescale * settings.postscale
+        tracer = settings.tracer
+        start = tracer.now_us() if tracer is not None else 0.0
+        with torch.no_grad():
+            if g.data_ptr() != slot.data_ptr():
+                torch.mul(g, scale, out=slot) if scale != 1.0 else slot.copy_(g)
+            elif scale != 1.0:  # the gradient is last step's view of this slot: average it in place
+                slot.mul_(scale)
+        if tracer is not None:
+            tracer.span(self.name, "MEMCPY_IN_FUSION_BUFFER", start, tracer.now_us())
+        self.copied.add(p)
+        self.in_flight.append(g)
+
+    def _bind(self) -> None:
+        """The buffer and slot views (stable: the buffer's size never changes)."""
+        plan = self.plan
+        self.full = self.buffer()
+        self.slots = {p: self.full[offset : offset + n].view(p.shape)
+                      for p, offset, n in zip(self.params, plan.offsets, plan.numels)}
+        self.pieces = [self.full[offset : offset + n] for offset, n in zip(plan.offsets, plan.numels)]
+
+    def fill(self) -> list[torch.Tensor]:
+        for p in self.params:  # the gradients whose hooks did not fire are copied now (zeros if they have none)
+            if p not in self.copied:
+                self._copy_in(p)
+        numel = self.plan.numel
+        if self.first:
+            self.full[numel : numel + 1].fill_(1)  # the training flag
+        mine = self.check_slots(self.full)
+        if mine is not None:
+            self.settings.check.search(self.pieces, mine, whole=self.full[:numel])
+        return [self.full]
+
+    def write_gradients(self) -> None:
+        with torch.no_grad():  # averaged when copied in: each gradient becomes its slot of the buffer
+            for p in self.params:
+                if p.requires_grad:
+                    p.grad = self.slots[p]
+
+    def reset(self) -> None:
+        in_flight = self.in_flight
+        super().reset()
+        self.in_flight = in_flight  # kept until zero_grad (release) or the next step's first copy
+        self.copied.clear()
+
+
+class FusedBucket(Bucket):
+    """Packed into the fusion buffer at launch and unpacked after, each in one pass (``BucketCopy``:
+    one kernel launch each way on a GPU), cast for the built-in compressors."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        settings = self.settings
+        self.copy = BucketCopy(pack_scale=settings.prescale, unpack_scale=settings.postscale,
+                               check_finite=settings.check is not None)
+        # compiled now, when the optimizer is built, not inside the first backward
+        self.copy.prepare(self.plan.dtype, self.wire_dtype, self.plan.device)
+        self.full: torch.Tensor | None = None  # this step's buffer
+
+    def fill(self) -> list[torch.Tensor]:
+        settings = self.settings
+        grads = [send_view(p, settings.strides[p]) for p in self.params]
+        numel = self.plan.numel
+        full = self.buffer()
+        tracer = settings.tracer
+        start = tracer.now_us() if tracer is not None else 0.0
+        with torch.no_grad():
+            mine = self.check_slots(full)
+            if mine is None:
+                self.copy.pack(grads, full[:numel])
+            else:
+                self.copy.pack(grads, full[:numel], check_out=mine, check_limit=settings.check.limit(full.dtype))
+            if self.first:
+                full[numel : numel + 1].fill_(1)  # the training flag
+        if tracer is not None and full.device.type == "cpu":  # GPU copies are timed by CUDA events
+            tracer.span(self.name, "MEMCPY_IN_FUSION_BUFFER", start, tracer.now_us())
+        self.in_flight, self.full = grads, full
+        return [full]
+
+    def write_gradients(self) -> None:
+        strides = self.settings.strides
+        targets = gradient_targets(self.params)
+        tracer = self.settings.tracer
+        start = tracer.now_us() if tracer is not None else 0.0
+        with torch.no_grad():
+            views = [view_in_order(t, p, strides[p]) for t, p in zip(targets, self.params)]
+            dests = [v if v is not None else torch.empty(p.numel(), dtype=p.dtype, device=p.device)
+                     for v, p in zip(views, self.params)]
+            self.copy.unpack(self.full[: self.plan.numel], dests)
+            for t, v, d, p in zip(targets, views, dests, self.params):
+                if t is not None and v is None:  # a gradient in another layout: one copy back
+                    t.copy_(d.as_strided(p.shape, strides[p]))
+        if tracer is not None and self.plan.device.type == "cpu":
+            tracer.span(self.name, "MEMCPY_OUT_FUSION_BUFFER", start, tracer.now_us())
+
+    def reset(self) -> None:
+        super().reset()
+        self.full = None
+
+
+class CompressedBucket(Bucket):
+    """A user compressor the kernels cannot fuse: each gradient is compressed on its own and the
+    bucket is reduced as one grouped call; the training flag and the finite slots travel as tensors
+    of their own at the end."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.reduced: list[torch.Tensor] = []  # the compressed gradients (+ flag, + finite slots)
+        self.contexts: list[Any] = []  # the compressor's contexts
+
+    def fill(self) -> list[torch.Tensor]:
+        settings = self.settings
+        grads = [gradient_to_send(p) for p in self.params]
+        self.reduced, self.contexts = [], []
+        for g in grads:
+            c, ctx = settings.compression.compress(g.mul(settings.prescale) if settings.prescale != 1.0 else g)
+            self.reduced.append(c.contiguous())
+            self.contexts.append(ctx)
+        if self.first:
+            self.reduced.append(torch.ones(1, dtype=self.reduced[0].dtype, device=self.plan.device))
+        check = settings.check
+        if check is not None:
+            checks = torch.zeros(check.size, dtype=torch.float32, device=self.plan.device)
+            check.search(grads, checks[check.rank : check.rank + 1])
+            self.checks = checks
+            self.reduced.append(checks)
+        self.in_flight = grads
+        return self.reduced
+
+    def write_gradients(self) -> None:
+        settings = self.settings
+        with torch.no_grad():
+            for t, r, ctx in zip(gradient_targets(self.params), self.reduced, self.contexts):
+                if t is not None:
+                    averaged = settings.compression.decompress(r, ctx)
+                    t.copy_(averaged.mul(settings.postscale) if settings.postscale != 1.0 else averaged)
+
+    def zeros(self) -> list[torch.Tensor]:
+        device, compression = self.plan.device, self.settings.compression
+        tensors = [compression.compress(torch.zeros(p.shape, dtype=p.dtype, device=device))[0].contiguous()
+                   for p in self.params]
+        if self.first:
+            tensors.append(torch.zeros(1, dtype=tensors[0].dtype, device=device))
+        if self.settings.check is not None:
+            tensors.append(torch.zeros(self.settings.check.size, dtype=torch.float32, device=device))
+        return tensors
+
+    def training_flag(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        return tensors[-2 if self.settings.check is not None else -1].reshape(-1)[-1]
+
+    def reset(self) -> None:
+        super().reset()
+        self.reduced, self.contexts = [], []
+
+
+def bucket_kind(plan: fusion.Bucket, wire: torch.dtype | None) -> type[Bucket]:
+    """Which kind a planned bucket is: direct for CPU float32/float64 gradients sent uncompressed
+    (on a GPU one pack kernel per bucket and one unpack kernel write them instead), fused when the
+    kernels can fuse the compressor, compressed otherwise."""
+    if wire is None:
+        return CompressedBucket
+    if plan.device.type == "cpu" and wire == plan.dtype and plan.dtype in (torch.float32, torch.float64):
+        return DirectBucket
+    return FusedBucket
+
+
 class GradientBuckets:
     """The buckets of one layout, launched in order on ``schedule``.
 
@@ -83,27 +356,26 @@ class GradientBuckets:
 
     def __init__(self, schedule: Schedule, trainable: Sequence[torch.Tensor], plans: Sequence[fusion.Bucket],
                  compression: Any, prescale: float, postscale: float, set_id: int,
-                 flush: Callable[[], None] = lambda: None, check: "FiniteSlots | None" = None) -> None:
+                 flush: Callable[[], None] = lambda: None, check: FiniteSlots | None = None) -> None:
         self._schedule = schedule
-        self._compression = compression
-        self._prescale, self._postscale = prescale, postscale
-        self._set_id = set_id
         self._flush = flush
-        self._check = check  # the finite check (finite_check.py): each bucket carries one slot per rank
-        self.tracer: Any = None
-        self._buffers = fusion.FusionBuffers()
-        self.buckets = [BucketState(plan, [trainable[i] for i in plan.param_indices], wire,
-                                    f"DistributedOptimizer.bucket.{plan.index}", _direct(plan, wire),
-                                    len(plan.param_indices))
-                        for plan, wire in ((plan, wire_dtype(compression, plan.dtype)) for plan in plans)]
-        for bucket in self.buckets:
-            if bucket.wire_dtype is not None and not bucket.direct:
-                bucket.copy = BucketCopy(pack_scale=prescale, unpack_scale=postscale, check_finite=check is not None)
-                # compiled now, when the optimizer is built, not inside the first backward
-                bucket.copy.prepare(bucket.plan.dtype, bucket.wire_dtype, bucket.plan.device)
+        self.settings = BucketSettings(compression, prescale, postscale, set_id, check)
+        self.buckets: list[Bucket] = []
+        for plan in plans:
+            wire = wire_dtype(compression, plan.dtype)
+            kind = bucket_kind(plan, wire)
+            self.buckets.append(kind(plan, [trainable[i] for i in plan.param_indices], wire, self.settings))
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
-        self._strides = {p: _layout(p) for p in self.bucket_of}  # the order each gradient travels in
+        self.settings.strides.update({p: layout_of(p) for p in self.bucket_of})  # the order each gradient travels in
         self._next = 0
+
+    @property
+    def tracer(self) -> Any:
+        return self.settings.tracer
+
+    @tracer.setter
+    def tracer(self, tracer: Any) -> None:
+        self.settings.tracer = tracer
 
     @property
     def in_flight(self) -> bool:
@@ -111,57 +383,12 @@ class GradientBuckets:
 
     # -- a training step -----------------------------------------------------------------------
     def gradient_ready(self, p: torch.Tensor) -> None:
-        """``p``'s gradient is final for this step (its hook fired): a direct bucket copies it into
-        its slot at once, averaged (DDP's order: the bucket is ready to send when its last gradient
-        arrives); then every complete bucket whose predecessors are launched is launched."""
-        bucket = self.bucket_of[p]
-        if bucket.direct:
-            self._copy_in(bucket, p)
-        bucket.pending -= 1
+        """``p``'s gradient is final for this step (its hook fired): its bucket takes it (a direct
+        bucket copies it into its slot at once, averaged; DDP's order: the bucket is ready to send
+        when its last gradient arrives); then every complete bucket whose predecessors are launched
+        is launched."""
+        self.bucket_of[p].gradient_ready(p)
         self.launch_ready()
-
-    def _copy_in(self, bucket: BucketState, p: torch.Tensor) -> None:
-        if bucket.full is None:
-            self._bind(bucket)
-        if not bucket.copied:  # a new step: last step's gradients go now, if zero_grad did not release them
-            bucket.in_flight = []
-        g, slot = _gradient_to_send(p), bucket.slots[p]
-        scale = self._prescale * self._postscale
-        tracer = self.tracer
-        start = tracer.now_us() if tracer is not None else 0.0
-        with torch.no_grad():
-            if g.data_ptr() != slot.data_ptr():
-                torch.mul(g, scale, out=slot) if scale != 1.0 else slot.copy_(g)
-            elif scale != 1.0:  # the gradient is last step's view of this slot: average it in place
-                slot.mul_(scale)
-        if tracer is not None:
-            tracer.span(bucket.name, "MEMCPY_IN_FUSION_BUFFER", start, tracer.now_us())
-        bucket.copied.add(p)
-        bucket.in_flight.append(g)
-
-    def _bind(self, bucket: BucketState) -> None:
-        """A direct bucket's buffer and slot views (stable: the buffer's size never changes)."""
-        numel = bucket.plan.numel
-        bucket.full = self._buffers.get(bucket.plan.device, bucket.wire_dtype, numel + self._tail(bucket),
-                                        slot=bucket.plan.index)
-        bucket.slots = {p: bucket.full[offset : offset + n].view(p.shape)
-                        for p, offset, n in zip(bucket.params, bucket.plan.offsets, bucket.plan.numels)}
-        bucket.pieces = [bucket.full[offset : offset + n] for offset, n in zip(bucket.plan.offsets, bucket.plan.numels)]
-
-    def _tail(self, bucket: BucketState) -> int:
-        """Elements after a fused bucket's gradients: bucket 0's training flag, then (finite check)
-        one slot per rank."""
-        return (bucket.plan.index == 0) + (self._check.size if self._check is not None else 0)
-
-    def _check_slots(self, bucket: BucketState, full: torch.Tensor) -> torch.Tensor | None:
-        """The finite check's slots in ``full`` (zeroed; this rank's is written by the pack), or None."""
-        if self._check is None:
-            return None
-        at = bucket.plan.numel + (bucket.plan.index == 0)
-        slots = full[at : at + self._check.size]
-        slots.zero_()
-        bucket.checks = slots
-        return slots[self._check.rank : self._check.rank + 1]
 
     def launch_ready(self) -> None:
         """Launch every complete bucket whose predecessors are launched (hooks call this)."""
@@ -175,170 +402,53 @@ class GradientBuckets:
             self._launch(bucket)
         self._next = len(self.buckets)
 
-    def _launch(self, bucket: BucketState) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         self._schedule.begin_step(self._flush)  # the step's first launch opens it (then a no-op)
-        first = bucket.plan.index == 0
-        if bucket.direct:  # the gradients whose hooks did not fire are copied now (zeros if they have none)
-            for p in bucket.params:
-                if p not in bucket.copied:
-                    self._copy_in(bucket, p)
-            if first:
-                bucket.full[bucket.plan.numel : bucket.plan.numel + 1].fill_(1)  # the training flag
-            mine = self._check_slots(bucket, bucket.full)
-            if mine is not None:
-                self._check.search(bucket.pieces, mine, whole=bucket.full[: bucket.plan.numel])
-            bucket.reduced = [bucket.full]
-            bucket.handle = self._schedule.launch(self._request(bucket, bucket.reduced))
-            return
-        if bucket.wire_dtype is not None:
-            grads = [self._send_view(p) for p in bucket.params]
-            numel = bucket.plan.numel
-            full = self._buffers.get(bucket.plan.device, bucket.wire_dtype, numel + self._tail(bucket),
-                                     slot=bucket.plan.index)
-            tracer = self.tracer
-            start = tracer.now_us() if tracer is not None else 0.0
-            with torch.no_grad():
-                mine = self._check_slots(bucket, full)
-                if mine is None:
-                    bucket.copy.pack(grads, full[:numel])
-                else:
-                    bucket.copy.pack(grads, full[:numel], check_out=mine, check_limit=self._check.limit(full.dtype))
-                if first:
-                    full[numel : numel + 1].fill_(1)  # the training flag
-            if tracer is not None and full.device.type == "cpu":  # GPU copies are timed by CUDA events
-                tracer.span(bucket.name, "MEMCPY_IN_FUSION_BUFFER", start, tracer.now_us())
-            bucket.reduced = [full]
-        else:  # a user compressor: compress each gradient, reduce them as one grouped call
-            grads = [_gradient_to_send(p) for p in bucket.params]
-            for g in grads:
-                c, ctx = self._compression.compress(g.mul(self._prescale) if self._prescale != 1.0 else g)
-                bucket.reduced.append(c.contiguous())
-                bucket.contexts.append(ctx)
-            if first:
-                bucket.reduced.append(torch.ones(1, dtype=bucket.reduced[0].dtype, device=bucket.plan.device))
-            if self._check is not None:
-                checks = torch.zeros(self._check.size, dtype=torch.float32, device=bucket.plan.device)
-                self._check.search(grads, checks[self._check.rank : self._check.rank + 1])
-                bucket.checks = checks
-                bucket.reduced.append(checks)
-        bucket.in_flight = grads
-        bucket.handle = self._schedule.launch(self._request(bucket, bucket.reduced))
-
-    def _request(self, bucket: BucketState, tensors: list[torch.Tensor]) -> Request:
-        return Request("allreduce", bucket.name, tensors, outputs=tensors, op=ReduceOp.SUM, device=bucket.plan.device,
-                       set_id=self._set_id)
+        bucket.handle = self._schedule.launch(bucket.request(bucket.fill()))
 
     def finish(self) -> list[tuple[int, int, int]]:
         """Wait for every bucket in order and write the averaged gradients into ``p.grad``. With the
         finite check, returns what the ranks reported: ``(index in the set, bucket, slot value)``
         for each non-zero slot (one read of every bucket's slots: a host sync on a GPU)."""
         for bucket in self.buckets:
-            self._finish(bucket)
-        if self._check is None:
+            assert bucket.handle is not None
+            bucket.handle.wait()
+            bucket.write_gradients()
+        check = self.settings.check
+        if check is None:
             return []
-        tails = [b.checks.float() for b in self.buckets if b.checks is not None]
-        if not tails:
-            return []
-        values = torch.cat(tails).tolist()
-        size = self._check.size
         checked = [b for b in self.buckets if b.checks is not None]
+        if not checked:
+            return []
+        values = torch.cat([b.checks.float() for b in checked]).tolist()
+        size = check.size
         return [(i % size, checked[i // size].plan.index, int(v)) for i, v in enumerate(values) if v != 0]
 
-    def _finish(self, bucket: BucketState) -> None:
-        assert bucket.handle is not None
-        bucket.handle.wait()
-        targets = []
-        for p in bucket.params if not bucket.direct else ():
-            if not p.requires_grad:
-                targets.append(None)  # frozen since the layout was agreed: leave its gradient alone
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)  # the parameter's layout: unpacked into in place
-            elif p.grad.is_sparse:
-                p.grad = p.grad.to_dense()
-            targets.append(p.grad)
-        tracer = self.tracer
-        start = tracer.now_us() if tracer is not None else 0.0
-        with torch.no_grad():
-            if bucket.direct:  # averaged when copied in: each gradient becomes its slot of the buffer
-                for p in bucket.params:
-                    if p.requires_grad:
-                        p.grad = bucket.slots[p]
-            elif bucket.wire_dtype is not None:
-                views = [self._view_in_order(t, p) for t, p in zip(targets, bucket.params)]
-                dests = [v if v is not None else torch.empty(p.numel(), dtype=p.dtype, device=p.device)
-                         for v, p in zip(views, bucket.params)]
-                bucket.copy.unpack(bucket.reduced[0][:bucket.plan.numel], dests)
-                for t, v, d, p in zip(targets, views, dests, bucket.params):
-                    if t is not None and v is None:  # a gradient in another layout: one copy back
-                        t.copy_(d.as_strided(p.shape, self._strides[p]))
-            else:
-                for t, r, ctx in zip(targets, bucket.reduced, bucket.contexts):
-                    if t is not None:
-                        averaged = self._compression.decompress(r, ctx)
-                        t.copy_(averaged.mul(self._postscale) if self._postscale != 1.0 else averaged)
-        if tracer is not None and bucket.plan.device.type == "cpu" and not bucket.direct:
-            tracer.span(bucket.name, "MEMCPY_OUT_FUSION_BUFFER", start, tracer.now_us())
-
-    def _send_view(self, p: torch.Tensor) -> torch.Tensor:
-        """``p``'s gradient as a flat tensor in ``p``'s memory order (see the module doc): a view of
-        the gradient itself when it has ``p``'s layout, one copy otherwise; zeros when it has none."""
-        g = p.grad
-        if g is None or not p.requires_grad:
-            return torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-        if g.is_sparse:
-            g = g.to_dense()
-        view = self._view_in_order(g, p)
-        if view is not None:
-            return view
-        laid_out = torch.empty_strided(p.shape, self._strides[p], dtype=g.dtype, device=g.device)
-        laid_out.copy_(g)
-        return laid_out.as_strided((p.numel(),), (1,))
-
     def stride_of(self, p: torch.Tensor) -> tuple[int, ...]:
-        """The strides ``p``'s gradient travels in (``_layout``; those of size-1 dimensions as 0,
+        """The strides ``p``'s gradient travels in (``layout_of``; those of size-1 dimensions as 0,
         since they say nothing): verified alike across ranks."""
-        return _significant(self._strides[p], p.shape)
-
-    def _view_in_order(self, t: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor | None:
-        """A flat view of ``t``'s memory when it is laid out like ``p`` (one dense block in ``p``'s
-        order; the strides of size-1 dimensions do not matter), else None."""
-        if t is None or t.shape != p.shape:
-            return None
-        if t.is_contiguous() and p.is_contiguous():
-            return t.view(-1)
-        if _significant(t.stride(), t.shape) != _significant(self._strides[p], p.shape):
-            return None
-        return t.as_strided((t.numel(),), (1,))
+        return significant_strides(self.settings.strides[p], p.shape)
 
     def reset(self) -> None:
         self.tracer = None
         for bucket in self.buckets:
-            bucket.pending = len(bucket.params)
-            bucket.handle = None
-            bucket.checks = None
-            bucket.reduced, bucket.contexts = [], []
-            bucket.copied.clear()
-            if not bucket.direct:
-                bucket.in_flight = []
+            bucket.reset()
         self._next = 0
 
     def release(self) -> None:
         """Drop the gradients the last step sent (``zero_grad`` calls this): a direct bucket keeps
-        them until then, so their memory is freed right before the next backward allocates anew,
-        as it would be had they stayed ``p.grad`` (the allocator reuses it instead of faulting in
-        fresh pages)."""
+        them until then (see ``DirectBucket``)."""
         for bucket in self.buckets:
-            if bucket.handle is None:
-                bucket.in_flight = []
+            bucket.release()
 
     # -- beyond the steady state ----------------------------------------------------------------
     def reduce_once(self, params: Sequence[torch.Tensor], name: str) -> None:
         """Average ``params``' gradients now, on the schedule (every rank calls this at the same point)."""
-        grads = [_gradient_to_send(p) for p in params]
+        settings = self.settings
+        grads = [gradient_to_send(p) for p in params]
         device = grads[0].device
-        request = Request("allreduce", name, grads, outputs=grads, op=ReduceOp.SUM, prescale=self._prescale,
-                          postscale=self._postscale, device=device, set_id=self._set_id)
+        request = Request("allreduce", name, grads, outputs=grads, op=ReduceOp.SUM, prescale=settings.prescale,
+                          postscale=settings.postscale, device=device, set_id=settings.set_id)
         self._schedule.begin_step(lambda: None)  # a step of its own: placed among negotiated work alike
         try:
             handle = self._schedule.launch(request)
@@ -362,46 +472,66 @@ class GradientBuckets:
         try:  # every bucket's zeros go out inside the step, and nothing waits inside it: a joined rank's
             # stand-ins for negotiated collectives wait for the step's end, which must come
             for bucket in self.buckets:
-                tensors = self._zeros(bucket)
-                launched.append((bucket, tensors, self._schedule.launch(self._request(bucket, tensors))))
+                tensors = bucket.zeros()
+                launched.append((bucket, tensors, self._schedule.launch(bucket.request(tensors))))
         finally:
             self._schedule.end_step()
         for _, _, handle in launched:
             handle.wait()
         bucket, tensors, _ = launched[0]  # bucket 0: the training flag
-        return float(self._training_flag(bucket, tensors)) != 0.0
-
-    def _zeros(self, bucket: BucketState) -> list[torch.Tensor]:
-        """A joined rank's part in ``bucket``: zeros everywhere (training flag 0, finite slots 0)."""
-        device, first = bucket.plan.device, bucket.plan.index == 0
-        if bucket.wire_dtype is not None:
-            return [torch.zeros(bucket.plan.numel + self._tail(bucket), dtype=bucket.wire_dtype, device=device)]
-        tensors = [self._compression.compress(torch.zeros(p.shape, dtype=p.dtype, device=device))[0].contiguous()
-                   for p in bucket.params]
-        if first:
-            tensors.append(torch.zeros(1, dtype=tensors[0].dtype, device=device))
-        if self._check is not None:
-            tensors.append(torch.zeros(self._check.size, dtype=torch.float32, device=device))
-        return tensors
-
-    def _training_flag(self, bucket: BucketState, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """Bucket 0's reduced training flag (the sum over ranks of 1 for a training rank)."""
-        if bucket.wire_dtype is not None:
-            return tensors[0][bucket.plan.numel]
-        return tensors[-2 if self._check is not None else -1].reshape(-1)[-1]
+        return float(bucket.training_flag(tensors)) != 0.0
 
 
-def _direct(plan: fusion.Bucket, wire: torch.dtype | None) -> bool:
-    """CPU buckets of float32/float64 gradients sent uncompressed are *direct*: each gradient is
-    copied into its slot as soon as its hook fires, averaged in the same pass, and the averaged
-    gradients are handed back as views of the fusion buffer (as DDP's ``gradient_as_bucket_view``
-    does): one pass over the gradients per step, where a pack and an unpack take two. A view is
-    overwritten by the next step, so a gradient kept across steps must be cloned. On GPU one pack
-    kernel per bucket and one unpack kernel write them instead."""
-    return plan.device.type == "cpu" and wire == plan.dtype and plan.dtype in (torch.float32, torch.float64)
+# ---------------------------------------------------------------------------------------------
+# a gradient's way to the wire and back
 
 
-def _layout(p: torch.Tensor) -> tuple[int, ...]:
+def gradient_targets(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Where each parameter's averaged gradient goes: ``p.grad`` (zeros in ``p``'s layout when it
+    has none, dense when it was sparse), None for a parameter frozen since the layout was agreed
+    (its gradient is left alone)."""
+    targets: list[torch.Tensor | None] = []
+    for p in params:
+        if not p.requires_grad:
+            targets.append(None)
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)  # the parameter's layout: unpacked into in place
+        elif p.grad.is_sparse:
+            p.grad = p.grad.to_dense()
+        targets.append(p.grad)
+    return targets
+
+
+def send_view(p: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+    """``p``'s gradient as a flat tensor in the memory order ``strides`` (see the module doc): a
+    view of the gradient itself when it has that layout, one copy otherwise; zeros when it has none."""
+    g = p.grad
+    if g is None or not p.requires_grad:
+        return torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+    if g.is_sparse:
+        g = g.to_dense()
+    view = view_in_order(g, p, strides)
+    if view is not None:
+        return view
+    laid_out = torch.empty_strided(p.shape, strides, dtype=g.dtype, device=g.device)
+    laid_out.copy_(g)
+    return laid_out.as_strided((p.numel(),), (1,))
+
+
+def view_in_order(t: torch.Tensor | None, p: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor | None:
+    """A flat view of ``t``'s memory when it is laid out in ``p``'s travel order ``strides`` (one
+    dense block; the strides of size-1 dimensions do not matter), else None."""
+    if t is None or t.shape != p.shape:
+        return None
+    if t.is_contiguous() and p.is_contiguous():
+        return t.view(-1)
+    if significant_strides(t.stride(), t.shape) != significant_strides(strides, p.shape):
+        return None
+    return t.as_strided((t.numel(),), (1,))
+
+
+def layout_of(p: torch.Tensor) -> tuple[int, ...]:
     """The strides a gradient of ``p`` travels in: ``p``'s own when its elements fill one dense
     block with no overlap (contiguous, channels_last, any permutation of dims; a gradient then
     has them too, by autograd's layout contract), else contiguous strides."""
@@ -415,13 +545,13 @@ def _layout(p: torch.Tensor) -> tuple[int, ...]:
     return p.stride()
 
 
-def _significant(strides: Sequence[int], shape: Sequence[int]) -> tuple[int, ...]:
+def significant_strides(strides: Sequence[int], shape: Sequence[int]) -> tuple[int, ...]:
     """``strides`` with those of size-1 dimensions as 0: two tensors of one shape whose significant
     strides agree lay their elements out in the same order."""
     return tuple(st if sz != 1 else 0 for st, sz in zip(strides, shape))
 
 
-def _gradient_to_send(p: torch.Tensor) -> torch.Tensor:
+def gradient_to_send(p: torch.Tensor) -> torch.Tensor:
     """``p``'s gradient as the bucket sends it: zeros when it has none or is frozen (Horovod's rule)."""
     g = p.grad
     if g is None or not p.requires_grad:
@@ -431,4 +561,5 @@ def _gradient_to_send(p: torch.Tensor) -> torch.Tensor:
     return g if g.is_contiguous() else g.contiguous()
 
 
-__all__ = ["BucketState", "GradientBuckets", "wire_dtype"]
+__all__ = ["Bucket", "BucketSettings", "CompressedBucket", "DirectBucket", "FusedBucket", "GradientBuckets",
+           "bucket_kind", "wire_dtype"]

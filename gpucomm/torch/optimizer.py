@@ -127,7 +127,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # no finalizer releases the schedule: garbage collection runs at a different moment on every
         # rank, and a communicator is released only at a collective point (``close()``, or shutdown)
 
-    def _rebind(self) -> None:
+    def rebind(self) -> None:
         """Elastic training re-formed the job (``hvd.elastic.run``): attach to the new one. Every
         rank of the new job calls this at the same point (``TorchState.sync()`` does, or the first
         gradient hook or ``synchronize()`` after the re-form)."""
@@ -215,7 +215,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._local_only:
             return
         if self._job_ref() is not jobs.active():
-            self._rebind()
+            self.rebind()
         with self._lock:
             delay = self._delay.get(p)
             if delay is None:  # not in the agreed layout (it was frozen when the layout was agreed)
@@ -256,7 +256,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("this DistributedOptimizer was closed (optimizer.close()): it averages no more gradients "
                              "and has released its communicator. Build a new DistributedOptimizer to keep training.")
         if self._job_ref() is not jobs.active():
-            self._rebind()
+            self.rebind()
         if self._size == 1:
             self._synchronized = True
             return

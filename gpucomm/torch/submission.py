@@ -2,7 +2,7 @@
 Horovod's integer handles, or synchronous), the handle table, process-set ids, and the checks every
 collective shares. ``collectives.py`` (Horovod's functions), ``autograd.py``, ``functions.py``,
 ``sync_batch_norm.py``, the optimizer and Adasum all go through it; nothing of the front reaches
-the job another way. An Adasum allreduce starts in one place, ``_start``.
+the job another way. An Adasum allreduce starts in one place, ``_start_adasum``.
 """
 
 from __future__ import annotations
@@ -119,7 +119,11 @@ def submit(kind: str, tensors: Sequence[torch.Tensor], name: str | None, convert
             **options: Any) -> int:
     """Validate, submit and register a request; returns Horovod's integer handle (``synchronize``
     gives ``convert(result)``)."""
-    handle, convert = _start(kind, tensors, name, convert, Send.CYCLE, options)
+    if kind == "allreduce" and options.get("op") is ReduceOp.ADASUM:
+        handle, convert = _start_adasum(tensors, name, convert, Send.CYCLE, options)
+    else:
+        job = jobs.current()
+        handle = job.submit(build_request(job, kind, tensors, name, **options), send=Send.CYCLE)
     handle_id = next(_handle_ids)
     with _handles_lock:
         _handles[handle_id] = (handle, convert)
@@ -128,30 +132,27 @@ def submit(kind: str, tensors: Sequence[torch.Tensor], name: str | None, convert
 
 def execute(kind: str, tensors: Sequence[torch.Tensor], name: str | None, **options: Any) -> Any:
     """Submit and wait: the synchronous forms."""
-    handle, convert = _start(kind, tensors, name, _unchanged, Send.ON_WAIT, options)
-    return convert(handle.wait())
+    if kind == "allreduce" and options.get("op") is ReduceOp.ADASUM:
+        handle, convert = _start_adasum(tensors, name, None, Send.ON_WAIT, options)
+        result = handle.wait()
+        return result if convert is None else convert(result)
+    job = jobs.current()
+    return job.submit(build_request(job, kind, tensors, name, **options), send=Send.ON_WAIT).wait()
 
 
-def register_adasum(start: Callable[..., tuple[Any, Callable[[Any], Any]]]) -> None:
+def register_adasum(start: Callable[..., tuple[Any, Callable[[Any], Any] | None]]) -> None:
     """``start(tensors, name, convert, send, **options) -> (handle, convert)``: how an Adasum
     allreduce is started (``adasum.py`` registers it when first imported)."""
     _adasum.append(start)
 
 
-def _start(kind: str, tensors: Sequence[torch.Tensor], name: str | None, convert: Callable[[Any], Any], send: Send,
-           options: dict) -> tuple[Any, Callable[[Any], Any]]:
-    """The one place a collective starts: an Adasum allreduce goes to ``adasum.py``, anything else
-    is validated and submitted to the job."""
-    if kind == "allreduce" and options.get("op") is ReduceOp.ADASUM:
-        if not _adasum:
-            import_module(f"{__package__}.adasum")  # registers itself (it builds on this module)
-        return _adasum[0](tensors, name, convert, send, **options)
-    job = jobs.current()
-    return job.submit(build_request(job, kind, tensors, name, **options), send=send), convert
-
-
-def _unchanged(result: Any) -> Any:
-    return result
+def _start_adasum(tensors: Sequence[torch.Tensor], name: str | None, convert: Callable[[Any], Any] | None,
+                  send: Send, options: dict) -> tuple[Any, Callable[[Any], Any] | None]:
+    """The one place an Adasum allreduce starts (``adasum.py``, loaded on first use); ``convert``
+    None: the result as it comes."""
+    if not _adasum:
+        import_module(f"{__package__}.adasum")  # registers itself (it builds on this module)
+    return _adasum[0](tensors, name, convert, send, **options)
 
 
 _adasum: list[Callable[..., tuple[Any, Callable[[Any], Any]]]] = []

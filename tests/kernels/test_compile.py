@@ -24,7 +24,7 @@ from gpucomm import kernels  # noqa: E402
 if kernels.SIMULATOR:
     pytest.skip("numba is in simulator mode in this process", allow_module_level=True)
 
-from gpucomm.kernels import api, launch, table  # noqa: E402
+from gpucomm.kernels import launch, packing, table  # noqa: E402
 from tests.kernels.toolchain import toolchain_missing  # noqa: E402
 
 CC = (9, 0)
@@ -133,10 +133,10 @@ def test_data_moves_through_global_loads_and_stores(name):
 def test_launch_arguments_do_not_grow_with_the_tensor_count(monkeypatch):
     """A layout of 2 tensors and one of 2,000 launch the same kernel with the same three scalars."""
     calls = []
-    monkeypatch.setattr(api, "_check_runnable", lambda direction, device: None)
-    monkeypatch.setattr(api._launch, "grid_for", lambda nrows, device: 1)
-    monkeypatch.setattr(api._launch, "compile_kernel", lambda spec, device: None)  # PTX is checked below
-    monkeypatch.setattr(api._launch.Launch, "__call__", lambda self, stream: calls.append(self))
+    monkeypatch.setattr(packing, "_check_runnable", lambda direction, device: None)
+    monkeypatch.setattr(launch, "grid_for", lambda nrows, device: 1)
+    monkeypatch.setattr(launch, "compile_kernel", lambda spec, device: None)  # PTX is checked below
+    monkeypatch.setattr(launch.Launch, "__call__", lambda self, stream: calls.append(self))
     kernels.clear_cache()
     for count in (2, 2000):
         srcs = [torch.ones(3) for _ in range(count)]

@@ -136,15 +136,15 @@ def test_cached_table_is_safe_on_a_second_stream():
 
 
 def test_fusion_gpu_and_cpu_paths_agree():
-    from gpucomm.dataplane import fusion  # noqa: PLC0415
+    from gpucomm.dataplane import bucket_copy  # noqa: PLC0415
 
     gen = torch.Generator().manual_seed(4)
     cpu = [random_values(torch.float32, n, gen) for n in (10, 0, 70_000)] + [special_values(torch.float32)]
     gpu = [t.cuda() for t in cpu]
     total = sum(t.numel() for t in cpu)
     for wire_dtype in (torch.float32, torch.float16, torch.bfloat16):
-        a = fusion.pack_bucket(gpu, torch.empty(total, dtype=wire_dtype, device="cuda"), scale=0.25)
-        b = fusion.pack_bucket(cpu, torch.empty(total, dtype=wire_dtype), scale=0.25)
+        a = bucket_copy.pack_bucket(gpu, torch.empty(total, dtype=wire_dtype, device="cuda"), scale=0.25)
+        b = bucket_copy.pack_bucket(cpu, torch.empty(total, dtype=wire_dtype), scale=0.25)
         assert_same_bits(a.cpu(), b)
 
 
@@ -152,7 +152,7 @@ def test_fusion_gpu_and_cpu_paths_agree():
                                       (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16)], ids=str)
 def test_bucket_copy_kernels_and_torch_fallback_agree(launch_mode, src, wire, monkeypatch):
     """The optimizer's per-bucket copy: bound kernels, and the torch fallback chosen by GPUCOMM_FUSION_KERNELS=0."""
-    from gpucomm.dataplane import fusion  # noqa: PLC0415
+    from gpucomm.dataplane import bucket_copy  # noqa: PLC0415
     from gpucomm.dataplane.bucket_copy import BucketCopy  # noqa: PLC0415
     from gpucomm.kernels import availability  # noqa: PLC0415
 
@@ -162,7 +162,7 @@ def test_bucket_copy_kernels_and_torch_fallback_agree(launch_mode, src, wire, mo
     total = sum(t.numel() for t in srcs)
     results = {}
     for path in ("kernels", "torch"):
-        monkeypatch.setenv(fusion.KERNELS_ENV, "1" if path == "kernels" else "0")
+        monkeypatch.setenv(bucket_copy.KERNELS_ENV, "1" if path == "kernels" else "0")
         copy = BucketCopy(pack_scale=0.5, unpack_scale=0.25)
         flat = torch.empty(total, dtype=wire, device="cuda")
         outs = [torch.empty_like(t) for t in srcs]

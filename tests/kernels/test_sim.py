@@ -19,8 +19,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from gpucomm import kernels  # noqa: E402
-from gpucomm.dataplane import fusion  # noqa: E402
-from gpucomm.kernels import api, launch, table  # noqa: E402
+from gpucomm.dataplane import bucket_copy  # noqa: E402
+from gpucomm.kernels import launch, packing, table  # noqa: E402
 from tests.kernels.reference import (  # noqa: E402
     BF16_EDGE_BITS, assert_same_bits, f32_from_bits, random_values, reference, special_values)
 
@@ -174,7 +174,7 @@ def test_one_huge_tensor_beside_many_tiny_is_split_evenly(launches):
     kernels.pack(srcs, wire)
     assert_same_bits(wire, torch.cat(srcs).bfloat16())
     assert len(launches) == 1
-    (layout,) = api._CACHE.values()
+    (layout,) = packing._CACHE.values()
     rows = layout.table.rows
     assert rows[:, 2].max() <= CHUNK and rows[:, 2].min() >= 1
     assert len(rows) == 120 + 41  # one row per tiny tensor, ceil(n / CHUNK) for the huge one
@@ -252,7 +252,7 @@ def test_a_shorter_view_of_a_known_flat_buffer_is_rejected():
 
 
 def test_fusion_cpu_path_matches_the_kernels():
-    """gpucomm.dataplane.fusion's torch-ops path and the kernels agree bit for bit (NaN as NaN)."""
+    """gpucomm.dataplane.bucket_copy's torch-ops path and the kernels agree bit for bit (NaN as NaN)."""
     gen = torch.Generator().manual_seed(13)
     for src, wire_dtype in [(torch.float32, torch.float32), *kernels.CASTS, (torch.bfloat16, torch.bfloat16)]:
         srcs = [special_values(src), random_values(src, 77, gen)]
@@ -260,11 +260,11 @@ def test_fusion_cpu_path_matches_the_kernels():
             n = sum(t.numel() for t in srcs)
             a, b = torch.empty(n, dtype=wire_dtype), torch.empty(n, dtype=wire_dtype)
             kernels.pack(srcs, a, scale=scale)
-            fusion._torch_pack(srcs, b, scale)
+            bucket_copy.torch_pack(srcs, b, scale)
             assert_same_bits(a, b)
             outs_k, outs_t = [torch.empty_like(t) for t in srcs], [torch.empty_like(t) for t in srcs]
             kernels.unpack(a, outs_k, scale=scale)
-            fusion._torch_unpack(a, outs_t, scale)
+            bucket_copy.torch_unpack(a, outs_t, scale)
             for x, y in zip(outs_k, outs_t):
                 assert_same_bits(x, y)
 

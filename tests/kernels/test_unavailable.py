@@ -22,7 +22,7 @@ def test_pack_without_gpu_or_simulator_says_why_and_what_to_do():
     with pytest.raises(KernelUnavailableError, match="need a GPU") as info:
         kernels.pack([torch.ones(3)], torch.empty(3))
     message = str(info.value)
-    assert "gpucomm.dataplane.fusion" in message and "NUMBA_ENABLE_CUDASIM=1" in message
+    assert "gpucomm.dataplane.bucket_copy" in message and "NUMBA_ENABLE_CUDASIM=1" in message
     assert isinstance(info.value, GpucommError)
     with pytest.raises(KernelUnavailableError):
         kernels.unpack(torch.empty(3), [torch.ones(3)], scale=0.5)

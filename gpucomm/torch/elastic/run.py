@@ -22,6 +22,7 @@ from ... import job as jobs
 from ...bootstrap import rounds
 from ...counters import COUNTERS
 from ...errors import CollectiveError, GpucommError, HostsUpdatedInterrupt, WorkerRemoved
+from .. import init  # gpucomm.torch.init: it also binds the global process set
 
 log = logging.getLogger("gpucomm")
 
@@ -72,8 +73,6 @@ def _reform(state, skip_sync: bool) -> bool:
             log.warning("gpucomm elastic: leaving the old job raised %s: %s; joining the next round anyway",
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         try:
-            from .. import init  # noqa: PLC0415 - gpucomm.torch.init binds the global process set
-
             init()
             job = jobs.current()
             skip_sync = skip_sync and not job.new_workers_joined

@@ -23,7 +23,7 @@ import torch.utils.data
 from ... import job as jobs
 
 
-def _world() -> tuple[int, int]:
+def _rank_and_size() -> tuple[int, int]:
     """(rank, size) of the current job; (0, 1) when gpucomm is not initialized (one process, as
     ``init()`` without a launcher would make it). Read at every re-partition."""
     if not jobs.is_initialized():
@@ -92,7 +92,7 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def reset(self) -> None:
         """Re-partition the samples not yet processed this epoch among the current job's ranks."""
-        self.rank, self.num_replicas = _world()
+        self.rank, self.num_replicas = _rank_and_size()
         self.remaining_indices = self._epoch_order()[self.processed_num :]
         self.indices = self.remaining_indices[self.rank :: self.num_replicas]
 

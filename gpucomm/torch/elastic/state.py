@@ -9,7 +9,7 @@ of ours, each so that a rank never ends up holding state another rank does not:
 - ``sync`` sends rank 0's live values (the model, too, is live) and then commits on every rank, so
   a failure right after a re-form rolls every rank back to the same point;
 - ``reset`` (after every re-form, before the sync, which Horovod skips when ranks only left)
-  re-shards ``ElasticSampler``s and calls the optimizers' ``_rebind``.
+  re-shards ``ElasticSampler``s and calls the optimizers' ``rebind``.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ class TorchState(ObjectState):
 
     def _rebind_optimizers(self) -> None:
         for handler in self._handlers.values():
-            rebind = getattr(handler.value, "_rebind", None) if isinstance(handler, _OptimizerHandler) else None
+            rebind = getattr(handler.value, "rebind", None) if isinstance(handler, _OptimizerHandler) else None
             if rebind is not None:
                 rebind()
 

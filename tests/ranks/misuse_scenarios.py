@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_hardening.py (module level, so the rank pool can import them)."""
+"""Rank functions for tests/test_misuse.py (module level, so the rank pool can import them)."""
 
 from __future__ import annotations
 

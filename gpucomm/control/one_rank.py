@@ -19,7 +19,7 @@ from .negotiation import CONTROL_KINDS, descriptor_of
 Execute = Callable[[Request, dict], Issued]
 
 
-class LocalPlane:
+class OneRankPlane:
     """The handle owner of a one-rank job; runs each request on the caller's thread."""
 
     def __init__(self, execute: Execute, timeout: float, *, on_done: Callable[[str, str, Any], None],
@@ -81,4 +81,4 @@ def _own_meta(request: Request) -> dict:
     return {}
 
 
-__all__ = ["LocalPlane"]
+__all__ = ["OneRankPlane"]

@@ -127,7 +127,7 @@ class Layout:
         if launch is None:
             return  # nothing to copy
         if device.type == "cuda":
-            stream = _stream_for(stream, device)
+            stream = stream_for(stream, device)
             self.table.use_on(stream)
         if self.finite is not None:
             with stream_context(stream):
@@ -175,7 +175,7 @@ def new_layout(direction: str, tensors: Sequence[torch.Tensor], flat: torch.Tens
     device = flat.device
     _check_runnable(direction, device)
     if device.type == "cuda":
-        stream = _stream_for(stream, device)
+        stream = stream_for(stream, device)
     ptrs, numels = tuple(map(_PTR, tensors)), tuple(map(_NUMEL, tensors))
     table = _build_table(direction, spec, flat.data_ptr(), flat.element_size(), ptrs, numels, device, stream)
     finite = _row_flags(numels, table.nrows, device, stream) if checked else None
@@ -209,7 +209,7 @@ def _build_table(direction: str, spec: KernelSpec, flat_ptr: int, flat_itemsize:
     return Table(rows, _launch.grid_for(len(rows), device), device, stream)
 
 
-def _stream_for(stream: Any, device: torch.device) -> Any:
+def stream_for(stream: Any, device: torch.device) -> Any:
     if stream is None:
         return torch.cuda.current_stream(device)
     if not hasattr(stream, "cuda_stream"):
@@ -234,10 +234,10 @@ def _check_runnable(direction: str, device: torch.device) -> None:
         if reason:
             raise KernelUnavailableError(
                 f"{direction}: the Numba CUDA kernels need a GPU and none can be used here ({reason}); got {device} "
-                f"tensors. For CPU tensors use gpucomm.dataplane.fusion.pack_bucket/unpack_bucket (plain torch ops); to test the "
+                f"tensors. For CPU tensors use gpucomm.dataplane.bucket_copy.pack_bucket/unpack_bucket (plain torch ops); to test the "
                 f"kernels without a GPU, set NUMBA_ENABLE_CUDASIM=1 before numba is imported.")
         raise ValueError(f"{direction}: the kernels pack CUDA tensors, got {device} tensors. For CPU tensors use "
-                         f"gpucomm.dataplane.fusion.pack_bucket/unpack_bucket (plain torch ops).")
+                         f"gpucomm.dataplane.bucket_copy.pack_bucket/unpack_bucket (plain torch ops).")
     if reason:
         raise KernelUnavailableError(
             f"{direction}: torch sees {device} but Numba cannot use the GPU ({reason}). Likely cause: numba-cuda or "

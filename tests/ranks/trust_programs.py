@@ -1,8 +1,8 @@
 """Programs for tests/test_trust_edges.py, run as real processes.
 
-``python tests/trust_programs.py driver SPEC`` starts the processes SPEC (a JSON file) lists, in
+``python tests/ranks/trust_programs.py driver SPEC`` starts the processes SPEC (a JSON file) lists, in
 waves: a wave starts once every process of the previous one has printed ``READY`` (or exited).
-Each process runs ``python tests/trust_programs.py ROLE`` with its own environment. When all have
+Each process runs ``python tests/ranks/trust_programs.py ROLE`` with its own environment. When all have
 exited (or the driver's deadline passed: the rest are killed), it prints one JSON line
 ``RESULTS [...]`` with each process's exit code, stdout and stderr. The test runs the driver
 through ``tests.harness.run``, which reaps the whole session.
@@ -15,7 +15,7 @@ Roles:
 - ``impostor``: holds the job secret; reads rank 0's control address from the store, claims rank 1
   there under its own pid, and prints what rank 0 answered (``TOLD <message>``).
 
-``python tests/trust_programs.py store-attack`` starts a store (``store-server``, a child process
+``python tests/ranks/trust_programs.py store-attack`` starts a store (``store-server``, a child process
 whose memory it reads, with ``GPUCOMM_STORE_MAX_BYTES`` from its own environment) and attacks it as
 an authenticated client; it prints ``STORE {json}`` with what happened.
 """
@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOLD_SECONDS = 60.0
 
 

@@ -10,7 +10,7 @@ import torch
 
 import gpucomm.torch as hvd
 from gpucomm.bootstrap.rendezvous import RendezvousServer
-from tests import rank_scenarios as sc
+from tests.ranks import lifecycle_scenarios as sc
 from tests.harness import RankFailure, run_ranks
 
 

@@ -14,7 +14,6 @@ import torch.nn as nn
 import gpucomm.torch as hvd
 from gpucomm import job as jobs
 from gpucomm.bootstrap import devices
-from gpucomm.counters import COUNTERS
 
 
 # -- every thread that may touch CUDA selects this rank's GPU first ------------------------------
@@ -146,7 +145,7 @@ def sparse_steps_negotiate_nothing(steps: int = 4) -> dict:
     """After the step in which the ranks agree which gradients are sparse, a step with a sparse
     embedding gradient sends no control message: its reduction is on the fixed schedule."""
     hvd.init()
-    r, n = hvd.rank(), hvd.size()
+    r = hvd.rank()
     torch.manual_seed(0)
     emb, head = nn.Embedding(20, 4, sparse=True), nn.Linear(4, 1)
     params = list(emb.parameters()) + list(head.parameters())

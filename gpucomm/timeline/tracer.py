@@ -12,6 +12,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
+from .gpu import GpuActivities
+from .writer import Timeline, dtype_name, shape_str
+
 log = logging.getLogger("gpucomm.timeline")
 
 
@@ -19,8 +22,6 @@ class Tracer:
     """Rank 0's timeline and the vocabulary the rest of gpucomm uses to fill it."""
 
     def __init__(self, path: str, *, mark_cycles: bool = False) -> None:
-        from .writer import Timeline, dtype_name, shape_str  # noqa: PLC0415
-
         self.timeline = Timeline(path, mark_cycles=mark_cycles)
         self._dtype_name, self._shape_str = dtype_name, shape_str
         self.path = path
@@ -80,8 +81,6 @@ class Tracer:
     def gpu_op(self, name: str, kind: str, stream: Any):
         """Start timing a CUDA collective on ``stream``; the caller marks ``step``s and ``submit``s."""
         if self._gpu is None:
-            from .gpu import GpuActivities  # noqa: PLC0415
-
             # the stream's own device: the thread tracing may not have selected it (nor GPU 0)
             self._gpu = GpuActivities(self.timeline, device=stream.device)
         return self._gpu.trace(name, kind, stream=stream)

@@ -12,9 +12,9 @@ import torch.nn as nn
 
 import gpucomm.torch as hvd
 from gpucomm import job as jobs
-from tests.optimizer_scenarios import batch, half, make_model, max_rel_diff
+from tests.ranks.optimizer_scenarios import batch, half, make_model, max_rel_diff
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"))
 
 
 def _delta(before: dict, after: dict) -> dict:
@@ -154,7 +154,7 @@ def in_place_prescale() -> dict:
     """In-place allreduces with a prescale, small (reduced by the coordinator) and large (Gloo): the
     prescale is applied once; a mismatch leaves the caller's tensor as it was."""
     hvd.init()
-    n, r = hvd.size(), hvd.rank()
+    r = hvd.rank()
     out = {}
     for numel in (4, 8192):
         x = torch.ones(numel)

@@ -1,4 +1,4 @@
-"""Programs the diagnostics tests run under gpucomm-run (``python -m tests.diag_programs NAME``)."""
+"""Programs the diagnostics tests run under gpucomm-run (``python -m tests.ranks.diag_programs NAME``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Rank-side checks of the MPI data plane, run by ``tests/test_mpi_backend.py`` under a real
-``mpiexec``/``mpirun``: ``python tests/mpi_backend_program.py SCENARIO``. Every rank computes every
+``mpiexec``/``mpirun``: ``python tests/ranks/mpi_backend_program.py SCENARIO``. Every rank computes every
 rank's input itself, so each result is checked against a reference on the spot; a failed check
 raises (the launcher then stops the job with a non-zero code). Each scenario prints ``OK <name>``
 lines on success."""
@@ -12,27 +12,27 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from gpucomm.backends.base import WireOp  # noqa: E402
+from gpucomm.backends.base import BackendOp  # noqa: E402
 from gpucomm.errors import CollectiveError  # noqa: E402
 
 TIMEOUT = 60.0
 REDUCIBLE = (torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32,
              torch.float64)
 MOVABLE = REDUCIBLE + (torch.bool, torch.int16, torch.complex128)  # complex128: 16-byte elements
-OPS = (WireOp.SUM, WireOp.MIN, WireOp.MAX, WireOp.PRODUCT, WireOp.AVG)
+OPS = (BackendOp.SUM, BackendOp.MIN, BackendOp.MAX, BackendOp.PRODUCT, BackendOp.AVG)
 
 
-def data(rank: int, n: int, dtype: torch.dtype, op: WireOp | None = None) -> torch.Tensor:
+def data(rank: int, n: int, dtype: torch.dtype, op: BackendOp | None = None) -> torch.Tensor:
     """Rank ``rank``'s input: small integers, so every reduction is exact in every dtype (products
     of 3 values in 1..3 stay below bfloat16's 8 significant bits)."""
     i = torch.arange(n, dtype=torch.int64)
     if dtype == torch.bool:
         return (i + rank) % 3 == 0
-    if op is WireOp.PRODUCT:
+    if op is BackendOp.PRODUCT:
         v = (i * 5 + rank * 7) % 3 + 1
     elif dtype == torch.uint8:
         v = (i * 7 + rank * 13) % 11
@@ -41,19 +41,19 @@ def data(rank: int, n: int, dtype: torch.dtype, op: WireOp | None = None) -> tor
     return v.to(dtype) if dtype != torch.complex128 else torch.complex(v.double(), -v.double())
 
 
-def reference(size: int, n: int, dtype: torch.dtype, op: WireOp) -> torch.Tensor:
+def reference(size: int, n: int, dtype: torch.dtype, op: BackendOp) -> torch.Tensor:
     parts = [data(r, n, dtype, op) for r in range(size)]
     acc = parts[0].clone()
     for p in parts[1:]:
-        if op in (WireOp.SUM, WireOp.AVG):
+        if op in (BackendOp.SUM, BackendOp.AVG):
             acc = acc + p
-        elif op is WireOp.PRODUCT:
+        elif op is BackendOp.PRODUCT:
             acc = acc * p
-        elif op is WireOp.MIN:
+        elif op is BackendOp.MIN:
             acc = torch.minimum(acc, p)
         else:
             acc = torch.maximum(acc, p)
-    return acc / size if op is WireOp.AVG else acc.to(dtype)
+    return acc / size if op is BackendOp.AVG else acc.to(dtype)
 
 
 def check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -81,7 +81,7 @@ def collectives(b) -> int:
     n = 37  # not a multiple of anything in particular
     for dtype in REDUCIBLE:
         for op in OPS:
-            if op is WireOp.AVG and not dtype.is_floating_point:
+            if op is BackendOp.AVG and not dtype.is_floating_point:
                 continue
             want = reference(size, n, dtype, op)
             x = data(rank, n, dtype, op)
@@ -102,7 +102,7 @@ def collectives(b) -> int:
             check(inplace, want_part, f"reducescatter {op.value} {dtype} in place")
             count += 4
     wrap = torch.full((5,), 200 + rank, dtype=torch.uint8)
-    done(b.allreduce(wrap, wrap, op=WireOp.SUM))
+    done(b.allreduce(wrap, wrap, op=BackendOp.SUM))
     check(wrap, torch.full((5,), sum(200 + r for r in range(size)) % 256, dtype=torch.uint8), "uint8 sum wraps")
     for dtype in MOVABLE:
         parts = [data(r, n, dtype) for r in range(size)]
@@ -149,7 +149,7 @@ def collectives(b) -> int:
         check(buf, torch.cat([data(r * 10 + rank, k, dtype) for r in range(size)]), f"alltoall {dtype} in place")
         count += 8 + 2 * size
     empty = torch.empty(0)
-    done(b.allreduce(empty, empty, op=WireOp.SUM))
+    done(b.allreduce(empty, empty, op=BackendOp.SUM))
     done(b.barrier())
     return count
 
@@ -162,7 +162,7 @@ def floats(b) -> None:
         parts = [torch.randn(100_003, generator=g).to(dtype) for g in gen]
         want = torch.stack([p.double() for p in parts]).sum(0)
         x = parts[rank].clone()
-        done(b.allreduce(x, x, op=WireOp.SUM))
+        done(b.allreduce(x, x, op=BackendOp.SUM))
         err = ((x.double() - want).abs() / (want.abs() + 1)).max().item()
         if err > tol:
             raise AssertionError(f"{dtype} sum off by {err} (tolerance {tol})")
@@ -184,7 +184,7 @@ def groups(world) -> None:
         g = mpi_group(world, members, rank, label="test/subset")
         assert (g.rank, g.size) == (members.index(rank), len(members)), (g.rank, g.size)
         x = torch.tensor([float(rank + 1)])
-        done(g.allreduce(x, x, op=WireOp.SUM))
+        done(g.allreduce(x, x, op=BackendOp.SUM))
         check(x, torch.tensor([float(sum(m + 1 for m in members))]), "subset allreduce")
         y = torch.tensor([rank * 100])
         done(g.broadcast(y, y, root=0))  # group rank 0 = world rank members[0]
@@ -207,13 +207,13 @@ def independent(world) -> None:
     assert (b.rank, b.size) == (rank, size)
     x, y = torch.tensor([1.0 + rank]), torch.tensor([10.0 * (rank + 1)])
     if rank == 0:
-        wa = a.allreduce(x, x, op=WireOp.SUM)
+        wa = a.allreduce(x, x, op=BackendOp.SUM)
         done(wa)  # completes although the other ranks issue on b first
-        wb = b.allreduce(y, y, op=WireOp.SUM)
+        wb = b.allreduce(y, y, op=BackendOp.SUM)
     else:
-        wb = b.allreduce(y, y, op=WireOp.SUM)
+        wb = b.allreduce(y, y, op=BackendOp.SUM)
         time.sleep(0.2)
-        wa = a.allreduce(x, x, op=WireOp.SUM)
+        wa = a.allreduce(x, x, op=BackendOp.SUM)
     done(wa)
     done(wb)
     check(x, torch.tensor([float(sum(1 + r for r in range(size)))]), "dup: world allreduce")
@@ -231,7 +231,7 @@ def threads(world) -> None:
         try:
             for i in range(200):
                 x = torch.full((1 + i % 7,), offset + i + rank)
-                w = b.allreduce(x, x, op=WireOp.SUM) if i % 3 else b.allgather(x, torch.empty(x.numel() * size))
+                w = b.allreduce(x, x, op=BackendOp.SUM) if i % 3 else b.allgather(x, torch.empty(x.numel() * size))
                 done(w)
                 if i % 3:
                     check(x, torch.full_like(x, size * (offset + i) + sum(range(size))), f"thread {offset} op {i}")
@@ -260,7 +260,7 @@ def timeout_scenario(world) -> None:
         return
     x = torch.ones(1000)
     failed = {"cause": None}
-    work = world.allreduce(x, x, op=WireOp.SUM)
+    work = world.allreduce(x, x, op=BackendOp.SUM)
     t0 = time.monotonic()
     try:
         work.wait(0.5, lambda: failed["cause"])
@@ -270,7 +270,7 @@ def timeout_scenario(world) -> None:
         assert "allreduce of 1000 float32 (sum)" in text and "did not complete within 0.5 s" in text, text
         assert "MPI_Abort" in text, text
     try:
-        world.allreduce(x, x, op=WireOp.SUM)
+        world.allreduce(x, x, op=BackendOp.SUM)
         raise AssertionError("a broken communicator took more work")
     except CollectiveError as e:
         assert "broken" in str(e), e
@@ -293,7 +293,7 @@ def failed_elsewhere(world) -> None:
         work.wait(TIMEOUT)  # the barrier itself still completes once the others arrive
     else:
         done(world.barrier())
-    done(world.allreduce(x, x, op=WireOp.SUM))
+    done(world.allreduce(x, x, op=BackendOp.SUM))
 
 
 def thread_level() -> None:
@@ -307,7 +307,7 @@ def thread_level() -> None:
 
     provided = MPI.Query_thread()
     if provided >= MPI.THREAD_MULTIPLE:
-        say(f"SKIP thread level: the library provides MPI_THREAD_MULTIPLE even when asked for less")
+        say("SKIP thread level: the library provides MPI_THREAD_MULTIPLE even when asked for less")
         return
     try:
         load_mpi()

@@ -14,14 +14,14 @@ BATCH = 2
 
 
 class RecordingSGD(torch.optim.SGD):
-    """SGD with the ``_rebind`` hook TorchState calls; it records the momentum it saw then, to show
+    """SGD with the ``rebind`` hook TorchState calls; it records the momentum it saw then, to show
     that the hook runs before the optimizer state is broadcast."""
 
     def __init__(self, params, **kwargs) -> None:
         super().__init__(params, **kwargs)
         self.rebinds: list[list[float]] = []
 
-    def _rebind(self) -> None:
+    def rebind(self) -> None:
         self.rebinds.append(_momenta(self))
 
 
@@ -62,7 +62,7 @@ def torch_state_sync_commit_restore() -> dict:
     value → ``restore()`` must give the committed values back, twice (a restore must not alias the
     saved copy)."""
     hvd.init()
-    rank, size = hvd.rank(), hvd.size()
+    rank = hvd.rank()
     torch.manual_seed(100 + rank)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
                                 torch.nn.Linear(8, 2))
