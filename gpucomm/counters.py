@@ -30,6 +30,9 @@ class Counters:
     nccl_destroys: int = 0  # NCCL communicators destroyed (a healthy job's shutdown, an optimizer's close)
     nonfinite_steps: int = 0  # optimizer steps in which the finite check found a NaN/Inf gradient on some rank
     nonfinite_skipped: int = 0  # ... of which AMP's GradScaler was in use (it skips them: reported, not raised)
+    autotune_trials: int = 0  # bucket plans the autotuner tried (besides the plan in use)
+    autotune_recuts: int = 0  # re-cuts of an optimizer's buckets by the autotuner (trials and the final choice)
+    autotune_done: int = 0  # autotune trials finished (each ends with the fastest plan measured kept)
 
 
 COUNTERS = Counters()

@@ -24,10 +24,16 @@ def test_accepted_flags_map_to_the_settings_they_mean():
     zero = _tunables("--fusion-threshold-mb", "0")  # as HOROVOD_FUSION_THRESHOLD=0: fusion off
     assert zero["GPUCOMM_FUSION_THRESHOLD"] == zero["HOROVOD_FUSION_THRESHOLD"] == "0"
     assert _tunables("--fusion-threshold-mb", "2")["GPUCOMM_FUSION_THRESHOLD"] == str(2 << 20)
+    tuned = _tunables("--autotune", "--autotune-log-file", "tune.csv", "--autotune-warmup-samples", "0",
+                      "--autotune-steps-per-sample", "4", "--autotune-bayes-opt-max-samples", "20")
+    assert tuned["GPUCOMM_AUTOTUNE"] == tuned["HOROVOD_AUTOTUNE"] == "1"
+    assert tuned["GPUCOMM_AUTOTUNE_LOG"].endswith("/tune.csv") and tuned["GPUCOMM_AUTOTUNE_WARMUP_SAMPLES"] == "0"
+    assert tuned["GPUCOMM_AUTOTUNE_STEPS_PER_SAMPLE"] == "4" and "GPUCOMM_AUTOTUNE" not in _tunables("--gloo")
+    with pytest.raises(SystemExit, match="steps-per-sample must be >= 2"):
+        _tunables("--autotune", "--autotune-steps-per-sample", "1")
 
 
-@pytest.mark.parametrize("flag,advice", [("--autotune", "--fusion-threshold-mb"),
-                                         ("--hierarchical-allreduce", "NCCL chooses"),
+@pytest.mark.parametrize("flag,advice", [("--hierarchical-allreduce", "NCCL chooses"),
                                          ("--hierarchical-allgather", "leave the flag out")])
 def test_refused_flags_say_what_to_do_instead(flag, advice, capsys):
     with pytest.raises(SystemExit) as exit_info:

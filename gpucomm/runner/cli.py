@@ -56,8 +56,6 @@ def _non_negative(kind: type):
 
 
 _REFUSED_FLAGS = {
-    "--autotune": "gpucomm has no autotuner; set --fusion-threshold-mb and --cycle-time-ms yourself "
-                  "(benchmarks/optimizer_vs_ddp.py compares settings)",
     "--hierarchical-allreduce": "gpucomm has no hierarchical allreduce; NCCL chooses ring or tree across nodes by "
                                 "itself, so leave the flag out",
     "--hierarchical-allgather": "gpucomm has no hierarchical allgather; leave the flag out",
@@ -123,6 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, advice in _REFUSED_FLAGS.items():
         compat.add_argument(flag, action=_Refused, nargs="?", const=None, advice=advice, help=f"not offered: {advice}")
     tune = p.add_argument_group("tunables (exported to every rank)")
+    tune.add_argument("--autotune", action="store_true",
+                      help="choose each DistributedOptimizer's buckets from measured costs: the step model's best "
+                           "plans are tried and the fastest measured one is kept (GPUCOMM_AUTOTUNE, HOROVOD_AUTOTUNE)")
+    tune.add_argument("--autotune-log-file",
+                      help="write what autotune tried and measured to this CSV (rank 0; GPUCOMM_AUTOTUNE_LOG)")
+    tune.add_argument("--autotune-warmup-samples", type=_non_negative(int),
+                      help="autotune: untimed steps before the trial (default 3)")
+    tune.add_argument("--autotune-steps-per-sample", type=_positive(int),
+                      help="autotune: steps timed per plan, their median decides (default 10)")
+    for flag in ("--autotune-bayes-opt-max-samples", "--autotune-gaussian-process-noise"):
+        tune.add_argument(flag, help="accepted for horovodrun scripts; no effect: gpucomm's autotune measures the "
+                                     "step model's plans instead of a Bayesian search")
     tune.add_argument("--fusion-threshold-mb", type=_non_negative(float),
                       help="fusion buffer (bucket) cap in MiB; 0 turns fusion off (GPUCOMM_FUSION_THRESHOLD, "
                            "HOROVOD_FUSION_THRESHOLD)")
@@ -179,6 +189,16 @@ def tunables_env(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str
     out["GPUCOMM_START_TIMEOUT"] = out["HOROVOD_START_TIMEOUT"] = f"{start:g}"
     if args.timeout:
         out["GPUCOMM_TIMEOUT"] = out["HOROVOD_GLOO_TIMEOUT_SECONDS"] = f"{args.timeout:g}"
+    if args.autotune or args.autotune_log_file:
+        out["GPUCOMM_AUTOTUNE"] = out["HOROVOD_AUTOTUNE"] = "1"
+    if args.autotune_log_file:
+        out["GPUCOMM_AUTOTUNE_LOG"] = out["HOROVOD_AUTOTUNE_LOG"] = os.path.abspath(args.autotune_log_file)
+    if args.autotune_warmup_samples is not None:
+        out["GPUCOMM_AUTOTUNE_WARMUP_SAMPLES"] = str(args.autotune_warmup_samples)
+    if args.autotune_steps_per_sample is not None:
+        if args.autotune_steps_per_sample < 2:
+            raise SystemExit("gpucomm-run: --autotune-steps-per-sample must be >= 2 (a median needs samples)")
+        out["GPUCOMM_AUTOTUNE_STEPS_PER_SAMPLE"] = str(args.autotune_steps_per_sample)
     if args.fusion_threshold_mb is not None:
         out["GPUCOMM_FUSION_THRESHOLD"] = out["HOROVOD_FUSION_THRESHOLD"] = str(int(args.fusion_threshold_mb * 2**20))
     if getattr(args, "disable_cache", False):

@@ -446,21 +446,26 @@ class GradientBuckets:
         """Average ``params``' gradients now, on the schedule (every rank calls this at the same point)."""
         settings = self.settings
         grads = [gradient_to_send(p) for p in params]
-        device = grads[0].device
-        request = Request("allreduce", name, grads, outputs=grads, op=ReduceOp.SUM, prescale=settings.prescale,
-                          postscale=settings.postscale, device=device, set_id=settings.set_id)
-        self._schedule.begin_step(lambda: None)  # a step of its own: placed among negotiated work alike
-        try:
-            handle = self._schedule.launch(request)
-        finally:
-            self._schedule.end_step()
-        handle.wait()
+        self.allreduce_now(grads, name, settings.prescale, settings.postscale)
         with torch.no_grad():
             for p, g in zip(params, grads):
                 if p.grad is None:
                     p.grad = g
                 elif p.grad is not g:
                     p.grad.copy_(g)
+
+    def allreduce_now(self, tensors: list[torch.Tensor], name: str, prescale: float = 1.0,
+                      postscale: float = 1.0) -> None:
+        """Sum ``tensors`` in place across the set now, on the schedule, in a step of its own (every
+        rank calls this at the same point): placed among negotiated work alike."""
+        request = Request("allreduce", name, tensors, outputs=tensors, op=ReduceOp.SUM, prescale=prescale,
+                          postscale=postscale, device=tensors[0].device, set_id=self.settings.set_id)
+        self._schedule.begin_step(lambda: None)
+        try:
+            handle = self._schedule.launch(request)
+        finally:
+            self._schedule.end_step()
+        handle.wait()
 
     def stand_in_step(self) -> bool:
         """One step of zeros on the schedule, for a rank that joined; False when no rank trained in

@@ -39,7 +39,9 @@ from .. import job as jobs
 from ..counters import COUNTERS
 from ..dataplane import fusion
 from ..process_sets import ProcessSet, global_process_set
-from .buckets import GradientBuckets
+from ..tuning.plans import to_fusion_buckets
+from .autotune import Autotuner, AutotuneSettings
+from .buckets import GradientBuckets, wire_dtype
 from . import finite_check
 from .adasum import adasum_optimizer
 from .compression import Compression
@@ -104,6 +106,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._schedule = job.new_schedule(self._set_id) if self._size > 1 else None
         self._layouts = 0
         self._ready_us: list[float | None] | None = None  # when each gradient arrived in the watched step
+        self._planned: list[list[int]] | None = None  # autotune's buckets (indices into the dense gradients)
         if self._size == 1:
             for hook in self._hooks.values():
                 hook.remove()
@@ -116,9 +119,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # On CPU the first step is watched, and the buckets are cut again where backward pauses
         # (``fusion.plan_by_readiness``), once, from rank 0's timings (DDP rebuilds after step 1 too).
         self._watch: dict[torch.Tensor, float] | None = None
+        self._tuner_watches = False  # the watched step is the autotuner's
         if (self._size > 1 and self._groups is None and env_flag_default_on("GPUCOMM_FUSION_BY_READINESS")
                 and all(b.plan.device.type == "cpu" for b in self._buckets.buckets)):
             self._watch = {}
+        # autotune (``autotune.py``) starts once that first re-cut is done
+        self._autotune = AutotuneSettings.from_env() if self._size > 1 and self._groups is None else None
+        self._tuner: Autotuner | None = None
         if self._schedule is not None:
             # every device it may launch on, in parameter order (building a backend is a collective)
             for device in dict.fromkeys(p.device for p in self._params):
@@ -147,6 +154,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         dense = self._sparse.split(trainable)  # the agreed sparse ones are reduced on their own
         if self._groups is not None:
             plans = fusion.plan_groups(dense, _trainable_groups(self._groups, dense))
+        elif self._planned is not None and sorted(i for b in self._planned for i in b) == list(range(len(dense))):
+            plans = to_fusion_buckets(dense, self._planned)
         elif self._ready_us is not None:
             index = {p: i for i, p in enumerate(self._params)}
             plans = fusion.plan_by_readiness(dense, [self._ready_us[index[p]] for p in dense])
@@ -164,7 +173,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p in trainable:
                 if p not in self._hooks:
                     self._hooks[p] = p.register_post_accumulate_grad_hook(self._hook)
-        self._requires, self._trainable = requires, trainable
+        self._requires, self._trainable, self._dense = requires, trainable, dense
         self._delay = {p: self._passes for p in trainable}
         return buckets
 
@@ -203,6 +212,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         sparse), and average now the gradients of parameters that just joined it."""
         if not sparse_agreed:
             self._sparse.agree()
+        if self._tuner is not None and not self._tuner.done:  # its plans index the old layout: start over
+            log.info("gpucomm autotune: the trainable parameters changed during the trial; it starts again")
+            self._tuner = None
+        self._planned = None
         before = set(self._trainable)
         self._buckets = self._agree_on_layout(jobs.current())
         added = [p for p in self._trainable if p not in before]
@@ -275,7 +288,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         tracer = jobs.current().tracer
         if tracer is not None and span is not None:
             tracer.span("DistributedOptimizer.backward", "BACKWARD", span[0], span[1])
-        if self._watch is not None and self._cut_where_backward_pauses():
+        recut = False
+        if self._watch is not None and not self._tuner_watches:
+            recut = self._cut_where_backward_pauses()
+        elif self._autotune is not None:
+            self._autotune_step()
+        if recut:
             pass
         elif self._sparse.due and self._sparse.agree():
             self._adopt_new_layout(sparse_agreed=True)
@@ -334,6 +352,66 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return False
         self._adopt_new_layout()
         return True
+
+    # ------------------------------------------------------------------ autotune
+
+    def _autotune_step(self) -> None:
+        """A step ended: start the autotuner after the first re-cut, or tell it the step's end."""
+        if self._tuner is None:
+            self._tuner = self._new_tuner()
+            if self._tuner is None:
+                self._autotune = None
+            return
+        if not self._tuner.done:
+            self._tuner.step_done(time.perf_counter())
+
+    def _new_tuner(self) -> Autotuner | None:
+        dense = self._dense
+        kinds = {(p.dtype, p.device) for p in dense}
+        if len(kinds) != 1:
+            log.warning("gpucomm autotune: skipped: this optimizer's gradients have %d dtypes/devices (%s); the "
+                        "planner cuts one kind of fusion buffer. Cast the model to one dtype, or leave autotune off.",
+                        len(kinds), ", ".join(f"{d} on {v}" for d, v in sorted(kinds, key=str)) or "none")
+            return None
+        dtype, device = next(iter(kinds))
+        wire = wire_dtype(self._compression, dtype) or dtype
+        sizes = [p.numel() * wire.itemsize for p in dense]
+        job = jobs.current()
+        probes = iter(range(1 << 30))
+
+        def time_allreduce(nbytes: int) -> float:
+            buffer = torch.zeros(max(1, nbytes // wire.itemsize), dtype=wire, device=device)
+            start = time.perf_counter()
+            self._buckets.allreduce_now([buffer], f"DistributedOptimizer.autotune.{self._schedule.number}.probe."
+                                                  f"{next(probes)}")
+            return time.perf_counter() - start
+
+        def gather(obj: Any, tag: str) -> list:
+            return allgather_object(obj, name=f"DistributedOptimizer.autotune.{self._schedule.number}.{tag}."
+                                              f"{self._layouts}", process_set=self._process_set)
+
+        return Autotuner(self._autotune, sizes, cpu=device.type == "cpu", writes_log=self._ranks[0] == job.world.rank,
+                         watch=self._watch_for_tuner, ready_times=self._tuner_ready_times,
+                         time_allreduce=time_allreduce, gather=gather, adopt=self._recut, current_plan=self._plan_now)
+
+    def _watch_for_tuner(self) -> None:
+        self._watch, self._tuner_watches = {}, True
+
+    def _tuner_ready_times(self) -> list[float | None]:
+        """When each dense gradient arrived in the watched step (seconds from the first), then stop watching."""
+        watched, self._watch, self._tuner_watches = self._watch or {}, None, False
+        start = min(watched.values(), default=0.0)
+        return [watched[p] - start if p in watched else None for p in self._dense]
+
+    def _plan_now(self) -> list[list[int]]:
+        index = {p: i for i, p in enumerate(self._dense)}
+        return [[index[p] for p in b.params] for b in self._buckets.buckets]
+
+    def _recut(self, plan: list[list[int]]) -> None:
+        """Adopt the autotuner's ``plan`` (agreed across ranks like every layout)."""
+        self._planned = plan
+        self._buckets = self._agree_on_layout(jobs.current())
+        COUNTERS.autotune_recuts += 1
 
     def _launch_step(self) -> None:
         """(holding ``_lock``) Launch what is left of this step on the schedule: the buckets still

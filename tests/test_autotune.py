@@ -1,0 +1,96 @@
+"""Autotune (gpucomm/torch/autotune.py): the trial's decisions with a scripted clock, and a real
+2-rank job that tunes, keeps its ranks in agreement and then runs without control messages."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from gpucomm.torch.autotune import AutotuneSettings, Autotuner
+from tests.harness import run_ranks
+from tests.ranks import autotune_scenarios
+
+MIB = 1 << 20
+
+
+class Script:
+    """The optimizer's side of a trial, with step times given per plan (in bucket count)."""
+
+    def __init__(self, step_ms_by_buckets: dict[int, float]) -> None:
+        self.plan = [[0], [1], [2], [3]]
+        self.step_ms = step_ms_by_buckets
+        self.adopted: list[list[list[int]]] = []
+        self.watched = 0
+
+    def tuner(self, tmp_path, cpu: bool = False) -> Autotuner:
+        settings = AutotuneSettings(warmup=1, steps=3, log_path=str(tmp_path / "trial.csv"))
+        return Autotuner(settings, [MIB] * 4, cpu=cpu, writes_log=True, watch=self.watch, ready_times=self.ready,
+                         time_allreduce=lambda nbytes: 1e-3 + nbytes / 1e9, gather=lambda obj, tag: [obj, obj],
+                         adopt=self.adopt, current_plan=lambda: [list(b) for b in self.plan])
+
+    def watch(self) -> None:
+        self.watched += 1
+
+    def ready(self) -> list[float]:
+        return [0.0, 0.0, 0.0, 0.0]  # all ready at once: one bucket (one α) is the best plan
+
+    def adopt(self, plan: list[list[int]]) -> None:
+        self.plan = plan
+        self.adopted.append(plan)
+
+    def run(self, tuner: Autotuner, steps: int = 40) -> None:
+        now = 0.0
+        for _ in range(steps):
+            now += self.step_ms[len(self.plan)] / 1e3
+            tuner.step_done(now)
+
+
+def test_a_faster_plan_of_the_model_is_kept(tmp_path):
+    script = Script({4: 10.0, 1: 8.0, 2: 9.0})
+    tuner = script.tuner(tmp_path)
+    script.run(tuner)
+    assert tuner.done and tuner.outcome.chosen == "model" and script.plan == [[3, 2, 1, 0]]
+    assert script.watched == 1 and script.adopted == [[[3, 2, 1, 0]]]  # tried once, kept: no re-cut back
+    rows = list(csv.DictReader(open(tmp_path / "trial.csv")))
+    assert [(r["candidate"], r["buckets"], r["chosen"]) for r in rows] == [("current", "4", "0"), ("model", "1", "1")]
+    assert float(rows[0]["measured_step_ms"]) == pytest.approx(10.0) and float(rows[1]["predicted_backward_comm_ms"]) < \
+        float(rows[0]["predicted_backward_comm_ms"])
+
+
+def test_the_current_plan_stays_unless_another_is_measured_faster(tmp_path):
+    script = Script({4: 10.0, 1: 10.0})  # the model's plan ties: not faster
+    tuner = script.tuner(tmp_path)
+    script.run(tuner)
+    assert tuner.outcome.chosen == "current" and script.plan == [[0], [1], [2], [3]]
+    assert script.adopted == [[[3, 2, 1, 0]], [[0], [1], [2], [3]]]  # tried, then the old plan back
+
+
+def test_on_cpu_the_shared_processor_plan_is_tried_too(tmp_path):
+    script = Script({4: 10.0, 1: 9.0})
+    tuner = script.tuner(tmp_path, cpu=True)
+    script.run(tuner)
+    names = [c.name for c in tuner.outcome.candidates]
+    assert names[0] == "current" and "model" in names  # the shared plan equals the model's here: tried once
+    assert len({tuple(map(tuple, c.plan)) for c in tuner.outcome.candidates}) == len(names)
+
+
+def test_settings_come_from_horovods_variables_and_bad_values_are_named():
+    assert AutotuneSettings.from_env({}) is None
+    assert AutotuneSettings.from_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": "/tmp/x.csv"}) == \
+        AutotuneSettings(3, 10, "/tmp/x.csv")
+    with pytest.raises(ValueError, match="GPUCOMM_AUTOTUNE_STEPS_PER_SAMPLE=1 a whole number >= 2"):
+        AutotuneSettings.from_env({"GPUCOMM_AUTOTUNE": "1", "GPUCOMM_AUTOTUNE_STEPS_PER_SAMPLE": "1"})
+
+
+def test_two_ranks_tune_agree_and_then_send_no_control_message(tmp_path):
+    log = tmp_path / "autotune.csv"
+    results = run_ranks(autotune_scenarios.train_with_autotune, 2, args=(24,), timeout=120,
+                        env={"GPUCOMM_AUTOTUNE": "1", "GPUCOMM_AUTOTUNE_LOG": str(log),
+                             "GPUCOMM_AUTOTUNE_WARMUP_SAMPLES": "1", "GPUCOMM_AUTOTUNE_STEPS_PER_SAMPLE": "2"})
+    for r in results:
+        assert r["stats"]["autotune_done"] == 1 and r["stats"]["autotune_trials"] >= 1, r["stats"]
+        assert r["steady_control_rounds"] == 0 and r["steady_layout_checks"] == 0
+    assert results[0]["weights"] == results[1]["weights"]
+    rows = list(csv.DictReader(open(log)))
+    assert rows[0]["candidate"] == "current" and sum(int(r["chosen"]) for r in rows) == 1
