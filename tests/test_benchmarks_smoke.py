@@ -72,6 +72,8 @@ CASES = {c.id: c for c in [
     Case("optimizer_vs_ddp", ("benchmarks/optimizer_vs_ddp.py", "--quick", "--model", "cnn",
                               "--json", "{out}/optimizer_vs_ddp.json"),
          "optimizer_vs_ddp.json", "ratio gpucomm / DDP: ", 1),
+    Case("autotune", ("benchmarks/autotune.py", "--quick", "--model", "cnn", "--json", "{out}/autotune.json"),
+         "autotune.json", "autotune vs best fixed cap", 2),
     Case("startup", ("benchmarks/startup.py", "--quick", "--sizes", "1", "--launchers", "gpucomm-run",
                      "--json", "{out}/startup.json"), "startup.json", "Start-up to first completed allreduce"),
     Case("overhead-2", ("benchmarks/overhead.py", "--device", "cpu", "--quick", "--json", "{out}/overhead.json"),
@@ -282,6 +284,14 @@ def check_optimizer_vs_ddp(r: Run, doc: dict) -> None:
     assert len(doc["round_ratios"]) == 2 and doc["ratio"] > 0
 
 
+def check_autotune(r: Run, doc: dict) -> None:
+    assert doc["benchmark"] == "autotune" and doc["ranks"] == 2 and doc["model"] == "cnn"
+    assert set(doc["median_step_s"]) == {"cap 1", "cap 25", "default", "autotune", "ddp"}
+    assert all(v > 0 for v in doc["median_step_s"].values()) and doc["best_fixed_cap"] in ("cap 1", "cap 25")
+    assert doc["trial"][0]["candidate"] == "current" and sum(int(t["chosen"]) for t in doc["trial"]) == 1
+    assert set(doc["explanation"]["plans"]) == {"autotune (model's plan, shared processor)", "ddp (25 MiB buckets)"}
+
+
 def check_control_plane(r: Run, doc: dict) -> None:
     assert doc["benchmark"] == "control_plane" and doc["ranks"] == 2
     assert doc["generations"]["default"]["inline_bytes"] == 16 << 10
@@ -393,7 +403,7 @@ def check_verify_gpu(r: Run, doc: dict) -> None:
 
 CHECKS: dict[str, Callable[[Run, Any], None]] = {
     "collectives-1": check_collectives, "collectives-2": check_collectives, "train": check_train,
-    "optimizer_vs_ddp": check_optimizer_vs_ddp, "control_plane": check_control_plane,
+    "optimizer_vs_ddp": check_optimizer_vs_ddp, "control_plane": check_control_plane, "autotune": check_autotune,
     "cpu_allreduce": check_cpu_allreduce, "overhead-1": check_overhead, "overhead-2": check_overhead,
     "startup": check_startup, "timeline_overhead": check_timeline_overhead,
     "mismatch_exit": check_mismatch_exit, "pack_bw": check_pack_bw, "verify_gpu": check_verify_gpu,
