@@ -107,6 +107,14 @@ class ProtocolError(GpucommError):
     """A rank sent something the coordinator cannot interpret (a bug, or mixed gpucomm versions)."""
 
 
+# -- the MPI data plane ------------------------------------------------------------------------------
+
+
+class MpiUnavailable(GpucommError):
+    """mpi4py, or the MPI library it loads, cannot give gpucomm an MPI data plane here (the message
+    says why and how to fix it, or to use Gloo)."""
+
+
 # -- elastic rounds (the worker's side) --------------------------------------------------------------
 
 
@@ -145,10 +153,22 @@ class RunError(GpucommError):
         self.remote_traceback, self.exit_code = remote_traceback, exit_code
 
 
+class FitError(GpucommError, ValueError):
+    """Measured (bytes, seconds) samples cannot give a meaningful alpha-beta line (``gpucomm.tuning``)."""
+
+
+class MpiLaunchError(SystemExit):
+    """``gpucomm-run --mpi`` cannot start the job (the message says why and what to do). An exit of
+    the launcher, not an error of a job, like ``WorkerRemoved``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"gpucomm-run --mpi: {message}")
+
+
 class WorkerRemoved(SystemExit):
     """The launcher left this elastic worker out of the job (its host was removed or blacklisted, or
     the job has more workers than --max-np): the process ends with status 0. An exit, not an error
-    (the one exception here not under ``GpucommError``)."""
+    (with ``MpiLaunchError``, the exceptions here not under ``GpucommError``)."""
 
     def __init__(self, worker: str, why: str) -> None:
         super().__init__(0)

@@ -168,9 +168,9 @@ def test_a_shrinking_job_that_finishes_reports_success(tmp_path):
 
     for flags in ([], ["--kill", "127.0.0.3:0@4"]):
         out = tmp_path / f"stress{len(flags)}.json"
-        r = run([sys.executable, "benchmarks/elastic_stress.py", "--runs", "2", "--json", str(out), *flags],
+        r = run([sys.executable, "benchmarks/elastic_stress.py", "--runs", "1", "--json", str(out), *flags],
                 timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         summary = json.loads(out.read_text())
         assert summary["false_failures"] == 0 and summary["failures"] == 0, summary
-        assert summary["shrank"] == 2, summary
+        assert summary["shrank"] == 1, summary

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
 from ..bootstrap.rendezvous import RendezvousServer
+from ..errors import MpiLaunchError
 from ..failures import read_failures
 from . import proctree
 from .mpi_rank import hello
@@ -63,13 +64,6 @@ class MpiLauncher:
     flavor: str  # "mpich" (Hydra's mpiexec; Intel MPI's too) or "openmpi"
     version: str  # the first line of its --version
     major: int = 0  # Open MPI's major version
-
-
-class MpiLaunchError(SystemExit):
-    """``gpucomm-run --mpi`` cannot start the job (the message says why and what to do)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(f"gpucomm-run --mpi: {message}")
 
 
 def identify(path: str, timeout: float = 30.0) -> MpiLauncher | None:

@@ -12,14 +12,12 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
+from ..errors import FitError
+
 __all__ = ["CostFn", "AlphaBeta", "fit_alpha_beta", "medians", "ring_allreduce", "FitError"]
 
 CostFn = Callable[[int], float]
 """``cost(nbytes) -> seconds`` of one collective."""
-
-
-class FitError(ValueError):
-    """The samples cannot give a meaningful α-β line."""
 
 
 @dataclass(frozen=True)
