@@ -20,6 +20,8 @@ class Counters:
     inline_reductions: int = 0  # small CPU allreduces the coordinator reduced inside the control round
     collectives: int = 0  # data-plane collectives issued (backend calls: Gloo works / NCCL launches)
     bytes: int = 0  # bytes those collectives sent from this rank (input sizes)
+    gloo_collectives: int = 0  # ... of which CPU collectives on Gloo (the CPU transport in use: GPUCOMM_CPU_OPERATIONS)
+    mpi_collectives: int = 0  # ... of which CPU collectives on MPI
     schedule_steps: int = 0  # DistributedOptimizer steps run on a fixed schedule (no control messages)
     layout_checks: int = 0  # cross-rank verifications of an optimizer's parameters and buckets
     elastic_resets: int = 0  # times hvd.elastic.run left a job and joined the launcher's next round

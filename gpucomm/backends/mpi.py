@@ -50,7 +50,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..errors import CollectiveError, GpucommError
+from ..errors import CollectiveError, MpiUnavailable
 from .base import BackendOp
 
 log = logging.getLogger("gpucomm")
@@ -64,10 +64,6 @@ OPENMPI_MARKERS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
 MPICH_MARKERS = ("PMI_SIZE", "PMI_RANK")
 SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK")
-
-
-class MpiUnavailable(GpucommError):
-    """mpi4py, or the MPI library it loads, cannot give gpucomm an MPI data plane here."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -76,9 +76,15 @@ class Executor:
         COUNTERS.collectives += 1
         COUNTERS.bytes += nbytes
         if req.device.type == "cpu":
-            works, after = self._plan(req, meta, group, group.gloo(), None)
+            backend = group.gloo()
+            name = backend.name
+            if name == "gloo":
+                COUNTERS.gloo_collectives += 1
+            elif name == "mpi":
+                COUNTERS.mpi_collectives += 1
+            works, after = self._plan(req, meta, group, backend, None)
             if tracer is not None:
-                tracer.cpu_op(req.name, req.kind, req.tensors, works)
+                tracer.cpu_op(req.name, req.kind, req.tensors, works, transport=name)
             return Issued(works, None, after)
         return self._cuda(req, meta, group, tracer)
 

@@ -1,5 +1,6 @@
 """``init``'s steps: meet at the rendezvous store, pin this rank's GPU, wait for every rank to
-arrive, build the job's Gloo group and connect the control plane; the result is a ``Job``."""
+arrive, build the job's CPU backend (a Gloo group, or an MPI communicator under an MPI launcher)
+and connect the control plane; the result is a ``Job``."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import os
 import time
 from typing import Any, Mapping
 
+from ..backends.cpu_operations import CpuOperations, explain_cpu_operations
 from ..backends.gloo import gloo_group, gloo_iface
 from ..backends.local import SelfBackend
+from ..backends.mpi import mpi_world
 from ..bootstrap import devices
 from ..bootstrap.arrival import (BIND_VAR, REQUIRE_SECRET_VAR, arrive, claim_arrival, conflict_key, cross_placement,
                                 open_store, watch_conflicts)
@@ -60,26 +63,23 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None,
         single_gpu = devices.single_gpu_test_enabled(env)
         pinned = _pin_gpu(client, server, prefix, world, record, single_gpu, start_timeout)
         steps.done(f"device chosen: {pinned or 'CPU'}")
+        choice = _choose_cpu_operations(client, server, prefix, world, record, env, start_timeout)
         records = arrive(client, prefix, world, record, start_timeout, interrupt)
         steps.done(f"all {world.size} ranks arrived")
+        _check_cpu_operations(records)
         gpus = [(r, rec["host"], rec["bus_id"]) for r, rec in enumerate(records) if rec.get("bus_id")]
         devices.check_unique_assignment(gpus, single_gpu_test=single_gpu)
         cross_rank, cross_size = cross_placement(world, records)
         hosts = [rec["host"] for rec in records]
         one_host = len(set(hosts)) == 1
         iface = gloo_iface(env)
-        if world.size == 1:  # nothing to exchange: CPU collectives are computed inline
-            gloo = SelfBackend()
-        else:
-            gloo = gloo_group(client, f"{prefix}gloo/", world.rank, world.size, timeout=timeout, one_host=one_host,
-                              iface=iface, interrupt=interrupt)
-            steps.done("Gloo group ready")
+        cpu = _cpu_backend(choice, world, client, prefix, timeout, one_host, iface, interrupt, steps)
         try:
             links, listener = _connect_control(client, prefix, world, client.secret, one_host, iface, start_timeout,
                                                records, interrupt)
             steps.done("control plane connected" if world.size > 1 else "no control plane needed (one rank)")
         except BaseException:
-            gloo.close()
+            cpu.close(abort=True)
             raise
     except BaseException:
         if listener is not None:
@@ -91,7 +91,7 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None,
     log.info("init: rank %d of %d ready in %.2f s (device %s)", world.rank, world.size, time.monotonic() - t0,
              pinned or "CPU")
     try:
-        job = Job(world, client, server, prefix, timeout, gloo, pinned, hosts, cross_rank, cross_size, control,
+        job = Job(world, client, server, prefix, timeout, cpu, pinned, hosts, cross_rank, cross_size, control,
                   links, static_sets, dynamic_sets, elastic_round,
                   new_workers_joined=joined is not None and joined.new_workers)
     except BaseException:
@@ -101,6 +101,24 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None,
     if listener is not None:
         _fail_on_second_claims(job, listener)
     return job
+
+
+def _cpu_backend(choice: CpuOperations | None, world: World, client: RendezvousClient, prefix: str, timeout: float,
+                 one_host: bool, iface: str | None, interrupt, steps: SetupSteps):
+    """The job's CPU backend: inline in a one-rank job (``choice`` None); else an MPI communicator
+    over every rank or a Gloo group, as ``choice`` says. Every rank builds it at this point. An
+    elastic job is always on Gloo (``explain_cpu_operations``): its rounds change the ranks, which
+    an MPI communicator cannot."""
+    if choice is None:  # nothing to exchange: CPU collectives are computed inline
+        return SelfBackend()
+    if choice.name == "mpi":
+        cpu = mpi_world(timeout=timeout, expected_rank=world.rank, expected_size=world.size, label=f"{prefix}world")
+        steps.done(f"CPU collectives on MPI ({choice.reason})")
+        return cpu
+    cpu = gloo_group(client, f"{prefix}gloo/", world.rank, world.size, timeout=timeout, one_host=one_host,
+                     iface=iface, interrupt=interrupt)
+    steps.done(f"CPU collectives on Gloo ({choice.reason})")
+    return cpu
 
 
 def _fail_on_second_claims(job: Job, listener: ControlListener) -> None:
@@ -126,15 +144,51 @@ def _pin_gpu(client: RendezvousClient, server, prefix: str, world: World, record
         record["bus_id"] = pinned.gpu.pci_bus_id if pinned else None
         return pinned
     except Exception as e:
-        record["error"] = f"{type(e).__name__}: {e}"
-        claim_arrival(client, prefix, world, record)  # a second claimant of this rank raises its own error here
-        if server is not None:  # keep serving until the others have read why
-            try:
-                wait_for_ranks(client, f"{prefix}arrive", range(world.size), min(start_timeout, SHUTDOWN_GRACE), "init")
-                time.sleep(0.5)
-            except RendezvousError:
-                pass
+        _publish_failure(client, server, prefix, world, record, e, start_timeout)
         raise
+
+
+def _choose_cpu_operations(client: RendezvousClient, server, prefix: str, world: World, record: dict,
+                           env: Mapping[str, str], start_timeout: float) -> CpuOperations | None:
+    """This rank's CPU transport (None in a one-rank job), put in its arrival record so that every
+    rank can check that all chose alike; a failure (MPI asked for and unavailable) is published
+    the same way, so every rank fails with its message instead of waiting for this one."""
+    if world.size == 1:
+        return None
+    try:
+        choice = explain_cpu_operations(env)
+    except Exception as e:
+        _publish_failure(client, server, prefix, world, record, e, start_timeout)
+        raise
+    record["cpu_operations"] = choice.name
+    return choice
+
+
+def _publish_failure(client: RendezvousClient, server, prefix: str, world: World, record: dict, error: Exception,
+                     start_timeout: float) -> None:
+    """Arrive with ``error`` in this rank's record: every rank's ``arrive`` raises with it."""
+    record["error"] = f"{type(error).__name__}: {error}"
+    claim_arrival(client, prefix, world, record)  # a second claimant of this rank raises its own error here
+    if server is not None:  # keep serving until the others have read why
+        try:
+            wait_for_ranks(client, f"{prefix}arrive", range(world.size), min(start_timeout, SHUTDOWN_GRACE), "init")
+            time.sleep(0.5)
+        except RendezvousError:
+            pass
+
+
+def _check_cpu_operations(records: list[dict]) -> None:
+    """Every rank must move CPU tensors on the same transport (one MPI rank would wait forever for
+    Gloo peers); each rank sees every record, so all raise alike."""
+    chosen: dict[str, list[int]] = {}
+    for r, rec in enumerate(records):
+        chosen.setdefault(str(rec.get("cpu_operations")), []).append(r)
+    if len(chosen) > 1:
+        sides = "; ".join(f"ranks {ranks} chose {name}" for name, ranks in chosen.items())
+        raise GpucommError(f"the ranks chose different transports for CPU collectives ({sides}), so they could never "
+                           f"exchange data. Likely cause: mpi4py is importable (or its MPI library loads) on some "
+                           f"hosts only, or GPUCOMM_CPU_OPERATIONS differs between ranks. Fix: set "
+                           f"GPUCOMM_CPU_OPERATIONS=gloo or =mpi for every rank, or install mpi4py on every host.")
 
 
 def _connect_control(client: RendezvousClient, prefix: str, world: World, secret: bytes, one_host: bool,

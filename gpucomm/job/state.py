@@ -22,6 +22,7 @@ import torch
 
 from ..backends.gloo import GlooBackend, gloo_group, gloo_iface
 from ..backends.local import SelfBackend
+from ..backends.mpi import MpiBackend, mpi_group
 from ..backends.nccl import create_nccl
 from ..bootstrap import devices
 from ..bootstrap.rendezvous import RendezvousClient, RendezvousError, RendezvousServer
@@ -56,7 +57,7 @@ class Job:
     server: RendezvousServer | None
     prefix: str
     timeout: float
-    gloo: GlooBackend | SelfBackend  # the job's CPU backend (SelfBackend in a one-rank job)
+    cpu: GlooBackend | MpiBackend | SelfBackend  # the job's CPU backend (SelfBackend in a one-rank job)
     device: devices.PinnedDevice | None
     hosts: list[str]
     cross_rank: int
@@ -84,7 +85,7 @@ class Job:
         self.one_host = len(set(self.hosts)) == 1
         self.data = DataPlane(rank, self.timeout, tracer=self._current_tracer, select_device=self.select_device,
                               report=self._report_data_failure)
-        self.groups = {0: self.data.register(Group(0, range(size), rank, lambda g: self.gloo, self._make_nccl))}
+        self.groups = {0: self.data.register(Group(0, range(size), rank, lambda g: self.cpu, self._make_nccl))}
         for set_id, ranks in enumerate(self.static_sets, start=1):
             self.groups[set_id] = self.data.register(self._group(set_id, ranks))
         self._coordinator = None
@@ -114,6 +115,11 @@ class Job:
         if counter is None:
             counter = self.unnamed[set_id] = itertools.count()
         return f"{kind}.noname.{next(counter)}" if set_id == 0 else f"{kind}.noname.ps{set_id}.{next(counter)}"
+
+    @property
+    def gloo(self) -> GlooBackend | MpiBackend | SelfBackend:
+        """The job's CPU backend under its name from before MPI (``cpu``: Gloo or MPI)."""
+        return self.cpu
 
     @property
     def elastic(self) -> bool:
@@ -185,9 +191,7 @@ class Job:
         number = self._schedule_counters[set_id] = self._schedule_counters.get(set_id, 0) + 1
         base = self.group(set_id)
         where = f"{self.prefix}schedule/{set_id}/{number}/"
-        group = Group(set_id, base.ranks, self.world.rank,
-                      lambda g: gloo_group(self.client, where + "gloo/", g.rank, g.size, timeout=self.timeout,
-                                           one_host=self.one_host, iface=gloo_iface(os.environ)),
+        group = Group(set_id, base.ranks, self.world.rank, lambda g: self._new_cpu_backend(g, where),
                       lambda g: create_nccl(self.client, where + "nccl", g.rank, g.size,
                                             self._cuda_device().index, self.timeout))
         schedule = Schedule(group, self.data, number=number)
@@ -245,10 +249,18 @@ class Job:
 
     def _group(self, set_id: int, ranks) -> Group:
         return Group(set_id, ranks, self.world.rank,
-                     lambda g: SelfBackend() if g.size == 1 else gloo_group(self.client, f"{self.prefix}gloo/ps{set_id}/", g.rank, g.size,
-                                          timeout=self.timeout, one_host=self.one_host, iface=gloo_iface(os.environ)),
+                     lambda g: SelfBackend() if g.size == 1 else self._new_cpu_backend(g, f"{self.prefix}ps{set_id}/"),
                      lambda g: create_nccl(self.client, f"{self.prefix}nccl/ps{set_id}/uid", g.rank, g.size,
                                            self._cuda_device().index, self.timeout))
+
+    def _new_cpu_backend(self, group: Group, where: str) -> GlooBackend | MpiBackend:
+        """A CPU communicator of its own for ``group`` on the job's transport, made by its members
+        at the same point (its first collective, or an optimizer's construction); ``where`` is the
+        same on every member and names it (store keys for Gloo, the communicator's tag for MPI)."""
+        if isinstance(self.cpu, MpiBackend):
+            return mpi_group(self.cpu, group.ranks, self.world.rank, label=where + "mpi")
+        return gloo_group(self.client, where + "gloo/", group.rank, group.size, timeout=self.timeout,
+                          one_host=self.one_host, iface=gloo_iface(os.environ))
 
     def _on_done(self, kind: str, name: str, value: Any) -> None:
         """Responses that change process sets (applied in response order)."""
@@ -306,7 +318,7 @@ class Job:
         # stopped peer would hold a graceful close until Gloo's timeout, NCCL's forever)
         self.data.close(failed=failed)
         self._schedules.clear()
-        self.gloo.close(abort=failed)
+        self.cpu.close(abort=failed)
         try:
             self.client.add(f"{self.prefix}shutdown", 1)
             if self.server is not None:

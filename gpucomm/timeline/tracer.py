@@ -2,7 +2,7 @@
 
 ``Tracer`` sits between the hot paths and ``gpucomm.timeline``: the coordinator reports
 negotiation (``NEGOTIATE_<KIND>`` with a tick per rank), the executor reports each collective
-(``GLOO_<KIND>`` timed from issue to the backend's completion callback on CPU; ``QUEUE`` and
+(``GLOO_<KIND>`` or ``MPI_<KIND>`` timed from issue to the backend's completion callback on CPU; ``QUEUE`` and
 ``NCCL_<KIND>`` timed by CUDA events on GPU), and the optimizer reports its fusion-buffer copies
 and the backward pass, so the picture shows bucket allreduces overlapping backward.
 """
@@ -41,11 +41,12 @@ class Tracer:
         self.timeline.mark_cycle()
 
     # -- executor -----------------------------------------------------------------------------
-    def cpu_op(self, name: str, kind: str, tensors: Sequence[Any], works: Sequence[Any]) -> None:
-        """A CPU collective was issued: its activity lasts until the last backend work completes."""
+    def cpu_op(self, name: str, kind: str, tensors: Sequence[Any], works: Sequence[Any], transport: str = "gloo") -> None:
+        """A CPU collective was issued: its activity (``MPI_<KIND>`` on MPI, else ``GLOO_<KIND>``)
+        lasts until the last backend work completes."""
         tl = self.timeline
         tl.op_start(name, kind)
-        tl.activity_start(name, f"GLOO_{kind.upper()}")
+        tl.activity_start(name, f"{'MPI' if transport == 'mpi' else 'GLOO'}_{kind.upper()}")
         dtype, shape = self._describe(tensors)
         futures = [w.future() for w in works]
         futures = [f for f in futures if f is not None]
