@@ -22,7 +22,7 @@ from .collectives import (Adasum, Average, Max, Min, Product, Sum, add_process_s
                           remove_process_set, synchronize)
 from ..process_sets import ProcessSet, global_process_set
 
-_LAZY = {"DistributedOptimizer": "optimizer", "save_checkpoint": "checkpoint", "allgather_object": "functions",
+_LAZY = {"DistributedOptimizer": "optimizer", "ZeroRedundancyOptimizer": "optimizer", "save_checkpoint": "checkpoint", "allgather_object": "functions",
          "broadcast_object": "functions", "broadcast_optimizer_state": "functions",
          "broadcast_parameters": "functions", "SyncBatchNorm": "sync_batch_norm",
          "sparse_allreduce_async": "collectives", "elastic": "elastic"}

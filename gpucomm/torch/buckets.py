@@ -8,7 +8,8 @@ when the optimizer was built.
 
 A bucket is one of three kinds behind one interface (``Bucket``: ``gradient_ready``, ``fill``,
 ``write_gradients``, ``zeros``, ``training_flag``), chosen once per bucket when the layout is
-built:
+built (an optimizer may build its own kinds through ``GradientBuckets(make=...)``: PowerSGD's
+two-phase buckets, ``powersgd.py``, and ZeRO's reduce-scattered ones, ``zero.py``):
 - ``DirectBucket``: CPU float32/float64 gradients sent uncompressed, copied into their slots as
   their hooks fire and handed back as views of the buffer (DDP's ``gradient_as_bucket_view``);
 - ``FusedBucket``: one pack into the fusion buffer at launch and one unpack after (the Numba
@@ -27,6 +28,13 @@ Joined ranks (``hvd.join``): bucket 0 carries one extra element, a *training fla
 that trains this step, 0 from a rank that stands in with zeros. A joined rank runs the schedule
 with zeros and reads the reduced flag of bucket 0: when it is 0, no rank trained, so every rank has
 joined and the stand-in stops (DDP's join reduces the same count, in a collective of its own).
+
+Two phases: a bucket may need a second collective that depends on the first one's result
+(PowerSGD: P = M Q is reduced, orthogonalised, then Q = M^T P is reduced). The first phases are
+launched as today (in bucket order, while backward runs); ``finish`` then waits for them in order
+and launches each bucket's second phase as soon as its first is back, in one more step of the
+schedule, and waits for the second phases in order. Both orders depend only on the agreed layout,
+so every rank issues the same collectives in the same order; a joined rank stands in for both.
 """
 
 from __future__ import annotations
@@ -101,17 +109,32 @@ class Bucket:
         """This rank's part of the bucket's allreduce this step (gradients, training flag, finite slots)."""
         raise NotImplementedError
 
-    def write_gradients(self) -> None:
-        """After the allreduce: the averaged gradients into ``p.grad``."""
+    def write_gradients(self, result: list[torch.Tensor]) -> None:
+        """After the last phase (``result``: what its collective returned): the averaged gradients
+        into ``p.grad``."""
         raise NotImplementedError
+
+    def second_phase(self, result: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """After the first phase (``result``): this rank's part of a second collective, or None when
+        this bucket has one phase this step (every kind here; PowerSGD's has two)."""
+        return None
+
+    def second_zeros(self) -> list[torch.Tensor] | None:
+        """A joined rank's part in the second phase (None when there is none this step)."""
+        return None
+
+    def stood_in(self, result: list[torch.Tensor]) -> None:
+        """A joined rank's step ended with ``result`` (its last phase): keep what every rank must
+        keep alike (PowerSGD's warm-start Q)."""
 
     def zeros(self) -> list[torch.Tensor]:
         """A joined rank's part in the bucket: zeros everywhere (training flag 0, finite slots 0)."""
         return [torch.zeros(self.plan.numel + self.tail(), dtype=self.wire_dtype, device=self.plan.device)]
 
-    def training_flag(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """Bucket 0's reduced training flag (the sum over ranks of 1 for a training rank)."""
-        return tensors[0][self.plan.numel]
+    def training_flag(self, result: list[torch.Tensor]) -> torch.Tensor:
+        """Bucket 0's reduced training flag (the sum over ranks of 1 for a training rank) in its first
+        phase's ``result``."""
+        return result[0][self.plan.numel]
 
     def reset(self) -> None:
         """Ready for the next step."""
@@ -213,7 +236,7 @@ class DirectBucket(Bucket):
             self.settings.check.search(self.pieces, mine, whole=self.full[:numel])
         return [self.full]
 
-    def write_gradients(self) -> None:
+    def write_gradients(self, result: list[torch.Tensor]) -> None:
         with torch.no_grad():  # averaged when copied in: each gradient becomes its slot of the buffer
             for p in self.params:
                 if p.requires_grad:
@@ -259,7 +282,7 @@ class FusedBucket(Bucket):
         self.in_flight, self.full = grads, full
         return [full]
 
-    def write_gradients(self) -> None:
+    def write_gradients(self, result: list[torch.Tensor]) -> None:
         strides = self.settings.strides
         targets = gradient_targets(self.params)
         tracer = self.settings.tracer
@@ -309,7 +332,7 @@ class CompressedBucket(Bucket):
         self.in_flight = grads
         return self.reduced
 
-    def write_gradients(self) -> None:
+    def write_gradients(self, result: list[torch.Tensor]) -> None:
         settings = self.settings
         with torch.no_grad():
             for t, r, ctx in zip(gradient_targets(self.params), self.reduced, self.contexts):
@@ -327,8 +350,8 @@ class CompressedBucket(Bucket):
             tensors.append(torch.zeros(self.settings.check.size, dtype=torch.float32, device=device))
         return tensors
 
-    def training_flag(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        return tensors[-2 if self.settings.check is not None else -1].reshape(-1)[-1]
+    def training_flag(self, result: list[torch.Tensor]) -> torch.Tensor:
+        return result[-2 if self.settings.check is not None else -1].reshape(-1)[-1]
 
     def reset(self) -> None:
         super().reset()
@@ -346,25 +369,50 @@ def bucket_kind(plan: fusion.Bucket, wire: torch.dtype | None) -> type[Bucket]:
     return FusedBucket
 
 
+def standard_bucket(plan: fusion.Bucket, params: list[torch.Tensor], compression: Any,
+                    settings: BucketSettings) -> Bucket:
+    """A bucket of the kind ``bucket_kind`` picks for ``plan`` sent through ``compression``."""
+    wire = wire_dtype(compression, plan.dtype)
+    return bucket_kind(plan, wire)(plan, params, wire, settings)
+
+
+def standard_buckets(plans: Sequence[fusion.Bucket], trainable: Sequence[torch.Tensor],
+                     settings: BucketSettings) -> list[Bucket]:
+    """The buckets of ``plans`` as ``DistributedOptimizer`` builds them by default."""
+    return [standard_bucket(plan, [trainable[i] for i in plan.param_indices], settings.compression, settings)
+            for plan in plans]
+
+
+def sub_plan(index: int, trainable: Sequence[torch.Tensor], ids: Sequence[int]) -> fusion.Bucket:
+    """A bucket record numbered ``index`` for the parameters ``ids`` (indices into ``trainable``,
+    one dtype and device), packed in that order."""
+    numels = tuple(trainable[i].numel() for i in ids)
+    offsets = tuple(sum(numels[:k]) for k in range(len(numels)))
+    first = trainable[ids[0]]
+    return fusion.Bucket(index, tuple(ids), offsets, numels, sum(numels), first.dtype, first.device)
+
+
+MakeBuckets = Callable[[Sequence[fusion.Bucket], Sequence[torch.Tensor], BucketSettings], list[Bucket]]
+
+
 class GradientBuckets:
     """The buckets of one layout, launched in order on ``schedule``.
 
     ``prescale``/``postscale``: the factors packed in and unpacked out (Horovod's average with a
     predivide factor); ``flush()``: finishes the step's launches when a caller outside backward
     needs the GPU's issue order (the optimizer's); ``tracer``: the timeline's tracer for the
-    current step, set by the optimizer once per step (None: no timeline)."""
+    current step, set by the optimizer once per step (None: no timeline). ``make`` builds the
+    buckets of the plans (default ``standard_buckets``); their indices must run 0, 1, ... in
+    launch order."""
 
     def __init__(self, schedule: Schedule, trainable: Sequence[torch.Tensor], plans: Sequence[fusion.Bucket],
                  compression: Any, prescale: float, postscale: float, set_id: int,
-                 flush: Callable[[], None] = lambda: None, check: FiniteSlots | None = None) -> None:
+                 flush: Callable[[], None] = lambda: None, check: FiniteSlots | None = None,
+                 make: MakeBuckets | None = None) -> None:
         self._schedule = schedule
         self._flush = flush
         self.settings = BucketSettings(compression, prescale, postscale, set_id, check)
-        self.buckets: list[Bucket] = []
-        for plan in plans:
-            wire = wire_dtype(compression, plan.dtype)
-            kind = bucket_kind(plan, wire)
-            self.buckets.append(kind(plan, [trainable[i] for i in plan.param_indices], wire, self.settings))
+        self.buckets: list[Bucket] = (make or standard_buckets)(plans, trainable, self.settings)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.settings.strides.update({p: layout_of(p) for p in self.bucket_of})  # the order each gradient travels in
         self._next = 0
@@ -407,13 +455,28 @@ class GradientBuckets:
         bucket.handle = self._schedule.launch(bucket.request(bucket.fill()))
 
     def finish(self) -> list[tuple[int, int, int]]:
-        """Wait for every bucket in order and write the averaged gradients into ``p.grad``. With the
-        finite check, returns what the ranks reported: ``(index in the set, bucket, slot value)``
-        for each non-zero slot (one read of every bucket's slots: a host sync on a GPU)."""
-        for bucket in self.buckets:
-            assert bucket.handle is not None
-            bucket.handle.wait()
-            bucket.write_gradients()
+        """Wait for every bucket in order and write the averaged gradients into ``p.grad`` (a
+        two-phase bucket's second phase is launched as soon as its first is back, in one more step
+        of the schedule, and waited for in order after). With the finite check, returns what the
+        ranks reported: ``(index in the set, bucket, slot value)`` for each non-zero slot (one read
+        of every bucket's slots: a host sync on a GPU)."""
+        second: list[tuple[Bucket, Handle]] = []
+        try:
+            for bucket in self.buckets:
+                assert bucket.handle is not None
+                result = bucket.handle.wait()
+                more = bucket.second_phase(result)
+                if more is None:
+                    bucket.write_gradients(result)
+                    continue
+                if not second:
+                    self._schedule.begin_step(lambda: None)
+                second.append((bucket, self._schedule.launch(bucket.request(more))))
+        finally:
+            if second:
+                self._schedule.end_step()
+        for bucket, handle in second:
+            bucket.write_gradients(handle.wait())
         check = self.settings.check
         if check is None:
             return []
@@ -460,31 +523,41 @@ class GradientBuckets:
         rank calls this at the same point): placed among negotiated work alike."""
         request = Request("allreduce", name, tensors, outputs=tensors, op=ReduceOp.SUM, prescale=prescale,
                           postscale=postscale, device=tensors[0].device, set_id=self.settings.set_id)
+        self.launch_now([(request, None)])[0].wait()
+
+    def launch_now(self, requests: Sequence[tuple[Request, dict | None]]) -> list[Handle]:
+        """Launch ``requests`` (each with the metadata a coordinator would add, or None) in this order
+        on the schedule, in a step of their own, and return their handles (every rank calls this at
+        the same point with the same requests)."""
         self._schedule.begin_step(lambda: None)
         try:
-            handle = self._schedule.launch(request)
+            return [self._schedule.launch(request, meta) for request, meta in requests]
         finally:
             self._schedule.end_step()
-        handle.wait()
 
-    def stand_in_step(self) -> bool:
+    def stand_in_step(self, write: bool = False) -> bool:
         """One step of zeros on the schedule, for a rank that joined; False when no rank trained in
-        it (every rank has joined), True when the others still train."""
+        it (every rank has joined), True when the others still train. Two-phase buckets stand in for
+        both phases, as the training ranks run them. ``write``: when some rank trained, hand each
+        bucket its result as a training step would (``write_gradients``; ZeRO's shards step on it)."""
         if not self.buckets:  # nothing dense to stand in for (sparse reductions cannot be stood in for)
             return False
-        launched = []
-        self._schedule.begin_step(lambda: None)
-        try:  # every bucket's zeros go out inside the step, and nothing waits inside it: a joined rank's
-            # stand-ins for negotiated collectives wait for the step's end, which must come
-            for bucket in self.buckets:
-                tensors = bucket.zeros()
-                launched.append((bucket, tensors, self._schedule.launch(bucket.request(tensors))))
-        finally:
-            self._schedule.end_step()
-        for _, _, handle in launched:
-            handle.wait()
-        bucket, tensors, _ = launched[0]  # bucket 0: the training flag
-        return float(bucket.training_flag(tensors)) != 0.0
+        # every bucket's zeros go out inside a step, and nothing waits inside it: a joined rank's
+        # stand-ins for negotiated collectives wait for the step's end, which must come
+        launched = self.launch_now([(bucket.request(bucket.zeros()), None) for bucket in self.buckets])
+        results = [handle.wait() for handle in launched]
+        trained = float(self.buckets[0].training_flag(results[0])) != 0.0
+        seconds = [(bucket, bucket.second_zeros()) for bucket in self.buckets]
+        seconds = [(bucket, zeros) for bucket, zeros in seconds if zeros is not None]
+        if seconds:
+            handles = self.launch_now([(bucket.request(zeros), None) for bucket, zeros in seconds])
+            last = dict(zip((id(b) for b, _ in seconds), (h.wait() for h in handles)))
+            results = [last.get(id(b), r) for b, r in zip(self.buckets, results)]
+        for bucket, result in zip(self.buckets, results):
+            bucket.stood_in(result)
+            if write and trained:
+                bucket.write_gradients(result)
+        return trained
 
 
 # ---------------------------------------------------------------------------------------------
@@ -567,4 +640,5 @@ def gradient_to_send(p: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["Bucket", "BucketSettings", "CompressedBucket", "DirectBucket", "FusedBucket", "GradientBuckets",
-           "bucket_kind", "wire_dtype"]
+           "MakeBuckets", "bucket_kind", "gradient_targets", "gradient_to_send", "layout_of", "send_view",
+           "standard_bucket", "standard_buckets", "sub_plan", "view_in_order", "wire_dtype"]

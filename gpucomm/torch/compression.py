@@ -1,4 +1,6 @@
-"""Gradient compression for the wire (Horovod's ``Compression`` strategy)."""
+"""Gradient compression for the wire (Horovod's ``Compression`` strategy), and PowerSGD's settings
+(``Compression.powersgd(...)``; the algorithm runs in ``DistributedOptimizer``'s buckets,
+``powersgd.py``)."""
 
 from __future__ import annotations
 
@@ -57,9 +59,56 @@ class BF16Compressor(_CastCompressor):
     wire_dtype = torch.bfloat16
 
 
+class PowerSGD(Compressor):
+    """PowerSGD (Vogels et al., NeurIPS 2019) for ``DistributedOptimizer``: each gradient matrix M
+    (a weight viewed as ``shape[0] x rest``) travels as two thin factors, P = M Q (rows x rank) and
+    Q = M^T P (columns x rank), with this rank's compression error added back into the next step's
+    gradient (error feedback) and Q kept from step to step (warm start).
+
+    ``rank``: the approximation's rank (at most ``min(rows, columns)`` per matrix).
+    ``start_iter``: steps averaged uncompressed first (DDP's ``start_powerSGD_iter``; early training
+    is where a low-rank approximation hurts most). ``min_compression_rate``: a matrix is compressed
+    only when ``rows * columns >= min_compression_rate * (rows + columns) * rank``; the rest (biases,
+    norms, small matrices) go through the ordinary buckets. ``wire``: ``Compression.none``, ``.fp16``
+    or ``.bf16``: the dtype P, Q and the uncompressed buckets travel in. ``seed``: the warm start's
+    first Q (the same on every rank). An ad-hoc ``hvd.allreduce(compression=...)`` with this object
+    uses ``wire`` only: the low-rank form needs the optimizer's two collectives per step."""
+
+    def __init__(self, rank: int = 4, start_iter: int = 1000, min_compression_rate: float = 2.0,
+                 wire: Any = NoneCompressor, seed: int = 0) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"Compression.powersgd: rank must be a positive integer, got {rank!r}.")
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+            raise ValueError(f"Compression.powersgd: start_iter must be an integer >= 0 (steps averaged "
+                             f"uncompressed first), got {start_iter!r}.")
+        if not isinstance(min_compression_rate, (int, float)) or min_compression_rate < 0:
+            raise ValueError(f"Compression.powersgd: min_compression_rate must be a number >= 0, got "
+                             f"{min_compression_rate!r}.")
+        if wire not in (NoneCompressor, FP16Compressor, BF16Compressor):
+            raise ValueError(f"Compression.powersgd: wire must be Compression.none, Compression.fp16 or "
+                             f"Compression.bf16 (the dtype P, Q and the uncompressed buckets travel in), got {wire!r}.")
+        self.rank, self.start_iter, self.min_compression_rate = rank, start_iter, float(min_compression_rate)
+        self.wire, self.seed = wire, int(seed)
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return self.wire.compress(tensor)
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return self.wire.decompress(tensor, ctx)
+
+    def describe(self) -> dict:
+        """The settings every rank must share (verified with the optimizer's layout)."""
+        return {"rank": self.rank, "start_iter": self.start_iter, "min_compression_rate": self.min_compression_rate,
+                "wire": self.wire.__name__, "seed": self.seed}
+
+    def __repr__(self) -> str:
+        return "Compression.powersgd(" + ", ".join(f"{k}={v!r}" for k, v in self.describe().items()) + ")"
+
+
 class Compression:
-    """The available compressors, named as in Horovod."""
+    """The available compressors, named as in Horovod; ``powersgd(...)`` is gpucomm's."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+    powersgd = PowerSGD

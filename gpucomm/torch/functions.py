@@ -85,16 +85,31 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     An optimizer that has no state yet on root gets it first, as Horovod creates it: one step of
     the wrapped optimizer (never a DistributedOptimizer's synchronizing step) on zero gradients for
     every parameter that requires grad; sparse zeros for ``SparseAdam``, and for ``SGD`` on the
-    parameters of ``model``'s sparse embeddings (``model`` is only used for that). Parameters and
-    gradients are put back as they were, so weight decay cannot move root's parameters."""
+    parameters of ``model``'s sparse embeddings (``model`` is only used for that). Root's parameters
+    are put back as they were, so weight decay cannot move them. As in Horovod, on every rank whose
+    optimizer had no state, each parameter that requires grad and had no gradient is left with a
+    zero gradient (a script that reads ``p.grad`` right after works unchanged); gradients that
+    existed are kept (Horovod overwrites them with zeros).
+
+    An optimizer whose state is sharded across ranks (``hvd.ZeroRedundancyOptimizer``: it has
+    ``consolidate_state_dict``) holds no per-rank copy to send: its shards are left as they are and
+    only root's hyper-parameters are broadcast."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state: its state holds closures' history that does "
                          "not transfer between processes; broadcast the model and start LBFGS fresh on every rank.")
     rt = jobs.current()
+    if is_sharded(optimizer):
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        groups = broadcast_object(groups, root_rank, name="broadcast_optimizer_state.groups")
+        for group, options in zip(optimizer.param_groups, groups):
+            group.update(options)
+        return
+    had_none = not any(optimizer.state.values())
+    sparse = _sparse_parameters(optimizer, model)
     blob = None
     if rt.world.rank == root_rank:
-        if not any(optimizer.state.values()):
-            _create_state(optimizer, model)
+        if had_none:
+            _create_state(optimizer, sparse)
         buf = io.BytesIO()
         torch.save(_to_cpu(optimizer.state_dict()), buf)
         blob = buf.getvalue()
@@ -102,27 +117,51 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     if rt.world.rank != root_rank:
         state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=False)
         optimizer.load_state_dict(state)  # casts state to each parameter's device and dtype
+    if had_none:
+        for p in _parameters(optimizer):
+            if p.requires_grad and p.grad is None:
+                p.grad = _zero_gradient(p, p in sparse)
 
 
 _WRAPPERS = __name__.rsplit(".", 1)[0] + "."  # DistributedOptimizer's classes (Adasum's too) come from gpucomm.torch
 
 
-def _create_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> None:
+def is_sharded(optimizer: torch.optim.Optimizer) -> bool:
+    """True for an optimizer whose state is sharded across ranks (``hvd.ZeroRedundancyOptimizer``,
+    torch's too): its ``state_dict()`` gathers the full state, it has ``consolidate_state_dict``."""
+    return callable(getattr(optimizer, "consolidate_state_dict", None))
+
+
+def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _sparse_parameters(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> set[torch.Tensor]:
+    """The parameters whose zero gradient is sparse: all for ``SparseAdam``, for ``SGD`` those of
+    ``model``'s sparse embeddings (0-dim parameters never)."""
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        return {p for p in _parameters(optimizer) if p.dim() > 0}
+    if model is None or not isinstance(optimizer, torch.optim.SGD):
+        return set()
+    embeddings = {id(p) for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+                  and m.sparse for p in m.parameters(recurse=False)}
+    return {p for p in _parameters(optimizer) if id(p) in embeddings and p.dim() > 0}
+
+
+def _zero_gradient(p: torch.Tensor, sparse: bool) -> torch.Tensor:
+    zeros = torch.zeros_like(p)
+    return zeros.to_sparse(1) if sparse else zeros
+
+
+def _create_state(optimizer: torch.optim.Optimizer, sparse: set[torch.Tensor]) -> None:
     """One local step of the wrapped optimizer on zero gradients (Horovod's way to create state),
     leaving parameters and gradients as they were."""
-    sparse_ids = set() if model is None else {
-        id(p) for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse
-        for p in m.parameters(recurse=False)}
-    all_sparse = isinstance(optimizer, torch.optim.SparseAdam)
-    sgd = isinstance(optimizer, torch.optim.SGD)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = _parameters(optimizer)
     kept = [(p, p.detach().clone(), p.grad) for p in params]
     try:
         for p in params:
             if p.requires_grad:
-                zeros = torch.zeros_like(p)
-                sparse = p.dim() > 0 and (all_sparse or (sgd and id(p) in sparse_ids))
-                p.grad = zeros.to_sparse(1) if sparse else zeros
+                p.grad = _zero_gradient(p, p in sparse)
         if type(optimizer).__module__.startswith(_WRAPPERS):  # a DistributedOptimizer: its wrapped class's step
             super(type(optimizer), optimizer).step()
         else:

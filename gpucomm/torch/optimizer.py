@@ -41,10 +41,12 @@ from ..dataplane import fusion
 from ..process_sets import ProcessSet, global_process_set
 from ..tuning.plans import to_fusion_buckets
 from .autotune import Autotuner, AutotuneSettings
-from .buckets import GradientBuckets, wire_dtype
+from .buckets import GradientBuckets, MakeBuckets, wire_dtype
 from . import finite_check
 from .adasum import adasum_optimizer
-from .compression import Compression
+from .compression import Compression, PowerSGD
+from .powersgd import PowerSGDState, powersgd_buckets
+from .zero import ZeroSettings, check_elementwise, sharded_steps
 from ..errors import CollectiveError as HorovodInternalError, NonFiniteGradientError
 from ..settings import env_flag_default_on
 from .functions import allgather_object, broadcast_object
@@ -58,7 +60,11 @@ log = logging.getLogger("gpucomm")
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
-    """Mixed into a dynamic subclass of the user's optimizer class; see ``DistributedOptimizer``."""
+    """Mixed into a dynamic subclass of the user's optimizer class; see ``DistributedOptimizer``.
+    ``ZeroRedundancyOptimizer`` merges ``zero.ShardedSteps`` over it (``_prepare``,
+    ``_bucket_maker``, ``_settle_parameters`` and ``_tunable`` are the points it changes)."""
+
+    _tunable = True  # autotune may re-cut the buckets
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, groups, sparse_as_dense, process_set, check_finite=None):
@@ -72,6 +78,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._groups = groups
         self._params = [p for group in self.param_groups for p in group["params"]]
         self._parameter_names = parameter_names(named_parameters, self._params)
+        # PowerSGD's per-parameter state (warm-start Q, this rank's error, the step count), kept across layouts
+        self._powersgd = PowerSGDState(compression, self._params) if isinstance(compression, PowerSGD) else None
         self._process_set = process_set
         self._op, self._predivide = op, float(gradient_predivide_factor)
         self._synchronized = False
@@ -85,7 +93,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._in_backward = False  # this step's backward is running (a flush from another thread waits)
         self._backward_cv = threading.Condition()
         self._hooked = False  # a gradient hook fired since the last synchronize
+        self._prepare()
         self._bind(jobs.current())
+
+    def _prepare(self) -> None:
+        """What a merged class sets up before the layout is first agreed (DistributedOptimizer: nothing)."""
+
+    def _settle_parameters(self) -> None:
+        """Before ``zero_grad`` and ``close``: parameters still being written are written (DistributedOptimizer:
+        none are)."""
 
     def _bind(self, job) -> None:
         """Attach to ``job``: its size sets the scaling, its schedule carries the buckets, and the
@@ -124,7 +140,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 and all(b.plan.device.type == "cpu" for b in self._buckets.buckets)):
             self._watch = {}
         # autotune (``autotune.py``) starts once that first re-cut is done
-        self._autotune = AutotuneSettings.from_env() if self._size > 1 and self._groups is None else None
+        self._autotune = (AutotuneSettings.from_env() if self._size > 1 and self._groups is None and self._tunable
+                          else None)
         self._tuner: Autotuner | None = None
         if self._schedule is not None:
             # every device it may launch on, in parameter order (building a backend is a collective)
@@ -162,7 +179,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         else:
             plans = fusion.plan_buckets(dense)
         buckets = GradientBuckets(self._schedule, dense, plans, self._compression, self._prescale,
-                                  self._postscale, self._set_id, self._flush_step, self._finite)
+                                  self._postscale, self._set_id, self._flush_step, self._finite,
+                                  make=self._bucket_maker())
         self._layouts += 1
         if self._size > 1:
             self._verify_everywhere(buckets)
@@ -177,13 +195,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._delay = {p: self._passes for p in trainable}
         return buckets
 
+    def _bucket_maker(self) -> MakeBuckets | None:
+        """How this optimizer's buckets are built from the plans (None: ``buckets.standard_buckets``)."""
+        if self._powersgd is not None:
+            return powersgd_buckets(self._powersgd, self._size)
+        return None
+
     def _verify_everywhere(self, buckets: GradientBuckets) -> None:
         index = {p: i for i, p in enumerate(self._params)}
         params = [(self._parameter_names[p], list(p.shape), str(p.dtype).replace("torch.", ""), p.requires_grad)
                   for p in self._params]
-        layout = [([index[p] for p in b.params], str(b.wire_dtype)) for b in buckets.buckets]
+        layout = [([index[p] for p in b.params], str(b.wire_dtype), type(b).__name__) for b in buckets.buckets]
         sparse = [index[p] for p in self._sparse.active]
+        describe = getattr(self._compression, "describe", None)
         mine = {"params": params, "buckets": layout, "schedule": self._schedule.number, "sparse": sparse,
+                "compression": describe() if callable(describe) else getattr(self._compression, "__name__", "user"),
                 "sparse_as_dense": self._sparse_as_dense, "check_finite": self._finite is not None,
                 "strides": [list(buckets.stride_of(p)) for p in self._params if p in buckets.bucket_of]}
         COUNTERS.layout_checks += 1
@@ -198,7 +224,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     f"rank {rank}: {_layout_text(theirs)}), although their parameters match. Every rank must plan the "
                     f"same buckets, or their allreduces would pair unrelated data. Likely causes: "
                     f"GPUCOMM_FUSION_THRESHOLD / HOROVOD_FUSION_THRESHOLD / GPUCOMM_FUSION_FIRST_BUCKET, groups=, "
-                    f"sparse_as_dense= or check_finite= (GPUCOMM_CHECK_FINITE) set differently on some ranks, a "
+                    f"sparse_as_dense=, compression= (PowerSGD's settings) or check_finite= (GPUCOMM_CHECK_FINITE) set "
+                    f"differently on some ranks, a "
                     f"model in channels_last memory format on some ranks only (gradients travel in the parameters' "
                     f"memory order), or DistributedOptimizers built in a different order. Set them alike on every "
                     f"rank.")
@@ -265,6 +292,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Finish averaging every gradient: launch the buckets not yet launched, wait for all in
         order, and write the averaged gradients into ``p.grad``."""
+        if self._reduce_step():
+            self._settle_step()
+
+    def _reduce_step(self) -> bool:
+        """The reduction part of ``synchronize``: False for a one-rank job (nothing to reduce)."""
         if self._closed:
             raise ValueError("this DistributedOptimizer was closed (optimizer.close()): it averages no more gradients "
                              "and has released its communicator. Build a new DistributedOptimizer to keep training.")
@@ -272,7 +304,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self.rebind()
         if self._size == 1:
             self._synchronized = True
-            return
+            if self._powersgd is not None:
+                self._powersgd.step_done()
+            return False
         with self._lock:
             self._launch_step()
         try:
@@ -282,12 +316,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._reset_step()
         COUNTERS.schedule_steps += 1
         self._steps += 1
+        if self._powersgd is not None:
+            self._powersgd.step_done()
         self.last_nonfinite = self._findings(reports) if reports else []
         self._synchronized = True
         span, self._backward_span = self._backward_span, None
         tracer = jobs.current().tracer
         if tracer is not None and span is not None:
             tracer.span("DistributedOptimizer.backward", "BACKWARD", span[0], span[1])
+        return True
+
+    def _settle_step(self) -> None:
+        """After a step's reduction: the first re-cut, autotune, a changed layout, the finite check's report."""
         recut = False
         if self._watch is not None and not self._tuner_watches:
             recut = self._cut_where_backward_pauses()
@@ -451,6 +491,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Release this optimizer's communicator now (a collective: call it on every rank at the same
         point). Without it, the communicator lives until ``hvd.shutdown()``; it is never released
         when the optimizer is garbage-collected, which happens at a different moment on every rank."""
+        self._settle_parameters()
         job = self._job_ref() if self._job_ref is not None else None
         if self._schedule is not None and job is not None and job is jobs.active():
             # a collective point: no member may still be building the communicator this releases
@@ -466,8 +507,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def stand_in_until_all_joined(self) -> None:
         """This rank joined (``hvd.join``): take part in the other ranks' steps with zeros until
         every rank has joined."""
-        while self._buckets.stand_in_step():
-            pass
+        while True:
+            trained = self._buckets.stand_in_step()
+            if self._powersgd is not None:  # the step count stays alike on every rank (it decides the form)
+                self._powersgd.step_done()
+            if not trained:
+                return
 
     def _reset_step(self) -> None:
         self._hooked = False
@@ -492,9 +537,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._hooked or self._buckets.in_flight or self._sparse.in_flight:
             raise AssertionError(ZERO_GRAD_ERROR)
+        self._settle_parameters()
         result = super(self.__class__, self).zero_grad(set_to_none=set_to_none)
         self._buckets.release()
         return result
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state dict, with PowerSGD's state under ``"powersgd"`` when it is in
+        use (warm-start Q, this rank's errors, the step count; see ``powersgd.PowerSGDState``)."""
+        state = super(self.__class__, self).state_dict()
+        if self._powersgd is not None:
+            state["powersgd"] = self._powersgd.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         if self._buckets.in_flight or self._sparse.in_flight:
@@ -503,6 +557,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             except HorovodInternalError:
                 pass  # the job broke (an elastic restore follows): nothing in flight is worth keeping
         self._reset_step()
+        state_dict = dict(state_dict)
+        powersgd = state_dict.pop("powersgd", None)
+        if powersgd is not None and self._powersgd is not None:
+            self._powersgd.load_state_dict(powersgd)
         return super(self.__class__, self).load_state_dict(state_dict)
 
 
@@ -520,9 +578,9 @@ def _trainable_groups(groups: Any, trainable: list[torch.Tensor]) -> Any:
 
 def _layout_text(mine: dict) -> str:
     buckets = mine["buckets"]
-    sizes = ", ".join(f"{len(ids)} params ({dtype.replace('torch.', '')})" for ids, dtype in buckets[:4])
+    sizes = ", ".join(f"{len(ids)} params ({dtype.replace('torch.', '')}, {kind})" for ids, dtype, kind in buckets[:4])
     more = f", +{len(buckets) - 4} more" if len(buckets) > 4 else ""
-    return f"schedule {mine['schedule']}, {len(buckets)} buckets [{sizes}{more}]"
+    return f"schedule {mine['schedule']}, {len(buckets)} buckets [{sizes}{more}], compression {mine['compression']}"
 
 
 class _OutsideProcessSet(torch.optim.Optimizer):
@@ -562,6 +620,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     ``"raise"``/True or ``"warn"`` names, on every rank in the same step, the rank and parameter
     whose gradient first went NaN or Inf (``finite_check.py``)."""
     if op == Adasum:  # Horovod's delta optimizer (gpucomm/torch/adasum.py)
+        if isinstance(compression, PowerSGD):
+            raise NotImplementedError("Compression.powersgd is not supported with op=hvd.Adasum (its delta optimizer "
+                                      "reduces weight changes, not gradients, in one request); use op=hvd.Average or "
+                                      "hvd.Sum, or Compression.fp16 / bf16 with Adasum.")
         if finite_check.resolve_mode(check_finite) is not None:
             raise NotImplementedError("check_finite is not supported with op=hvd.Adasum (its delta optimizer "
                                       "reduces weight changes, not gradients); use op=hvd.Average or hvd.Sum.")
@@ -589,4 +651,51 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
                gradient_predivide_factor, groups, sparse_as_dense, process_set, check_finite)
 
 
-__all__ = ["DistributedOptimizer"]
+def ZeroRedundancyOptimizer(params: Any, optimizer_class: type | None = None, *,
+                            named_parameters: Iterable | None = None,
+                            overlap_with_forward: torch.nn.Module | None = None,
+                            backward_passes_per_step: int = 1, op: int = Average,
+                            gradient_predivide_factor: float = 1.0, process_set: ProcessSet = global_process_set,
+                            check_finite: bool | str | None = None, elementwise: bool | None = None,
+                            **defaults: Any) -> torch.optim.Optimizer:
+    """ZeRO stage 1: ``optimizer_class`` built on ``params`` with ``defaults`` (``lr=...``), its state
+    sharded across the ranks (each keeps 1/N), gradients reduce-scattered in buckets while backward
+    runs and the updated parameters allgathered after ``step()`` (``zero.py``). Torch's argument
+    order ``(params, optimizer_class, **defaults)``; ``(optimizer_class, params, ...)`` works too.
+
+    Why a class of its own rather than a ``DistributedOptimizer`` option: its contract differs where
+    users look (``state_dict()`` is a collective that gathers every rank's shard, with torch's
+    ``consolidate_state_dict(to=0)``; ``load_state_dict`` takes a full state and re-shards it;
+    ``synchronize()`` leaves the averaged gradients in the optimizer's shards, not in ``p.grad``),
+    and torch users know it by this name. The hooks, buckets, schedule, accumulation
+    (``backward_passes_per_step``), ``hvd.join`` and ``check_finite`` are DistributedOptimizer's.
+    ``overlap_with_forward=model``: the parameter allgathers are left in flight after ``step()`` and
+    each layer's forward (or ``model.state_dict()``) waits for its own, so they overlap the next
+    forward; read parameters elsewhere only after ``opt.wait_parameters()``. Without it, ``step()``
+    waits for them. ``elementwise``: declare that an optimizer class outside
+    ``zero.ELEMENTWISE`` updates each element on its own (sharding is flat). The result is an
+    instance of ``optimizer_class``; ``.optim`` is the optimizer of this rank's shard."""
+    if isinstance(params, type) and issubclass(params, torch.optim.Optimizer):
+        params, optimizer_class = optimizer_class, params  # Horovod-style order
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(f"ZeroRedundancyOptimizer(params, optimizer_class, **defaults): optimizer_class must be a "
+                        f"torch.optim.Optimizer subclass such as torch.optim.Adam, got {optimizer_class!r}.")
+    check_elementwise(optimizer_class, elementwise)
+    if op not in (Average, Sum):
+        raise ValueError(f"ZeroRedundancyOptimizer op must be hvd.Average or hvd.Sum, got {op!r}.")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    check_passes(backward_passes_per_step)
+    base = optimizer_class(params, **defaults)  # the parameter groups with their options (no state yet)
+    if isinstance(process_set, ProcessSet) and process_set.included() is False:
+        cls = type(optimizer_class.__name__, (optimizer_class,), {**_OutsideProcessSet.__dict__, **shared_steps()})
+        return cls(base.param_groups, named_parameters, backward_passes_per_step)
+    settings = ZeroSettings(optimizer_class, dict(defaults), overlap_with_forward)
+    cls = type(optimizer_class.__name__, (optimizer_class,), {**_DistributedOptimizer.__dict__, **shared_steps(),
+                                                              **sharded_steps(), "_zero_settings": settings})
+    # sparse gradients are densified into the buckets: every rank's part is dense
+    return cls(base.param_groups, named_parameters, Compression.none, backward_passes_per_step, op,
+               gradient_predivide_factor, None, True, process_set, check_finite)
+
+
+__all__ = ["DistributedOptimizer", "ZeroRedundancyOptimizer"]

@@ -7,7 +7,9 @@ of ours, each so that a rank never ends up holding state another rank does not:
   second restore after more training still returns the commit (torch's
   ``Optimizer.load_state_dict`` keeps the tensors it is given);
 - ``sync`` sends rank 0's live values (the model, too, is live) and then commits on every rank, so
-  a failure right after a re-form rolls every rank back to the same point;
+  a failure right after a re-form rolls every rank back to the same point; a sharded optimizer
+  (``hvd.ZeroRedundancyOptimizer``) sends rank 0's last commit instead, which holds its full state
+  (its live state is spread over ranks that may be gone), and every commit gathers that state;
 - ``reset`` (after every re-form, before the sync, which Horovod skips when ranks only left)
   re-shards ``ElasticSampler``s and calls the optimizers' ``rebind``.
 """
@@ -24,7 +26,7 @@ import torch
 from ... import job as jobs
 from ...bootstrap.rounds import elastic_mode
 from ...errors import HostsUpdatedInterrupt
-from ..functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from ..functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters, is_sharded
 from .sampler import ElasticSampler
 
 
@@ -206,7 +208,15 @@ class _OptimizerHandler(_StateDictHandler):
         self.value.load_state_dict(_copy_tree(self._saved))  # it keeps the tensors it is given
 
     def sync(self) -> None:
-        broadcast_optimizer_state(self.value, root_rank=0)
+        if is_sharded(self.value):
+            # ZeRO: the live state is spread over the previous job's ranks, some of which may be gone;
+            # every commit holds the full state (its state_dict() gathers it), so rank 0's last commit
+            # (the live state: a restore or the commit that saw the host change just set it) is sent,
+            # and every rank takes its part of it under the new job's shards
+            full = broadcast_object(self._saved if _rank() == 0 else None, root_rank=0, name="elastic.optimizer")
+            self.value.load_state_dict(full)
+        else:
+            broadcast_optimizer_state(self.value, root_rank=0)
 
 
 class _SamplerHandler:

@@ -1,0 +1,55 @@
+"""PowerSGD compression in DistributedOptimizer (``Compression.powersgd``), at 2 and 3 CPU ranks:
+exact at full rank against uncompressed averaging (Average, Sum, accumulation, an fp16 wire, a
+bfloat16 model), identical parameters on every rank after every step at low rank, no control
+message in steady state, its state through state_dict, elastic commit/restore and broadcast,
+hvd.join, and the finite check. Accuracy at scale is a benchmark (benchmarks/powersgd_accuracy.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpucomm.torch.compression import Compression, PowerSGD
+from tests.harness import run_ranks
+from tests.ranks import powersgd_scenarios as sc
+
+SMALL_BUCKETS = {"GPUCOMM_FUSION_THRESHOLD": "512", "GPUCOMM_FUSION_FIRST_BUCKET": "256"}  # several buckets
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_exact_at_full_rank_and_identical_on_every_rank(size):
+    results = run_ranks(sc.exact_rank_and_identical_ranks, size, env=SMALL_BUCKETS)
+    for out in results:
+        assert out["average"] <= 1e-6 and out["sum"] <= 1e-6 and out["passes"] <= 1e-6, out
+        assert out["fp16_wire"] <= 5e-4, out
+        assert out["bf16_model"] <= 2e-2, out
+        assert out["identical"], "ranks' parameters differ after some step"
+        assert out["control_rounds"] == 0, out  # steady state: the fixed schedule only
+        assert out["kinds"] == ["DirectBucket", "PowerSGDBucket"], out
+    assert all(out["bytes_per_step"] == results[0]["bytes_per_step"] for out in results)
+    # per step: every bucket once, plus a second allreduce (Q) per PowerSGD bucket
+    buckets = results[0]["buckets"]
+    assert results[0]["collectives_per_step"] == len(buckets) + sum(k == "PowerSGDBucket" for k, _ in buckets)
+
+
+def test_state_dict_elastic_restore_and_broadcast():
+    for out in run_ranks(sc.state_and_elastic, 2):
+        assert out["iteration"] == 3 and out["has_q_and_error"], out
+        assert out["restore_exact"] and out["replay_equal"], out
+        assert out["foreign_load"] and out["q_alike"], out
+
+
+def test_join_keeps_ranks_in_step_and_nonfinite_is_caught():
+    for out in run_ranks(sc.join_and_nonfinite, 2):
+        assert out["last"] == 0 and out["q_alike"] and out["identical_after_join"], out
+        assert out["nonfinite"] == [(1, "2.weight")], out
+
+
+def test_settings_are_checked():
+    for bad in ({"rank": 0}, {"start_iter": -1}, {"min_compression_rate": -1}, {"wire": Compression.powersgd}):
+        with pytest.raises(ValueError):
+            PowerSGD(**bad)
+    ps = Compression.powersgd(rank=2, wire=Compression.fp16)
+    t = torch.ones(3)
+    c, ctx = ps.compress(t)  # an ad-hoc allreduce sends it through the wire compressor
+    assert c.dtype == torch.float16 and ps.decompress(c, ctx).dtype == torch.float32
