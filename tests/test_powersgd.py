@@ -32,6 +32,17 @@ def test_exact_at_full_rank_and_identical_on_every_rank(size):
     assert results[0]["collectives_per_step"] == len(buckets) + sum(k == "PowerSGDBucket" for k, _ in buckets)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and CUDA torch")
+def test_exact_and_identical_on_cuda():
+    """The same checks on the GPU path (NCCL through the single-GPU test mode)."""
+    env = dict(SMALL_BUCKETS, GPUCOMM_SINGLE_GPU_TEST="1")
+    for out in run_ranks(sc.exact_rank_and_identical_ranks, 2, args=("cuda",), env=env, timeout=600):
+        assert out["average"] <= 1e-5 and out["sum"] <= 1e-5 and out["passes"] <= 1e-5, out
+        assert out["fp16_wire"] <= 5e-3 and out["bf16_model"] <= 3e-2, out
+        assert out["identical"] and out["control_rounds"] == 0, out
+
+
 def test_state_dict_elastic_restore_and_broadcast():
     for out in run_ranks(sc.state_and_elastic, 2):
         assert out["iteration"] == 3 and out["has_q_and_error"], out

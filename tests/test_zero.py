@@ -33,6 +33,16 @@ def test_equals_distributed_optimizer_with_one_nth_of_the_state(size):
     assert total == results[0]["state_bytes"][1]  # the shards hold the whole state, once
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and CUDA torch")
+def test_equals_distributed_optimizer_on_cuda():
+    """Reduce-scatter and allgather on NCCL (single-GPU test mode), the shards on the GPU."""
+    env = dict(SMALL_BUCKETS, GPUCOMM_SINGLE_GPU_TEST="1")
+    for out in run_ranks(sc.equals_distributed_optimizer, 2, args=("cuda",), env=env, timeout=600):
+        assert max(out["params"].values()) <= 1e-5 and max(out["after_freeze"].values()) <= 1e-5, out
+        assert out["passes"] <= 1e-5 and out["state"] <= 1e-5 and out["identical"], out
+
+
 def test_checkpoint_saved_at_four_ranks_resumes_at_two(tmp_path):
     assert run_ranks(sc.checkpoint, 4, args=(str(tmp_path), "save"), timeout=120) == [True, False, False, False]
     resumed = run_ranks(sc.checkpoint, 2, args=(str(tmp_path), "resume"))
@@ -42,10 +52,11 @@ def test_checkpoint_saved_at_four_ranks_resumes_at_two(tmp_path):
             assert torch.allclose(got, want, rtol=0, atol=1e-6), float((got - want).abs().max())
 
 
-def test_join_elastic_state_and_broadcast():
+def test_join_elastic_state_broadcast_and_clipping():
     for out in run_ranks(sc.join_elastic_and_broadcast, 2):
         assert out["lr"] == 0.01 and out["last"] == 0 and out["identical_after_join"], out
         assert out["restored_params"] and out["replay_equal"] and out["bytes"] > 0, out
+        assert out["clip_active"] and out["clip_norms"] <= 1e-6 and out["clipped"] <= 1e-6, out
 
 
 def test_refuses_what_it_cannot_shard():

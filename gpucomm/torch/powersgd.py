@@ -256,10 +256,13 @@ class PowerSGDBucket(Bucket):
             # what its M is measured against (the average for hvd.Average, a 1/size part for hvd.Sum)
             share = 1.0 / (settings.prescale * settings.postscale * self.size)
             for t, p, m, pm, q in zip(targets, self.params, self.ms, self.ps, self._keep_q(result[0])):
-                approx = torch.matmul(pm, q.t())
+                if t is not None and t.is_contiguous() and t.dtype == self.compute:
+                    approx = torch.matmul(pm, q.t(), out=t.view(m.shape))  # straight into p.grad: no temporary
+                else:
+                    approx = torch.matmul(pm, q.t())
+                    if t is not None:
+                        t.copy_(approx.view(p.shape))
                 m.sub_(approx, alpha=share)  # this rank's error, kept in place for the next step
-                if t is not None:
-                    t.copy_(approx.view(p.shape))
         self.ms, self.ps = [], []
 
     def stood_in(self, result: list[torch.Tensor]) -> None:

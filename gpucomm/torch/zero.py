@@ -550,6 +550,32 @@ class ShardedSteps:
         reading parameters outside the model's forward and ``state_dict()``)."""
         self._wait_parameters()
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """After ``synchronize()``: scale the averaged gradients this optimizer holds (each rank's part)
+        so that their norm over every rank is at most ``max_norm``, as ``torch.nn.utils.clip_grad_norm_``
+        does to whole gradients; returns that total norm. Every rank calls it at the same point (one
+        allreduce on the optimizer's schedule). Horovod's pattern: ``synchronize()``, this, then
+        ``with opt.skip_synchronize(): opt.step()``."""
+        norm_type = float(norm_type)
+        if not math.isfinite(norm_type) or norm_type <= 0:
+            raise ValueError(f"ZeroRedundancyOptimizer.clip_grad_norm_: norm_type must be a finite p > 0, got "
+                             f"{norm_type} (the norm over ranks is summed from each rank's part).")
+        if self._size == 1:
+            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        grads = [s.tensor.grad for b in self._shards.buckets for s in b.segments if s.tensor.grad is not None]
+        device = self._shards.buckets[0].plan.device
+        total = torch.zeros(1, dtype=torch.float64, device=device)
+        for g in grads:
+            total += g.detach().double().abs().pow(norm_type).sum()
+        self._buckets.allreduce_now([total], f"ZeroRedundancyOptimizer.clip.{self._schedule.number}")
+        norm = total.pow(1.0 / norm_type)[0]
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        with torch.no_grad():
+            for g in grads:
+                g.mul_(scale.to(g.dtype))
+        return norm.float()
+
     def _wait_parameters(self, upto: int | None = None) -> None:
         """Write the gathered parameters of the allgathers in flight (those launched up to position
         ``upto``, or all) into the parameters."""

@@ -19,29 +19,37 @@ from gpucomm.torch.powersgd import PowerSGDBucket
 IN, HIDDEN, OUT, BATCH = 12, 10, 6, 8
 
 
-def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+def device_of(device: str) -> torch.device:
+    """``"cuda"``: this rank's GPU (``hvd.init`` pinned it)."""
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+
+
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
-                         nn.Linear(HIDDEN, OUT)).to(dtype)
+                         nn.Linear(HIDDEN, OUT)).to(device=device, dtype=dtype)
 
 
-def batch(step: int, rank: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, rank: int, dtype: torch.dtype = torch.float32,
+          device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(BATCH, IN, generator=g).to(dtype), torch.randn(BATCH, OUT, generator=g).to(dtype)
+    return (torch.randn(BATCH, IN, generator=g).to(device=device, dtype=dtype),
+            torch.randn(BATCH, OUT, generator=g).to(device=device, dtype=dtype))
 
 
 def flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    return torch.cat([p.detach().reshape(-1).float().cpu() for p in model.parameters()])
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, passes: int = 1,
           dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     """Train ``steps``; the parameters after each step."""
     seen = []
+    device = next(model.parameters()).device
     for s in steps:
         opt.zero_grad()
         for k in range(passes):
-            x, y = batch(s * passes + k, hvd.rank(), dtype)
+            x, y = batch(s * passes + k, hvd.rank(), dtype, device)
             nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         seen.append(flat(model))
@@ -55,19 +63,20 @@ def wrap(model: nn.Module, compression, passes: int = 1, kind: str = "sgd", **kw
                                     backward_passes_per_step=passes, **kw)
 
 
-def exact_rank_and_identical_ranks() -> dict:
-    """Full rank: PowerSGD equals uncompressed averaging (Average, Sum with predivide, accumulation,
-    the fp16 wire, a bfloat16 model); low rank: every rank holds the same parameters after every
-    step, steady steps send no control message, and the counters show the factors' bytes."""
+def exact_rank_and_identical_ranks(device: str = "cpu") -> dict:
+    """Full rank: PowerSGD equals uncompressed averaging (Average with a predivide factor, Sum,
+    accumulation, the fp16 wire, a bfloat16 model); low rank: every rank holds the same parameters
+    after every step, steady steps send no control message, and the counters show the factors' bytes."""
     hvd.init()
     size, out = hvd.size(), {}
+    device = device_of(device)
     full = HIDDEN  # >= every matrix's smaller side
     cases = {"average": ({}, 1, torch.float32), "sum": ({"op": hvd.Sum}, 1, torch.float32),
              "passes": ({}, 2, torch.float32), "fp16_wire": ({}, 1, torch.float32),
              "bf16_model": ({}, 1, torch.bfloat16)}
     for name, (kw, passes, dtype) in cases.items():
         wire = hvd.Compression.fp16 if name == "fp16_wire" else hvd.Compression.none
-        plain, low = make_model(dtype=dtype), make_model(dtype=dtype)
+        plain, low = make_model(dtype=dtype, device=device), make_model(dtype=dtype, device=device)
         if name == "sum":  # Sum: no predivide (refused with Sum)
             kw = {}
             opts = [wrap(plain, hvd.Compression.none, passes, op=hvd.Sum),
@@ -82,7 +91,7 @@ def exact_rank_and_identical_ranks() -> dict:
         out[name] = max(float((x - y).abs().max() / x.abs().max()) for x, y in zip(a, b))
         assert any(isinstance(bk, PowerSGDBucket) for bk in opts[1]._buckets.buckets), name
     # low rank, with check_finite on (its slots ride P's allreduce): identical on every rank after every step
-    model = make_model(1)
+    model = make_model(1, device=device)
     opt = wrap(model, hvd.Compression.powersgd(rank=1, start_iter=2, min_compression_rate=0), kind="adam",
                check_finite="raise")
     kinds = sorted({type(b).__name__ for b in opt._buckets.buckets})

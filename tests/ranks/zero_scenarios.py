@@ -13,9 +13,10 @@ import gpucomm.torch as hvd
 IN, HIDDEN, OUT, GLOBAL_BATCH = 7, 13, 3, 12  # odd sizes: shards of uneven sizes, parameters straddling ranks
 
 
-def make_model(seed: int = 0) -> nn.Module:
+def make_model(seed: int = 0, device: str | torch.device = "cpu") -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 5), nn.Tanh(), nn.Linear(5, OUT))
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 5), nn.Tanh(),
+                         nn.Linear(5, OUT)).to(device)
 
 
 def groups(model: nn.Module) -> list[dict]:
@@ -42,16 +43,17 @@ def my_part(t: torch.Tensor) -> torch.Tensor:
 
 def values(model: nn.Module) -> torch.Tensor:
     """The parameters, read through ``state_dict()`` (with overlap_with_forward it waits for the gathers)."""
-    return torch.cat([v.detach().reshape(-1) for v in model.state_dict().values()])
+    return torch.cat([v.detach().reshape(-1).cpu() for v in model.state_dict().values()])
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, passes: int = 1) -> list[torch.Tensor]:
     """Each rank trains on its part of the global batch (equal parts: the average is the full-batch gradient)."""
     seen = []
+    device = next(model.parameters()).device
     for s in steps:
         opt.zero_grad()
         for k in range(passes):
-            x, y = (my_part(t) for t in global_batch(s * passes + k))
+            x, y = (my_part(t).to(device) for t in global_batch(s * passes + k))
             nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         seen.append(values(model))
@@ -77,19 +79,20 @@ def state_diff(a: dict, b: dict) -> float:
         assert sorted(a["state"][i]) == sorted(entry)
         for key, value in entry.items():
             assert a["state"][i][key].shape == value.shape, (i, key)
-            worst = max(worst, float((a["state"][i][key].float() - value.float()).abs().max()))
+            worst = max(worst, float((a["state"][i][key].float().cpu() - value.float().cpu()).abs().max()))
     return worst
 
 
-def equals_distributed_optimizer() -> dict:
+def equals_distributed_optimizer(device: str = "cpu") -> dict:
     """ZeRO-1 (with and without overlap_with_forward: the forward waits for the gathered parameters) against
     DistributedOptimizer + AdamW: parameters, full state, memory, a layer frozen midway (the shards are
     cut again, the state moved), accumulation, no control message in steady state, consolidation."""
     hvd.init()
     out = {"size": hvd.size()}
-    ref = make_model()
+    device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+    ref = make_model(device=device)
     dref = plain(ref)
-    models = {"zero": make_model(), "zero_model": make_model()}
+    models = {"zero": make_model(device=device), "zero_model": make_model(device=device)}
     opts = {"zero": zero(models["zero"]), "zero_model": zero(models["zero_model"], overlap_with_forward=models["zero_model"])}
     train(ref, dref, range(2))
     for name in models:
@@ -127,7 +130,7 @@ def equals_distributed_optimizer() -> dict:
     except RuntimeError as e:
         out["consolidated"] = "to rank 0" in str(e) and "not to this rank" in str(e)
     # accumulation over two passes
-    a, b = make_model(4), make_model(4)
+    a, b = make_model(4, device), make_model(4, device)
     za, db = zero(a, backward_passes_per_step=2), plain(b, backward_passes_per_step=2)
     train(a, za, range(3), passes=2)
     train(b, db, range(3), passes=2)
@@ -196,5 +199,22 @@ def join_elastic_and_broadcast() -> dict:
     again = train(model, opt, range(10, 12))
     out["replay_equal"] = all(torch.equal(x, y) for x, y in zip(first, again))
     out["bytes"] = opt.state_bytes()
+    # Horovod's clipping pattern: synchronize, clip by the global norm, step without synchronizing
+    a, b = make_model(5), make_model(5)
+    za, db = zero(a), plain(b)
+    norms = []
+    for s in range(3):
+        for net, opt_, clip in ((a, za, za.clip_grad_norm_),
+                                (b, db, lambda m: nn.utils.clip_grad_norm_(b.parameters(), m))):
+            x, y = (my_part(t) for t in global_batch(s))
+            opt_.zero_grad()
+            nn.functional.mse_loss(net(x), y).backward()
+            opt_.synchronize()
+            norms.append(float(clip(0.05)))
+            with opt_.skip_synchronize():
+                opt_.step()
+    out["clip_norms"] = max(abs(x - y) for x, y in zip(norms[::2], norms[1::2]))
+    out["clip_active"] = min(norms) > 0.05  # every step was clipped
+    out["clipped"] = max_diff(a, b)
     hvd.shutdown()
     return out
