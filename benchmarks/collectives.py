@@ -4,6 +4,11 @@ with gpucomm, raw CuPy NCCL and torch.distributed side by side in the same job.
     gpucomm-run -np 2 python benchmarks/collectives.py --device cpu                  # Gloo, 8 B .. 4 MiB
     gpucomm-run -np 8 python benchmarks/collectives.py -b 8 -e 1G -f 2               # one GPU per rank
     gpucomm-run -np 2 --single-gpu-test python benchmarks/collectives.py -e 64M      # 2 ranks share a GPU
+    gpucomm-run --mpi -np 2 python benchmarks/collectives.py --device cpu --cpu-operations mpi  # CPU on MPI
+
+``--cpu-operations mpi|gloo`` sets gpucomm's CPU transport (``GPUCOMM_CPU_OPERATIONS``; MPI needs an MPI
+launcher); torch.distributed stays on Gloo, and the summary and JSON (``env.cpu_operations``) count the
+collectives gpucomm ran on each transport.
 
 Every table is nccl-tests' own (``src/common.cu``): size (B), count (elements), type, redop, root, then
 time (us), algbw, busbw (GB/s, 1e9 B) and #wrong for the out-of-place and the in-place call, and a footer
@@ -959,6 +964,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--impls", type=_csv(IMPLS, "implementation"), default=None,
                     help="gpucomm, nccl, torch (default: those available on the device)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
+    ap.add_argument("--cpu-operations", choices=("auto", "gloo", "mpi"), default="auto",
+                    help="gpucomm's transport for CPU tensors (GPUCOMM_CPU_OPERATIONS): auto (default: MPI under an "
+                         "MPI launcher with mpi4py, else Gloo), gloo, or mpi (needs gpucomm-run --mpi, mpiexec or "
+                         "mpirun); torch.distributed stays on Gloo")
     ap.add_argument("--json", default="bench-out/collectives.json", help="results file ('' to skip)")
     ap.add_argument("--plot", default="bench-out/collectives.png", help="PNG plot ('' to skip)")
     ap.add_argument("--quick", action="store_true", help="a tiny sweep for tests: 8 B .. 64K by 8x, -w 1 -n 2")
@@ -1046,6 +1055,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"collectives.py: error: {e}", file=sys.stderr)
         return 2
+    if args.cpu_operations != "auto":
+        os.environ["GPUCOMM_CPU_OPERATIONS"] = args.cpu_operations
     hvd.init()
     if args.device == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())  # gpucomm pinned this rank's GPU
@@ -1066,6 +1077,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finished = run_sweep(tables, impls, sizes, args, device)
     env = environment(device, impls, devices)
     env["not_measured"] = not_measured(args.impls, device.type)
+    env["cpu_operations"] = cpu_transport(args.cpu_operations)
     env["interrupted"] = not finished
     if not finished:
         return report_interrupted(tables, env, args)
@@ -1078,9 +1090,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if sum(t.errors for t in tables) else 0
 
 
+def cpu_transport(asked: str) -> dict[str, Any]:
+    """What ``--cpu-operations`` asked for and the CPU collectives gpucomm ran on each transport
+    (``hvd.stats()``: the proof of which one carried the sweep's data)."""
+    counts = hvd.stats()
+    return {"asked": asked, "collectives": {"gloo": counts["gloo_collectives"], "mpi": counts["mpi_collectives"]}}
+
+
 def report(tables: Sequence[Table], env: dict[str, Any], args: argparse.Namespace) -> None:
     """Rank 0's summary, JSON and plot."""
     say(*summary_lines(tables, hvd.size(), env["not_measured"]))
+    ran = env["cpu_operations"]["collectives"]
+    if ran["gloo"] or ran["mpi"]:
+        say(f"# gpucomm's CPU collectives on rank 0 (--cpu-operations {env['cpu_operations']['asked']}): "
+            f"gloo {ran['gloo']}, mpi {ran['mpi']}")
     if env["interrupted"]:
         say("# Interrupted: the sweep was stopped; the tables above hold the rows measured before that")
     if args.json:

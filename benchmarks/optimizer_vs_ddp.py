@@ -6,6 +6,15 @@ hits both. DDP runs on Gloo for CPU tensors and NCCL for CUDA tensors, on its ow
 
     gpucomm-run -np 2 python benchmarks/optimizer_vs_ddp.py [--model mlp10m] [--json out.json]
     gpucomm-run -np 2 --single-gpu-test python benchmarks/optimizer_vs_ddp.py --cuda   # two ranks, one GPU
+    gpucomm-run --mpi -np 2 python benchmarks/optimizer_vs_ddp.py --model cnn10m --cpu-operations gloo,mpi
+
+``--cpu-operations`` picks gpucomm's CPU transport (``GPUCOMM_CPU_OPERATIONS``): ``auto`` (the
+default: what ``hvd.init()`` chooses), ``gloo``, ``mpi``, or ``gloo,mpi`` to time gpucomm on both
+transports beside DDP in one job (under an MPI launcher): the rounds then rotate between
+``gpucomm-gloo``, ``gpucomm-mpi`` and ``ddp``, and gpucomm is shut down and initialized again on the
+other transport between its two (untimed, with warm-up steps after each switch; the DDP group
+stays). Each gpucomm variant's CPU collectives are counted per transport (``hvd.stats()``), so the
+JSON proves which one carried its gradients.
 
 Prints the median step time of each, the ratio gpucomm / DDP with the spread of the per-round
 ratios, and (GPU) the share of gradient-allreduce time hidden behind backward; writes JSON.
@@ -22,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -38,6 +48,8 @@ from bench_stats import fmt, fmt_pair, quartiles, value_range  # noqa: E402
 # (batch per rank, rounds, steps per round, warm-up steps)
 FULL = (32, 12, 8, 5)
 QUICK = (8, 2, 2, 1)
+TRANSPORTS = ("gloo", "mpi")
+CHOICE_VAR = "GPUCOMM_CPU_OPERATIONS"
 
 
 def parse_args() -> argparse.Namespace:
@@ -53,6 +65,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--fusion", choices=["kernels", "torch"], default="kernels",
                     help="GPU buckets: pack with the Numba kernels (default), or with torch ops, the fallback used "
                          "where the kernels cannot run (sets GPUCOMM_FUSION_KERNELS=0)")
+    ap.add_argument("--cpu-operations", default="auto",
+                    help="gpucomm's CPU transport: auto (default: as hvd.init() decides), gloo, mpi, or gloo,mpi to "
+                         "time both beside DDP (needs an MPI launcher: gpucomm-run --mpi, mpiexec)")
     ap.add_argument("--json", default="optimizer_vs_ddp.json")
     args = ap.parse_args()
     if args.fusion == "torch":
@@ -62,10 +77,21 @@ def parse_args() -> argparse.Namespace:
             setattr(args, key, value)
     if min(args.batch_size, args.rounds, args.steps_per_round) < 1 or args.warmup < 0:
         usage_error("--batch-size, --rounds and --steps-per-round must be at least 1, --warmup at least 0")
+    args.transports = transports(args.cpu_operations)
     if args.cuda and not torch.cuda.is_available():
         usage_error(f"--cuda needs a CUDA GPU, and torch.cuda.is_available() is False (torch {torch.__version__}); "
                     "leave --cuda out to run on CPU")
     return args
+
+
+def transports(text: str) -> list[str | None]:
+    """``--cpu-operations`` as the transports to time: ``[None]`` for auto (the job's own choice)."""
+    if text == "auto":
+        return [None]
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names or any(t not in TRANSPORTS for t in names) or len(set(names)) != len(names):
+        usage_error(f"--cpu-operations {text!r}: give auto, gloo, mpi, or gloo,mpi")
+    return names
 
 
 def kernel_status() -> dict:
@@ -83,21 +109,57 @@ def usage_error(message: str) -> None:
     raise SystemExit(2)
 
 
+class GpucommVariant:
+    """gpucomm's DistributedOptimizer on one CPU transport (``None``: the job's own), with its
+    own copy of the model; ``activate`` re-initializes gpucomm on that transport when another is
+    in use, and rebinds (or first builds) the optimizer on the new job."""
+
+    active: str | None = None  # the transport the current gpucomm job runs on (None: as init chose)
+
+    def __init__(self, name: str, transport: str | None, model: torch.nn.Module) -> None:
+        self.name, self.transport, self.model = name, transport, model
+        self.opt: Any = None
+        self.counts = {"gloo": 0, "mpi": 0}  # CPU collectives of its timed steps, per transport
+
+    def activate(self) -> bool:
+        """Make the job run on this variant's transport; True when gpucomm was re-initialized (the
+        optimizer then needs warm-up steps: its layout is agreed and its buckets cut anew)."""
+        switched = self.transport is not None and GpucommVariant.active != self.transport
+        if switched:
+            hvd.shutdown()
+            os.environ[CHOICE_VAR] = self.transport
+            hvd.init()
+            GpucommVariant.active = self.transport
+        if self.opt is None:
+            self.opt = hvd.DistributedOptimizer(torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9),
+                                                named_parameters=self.model.named_parameters())
+            return True
+        if switched:
+            self.opt.rebind()
+        return switched
+
+    def count(self, before: dict, after: dict) -> None:
+        for t in self.counts:
+            self.counts[t] += after[f"{t}_collectives"] - before[f"{t}_collectives"]
+
+
 def main() -> None:
     args = parse_args()
-
+    first = args.transports[0]
+    if first is not None:
+        os.environ[CHOICE_VAR] = first
     hvd.init()
+    GpucommVariant.active = first
     device = torch.device("cuda", torch.cuda.current_device()) if args.cuda else torch.device("cpu")
     if not args.cuda:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
     store = init_torch_group("nccl" if args.cuda else "gloo")
     torch.manual_seed(0)
     base, sample = models.build(args.model)
-    ours_model = copy.deepcopy(base).to(device)
+    variants = [GpucommVariant("gpucomm" if len(args.transports) == 1 else f"gpucomm-{t}", t,
+                               copy.deepcopy(base).to(device)) for t in args.transports]
     ddp_model = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base).to(device),
                                                           device_ids=[device.index] if args.cuda else None)
-    ours = hvd.DistributedOptimizer(torch.optim.SGD(ours_model.parameters(), lr=0.01, momentum=0.9),
-                                    named_parameters=ours_model.named_parameters())
     theirs = torch.optim.SGD(ddp_model.parameters(), lr=0.01, momentum=0.9)
     g = torch.Generator().manual_seed(hvd.rank())
     data = torch.randn(args.batch_size, *sample, generator=g).to(device)
@@ -120,26 +182,38 @@ def main() -> None:
             out.append(time.perf_counter() - t0)
         return out
 
-    timed(ours_model, ours, args.warmup)
+    def run_gpucomm(v: GpucommVariant, n: int) -> list[float]:
+        if v.activate():
+            timed(v.model, v.opt, max(2, args.warmup))  # the layout, the re-cut after step 1, then steady
+        before = hvd.stats()
+        t = timed(v.model, v.opt, n)
+        v.count(before, hvd.stats())
+        return t
+
+    runs: dict[str, Callable[[int], list[float]]] = {v.name: (lambda n, v=v: run_gpucomm(v, n)) for v in variants}
+    runs["ddp"] = lambda n: timed(ddp_model, theirs, n)
+    for v in variants:
+        run_gpucomm(v, args.warmup)  # warm-up (and, with two transports, each one's first job)
     timed(ddp_model, theirs, args.warmup)
-    times: dict[str, list[float]] = {"gpucomm": [], "ddp": []}
-    round_ratios = []
+    for v in variants:
+        v.counts = dict.fromkeys(v.counts, 0)
+    names = list(runs)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    round_ratios: dict[str, list[float]] = {v.name: [] for v in variants}
     for r in range(args.rounds):
-        order = [("gpucomm", ours_model, ours), ("ddp", ddp_model, theirs)]
-        if r % 2:
-            order.reverse()
         medians = {}
-        for name, model, opt in order:
-            t = timed(model, opt, args.steps_per_round)
+        for name in (names if r % 2 == 0 else names[::-1]):  # one transport switch per round at most
+            t = runs[name](args.steps_per_round)
             times[name] += t
             medians[name] = statistics.median(t)
-        round_ratios.append(medians["gpucomm"] / medians["ddp"])
+        for v in variants:
+            round_ratios[v.name].append(medians[v.name] / medians["ddp"])
     med = {k: statistics.median(v) for k, v in times.items()}
     # every rank measured; the job's step time is the slowest rank's
     every = hvd.allgather_object(med)
     job = {k: max(m[k] for m in every) for k in med}
-    ratio = job["gpucomm"] / job["ddp"]
-    q, span = quartiles(round_ratios), value_range(round_ratios)
+    ratios = {v.name: job[v.name] / job["ddp"] for v in variants}
+    main_name = variants[0].name
     if hvd.rank() == 0:
         params = sum(p.numel() for p in base.parameters())
         fusion = kernel_status() if args.cuda else None
@@ -148,16 +222,24 @@ def main() -> None:
         if fusion is not None:
             print(f"fusion copies: {fusion['path']} (kernel_fallbacks {hvd.stats()['kernel_fallbacks']}"
                   f"{', reason: ' + fusion['reason'] if fusion['reason'] else ''})")
-        print(f"{'':10s} {'median step (ms)':>18s}")
-        for k in ("gpucomm", "ddp"):
-            print(f"{k:10s} {job[k] * 1e3:18.2f}")
-        print(f"ratio gpucomm / DDP: {ratio:.3f}  (per-round ratios: median "
-              f"{fmt(statistics.median(round_ratios), '.3f')}, "
-              f"quartiles {fmt_pair(q, '.3f')}, range {fmt_pair(span, '.3f')})")
+        if not args.cuda:
+            print("CPU collectives of the timed gpucomm steps, per transport: "
+                  + "; ".join(f"{v.name}: gloo {v.counts['gloo']}, mpi {v.counts['mpi']}" for v in variants))
+        print(f"{'':14s} {'median step (ms)':>18s}")
+        for k in names:
+            print(f"{k:14s} {job[k] * 1e3:18.2f}")
+        for v in variants:
+            rr = round_ratios[v.name]
+            q, span = quartiles(rr), value_range(rr)
+            print(f"ratio {v.name} / DDP: {ratios[v.name]:.3f}  (per-round ratios: median "
+                  f"{fmt(statistics.median(rr), '.3f')}, quartiles {fmt_pair(q, '.3f')}, range {fmt_pair(span, '.3f')})")
         with open(args.json, "w") as f:
             json.dump({"benchmark": "optimizer_vs_ddp", "model": args.model, "parameters": params,
                        "ranks": hvd.size(), "device": "cuda" if args.cuda else "cpu", "batch_size": args.batch_size,
-                       "median_step_s": job, "ratio": ratio, "round_ratios": round_ratios, "fusion": fusion,
+                       "median_step_s": job, "ratio": ratios[main_name], "round_ratios": round_ratios[main_name],
+                       "ratios": ratios, "round_ratios_by_variant": round_ratios,
+                       "transport_collectives": {v.name: v.counts for v in variants},
+                       "load_average": list(os.getloadavg()), "fusion": fusion,
                        "kernel_fallbacks": hvd.stats()["kernel_fallbacks"]}, f, indent=2)
         print(f"wrote {args.json}")
     dist.destroy_process_group()

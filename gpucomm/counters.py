@@ -18,6 +18,7 @@ class Counters:
     negotiated: int = 0  # operations this rank submitted to the control plane
     cache_hits: int = 0  # ... of which travelled as a response-cache bit instead of a full request
     inline_reductions: int = 0  # small CPU allreduces the coordinator reduced inside the control round
+    inline_moves: int = 0  # small CPU broadcasts and allgathers the coordinator completed inside the control round
     collectives: int = 0  # data-plane collectives issued (backend calls: Gloo works / NCCL launches)
     bytes: int = 0  # bytes those collectives sent from this rank (input sizes)
     gloo_collectives: int = 0  # ... of which CPU collectives on Gloo (the CPU transport in use: GPUCOMM_CPU_OPERATIONS)

@@ -73,9 +73,11 @@ def test_join_and_the_optimizer_with_uneven_steps(outcomes):
     want = sc.reference_training({r: 4 + r for r in range(SIZE)}, SIZE)
     for last, params in _values(outcomes, "train_uneven_then_join"):
         assert last == SIZE - 1
-        assert all(torch.allclose(torch.tensor(g), w, atol=1e-6) for g, w in zip(params, want))
+        for got, expected in zip(params, want):
+            assert torch.allclose(torch.tensor(got), expected, atol=1e-6), (got, expected)
     for _, errors in _values(outcomes, "join_then_data_movement")[1:]:
-        assert all("rank 0 already called join()" in errors[k] for k in ("allgather", "broadcast", "alltoall"))
+        for kind in ("allgather", "broadcast", "alltoall"):
+            assert "rank 0 already called join()" in errors[kind], errors
 
 
 def test_process_sets_and_an_optimizer_on_a_subset(outcomes):

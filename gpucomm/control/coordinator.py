@@ -73,8 +73,6 @@ class Coordinator:
         self._reduce_inline = reduce_inline  # (descriptor, payloads in rank order, set size) -> result bytes
         self.observer = observer  # the timeline (rank 0): negotiate_start / negotiate_rank_ready / negotiate_end
         self.responses = 0  # how many responses were emitted (benchmarks read it)
-        self._by_base: dict[tuple[int, str], dict[str, Key]] = {}  # (set, name w/o kind prefix) -> kind -> key
-        self._clash_since: dict[tuple[int, str], float] = {}  # names with two collective types pending
         self._blocked: dict[int, Key] = {}  # rank -> the pending operation its caller has been blocked on
         self._deadlocked_since: dict[int, float] = {}  # process set -> when all its members were last seen blocked
 
@@ -89,7 +87,6 @@ class Coordinator:
             payload = item[-1] if item[0] in ("req", "hit") else None
             pending = self._pending.get(key)
             if pending is None:
-                self._kind_clash(rank, key, descriptor)
                 pending = self._pending[key] = _Pending(descriptor.kind, self._clock())
                 if self.observer is not None:
                     self.observer.negotiate_start(key[1], descriptor.kind)
@@ -107,17 +104,6 @@ class Coordinator:
             else:
                 touched.append(key)
         return _coalesce(self._complete(dict.fromkeys(touched)))
-
-    def _kind_clash(self, rank: int, key: Key, descriptor: Descriptor) -> None:
-        """Register ``key`` under its user name (``allreduce.m`` -> ``m``); note when another
-        collective type is pending under the same name (``expire_clashes`` decides)."""
-        base = _base_name(key)
-        if base is None or descriptor.kind in CONTROL_KINDS:
-            return
-        kinds = self._by_base.setdefault(base, {})
-        kinds[descriptor.kind] = key
-        if len(kinds) > 1:
-            self._clash_since.setdefault(base, self._clock())
 
     def note_blocked(self, rank: int, key: Key) -> None:
         """``rank``'s caller has been waiting on ``key`` for a while (it submits nothing meanwhile)."""
@@ -166,19 +152,23 @@ class Coordinator:
         rank that submitted several types under one name (asynchronous ops, legal) or a member that
         has not arrived yet (it may be late) keeps the operations waiting."""
         now, out = self._clock(), []
-        for base, since in list(self._clash_since.items()):
-            kinds = {k: key for k, key in self._by_base.get(base, {}).items() if key in self._pending}
+        if len(self._pending) < 2:
+            return out
+        by_base: dict[tuple[int, str], dict[str, Key]] = {}  # (set, name w/o kind prefix) -> kind -> key
+        for key, pending in self._pending.items():
+            base = _base_name(key) if pending.kind not in CONTROL_KINDS else None
+            if base is not None:
+                by_base.setdefault(base, {})[pending.kind] = key
+        for base, kinds in by_base.items():
             if len(kinds) < 2:
-                del self._clash_since[base]
                 continue
-            if now - since < grace:
-                continue
+            if now - max(self._pending[key].first_seen for key in kinds.values()) < grace:
+                continue  # the clash began when its last type arrived
             submitters = [set(self._pending[key].descriptors) for key in kinds.values()]
             everyone = set().union(*submitters)
             members = {r for r in self._members(base[0]) if r not in self._joined}
             if sum(map(len, submitters)) != len(everyone) or not members <= everyone:
                 continue  # a rank used two types, or a member is still to come: not (yet) a mismatch
-            del self._clash_since[base]
             sides = "; ".join(f"{_ranks(sorted(self._pending[key].descriptors))} called {kind}"
                               for kind, key in kinds.items())
             message = (f"Mismatched collective types under the name '{base[1]}': {sides}. Every rank must run the "
@@ -213,7 +203,7 @@ class Coordinator:
             if pending is None:
                 continue
             set_id, name = key
-            members = self._members(set_id) if set_id in self.sets else ()
+            members = self.sets.get(set_id, ())
             if pending.kind == "join":
                 gone = [r for r in range(self.size) if r not in self._joined and r in self._gone]
                 if gone:
@@ -226,6 +216,10 @@ class Coordinator:
                 out.append((tuple(range(self.size)), ("done", set_id, name, self._joined[-1])))
                 self._joined = []
                 self._finish(key)
+                continue
+            if len(pending.descriptors) == len(members):  # every member submitted (the common case)
+                self._finish(key)
+                out.append(self._respond(key, pending, members))
                 continue
             absent = [r for r in members if r not in pending.descriptors and r not in self._joined]
             gone = [r for r in absent if r in self._gone]
@@ -248,14 +242,6 @@ class Coordinator:
 
     def _finish(self, key: Key) -> None:
         self._pending.pop(key, None)
-        base = _base_name(key)
-        kinds = self._by_base.get(base) if base is not None else None
-        if kinds is not None:
-            for kind, registered in list(kinds.items()):
-                if registered == key:
-                    del kinds[kind]
-            if not kinds:
-                del self._by_base[base]
         self.responses += 1
         if self.observer is not None:
             self.observer.negotiate_end(key[1])
@@ -265,7 +251,7 @@ class Coordinator:
         descriptors = pending.descriptors
         # Cache hits from every rank stand for the combination validated when the entry was last used.
         error = None if pending.hit and key in self._cache_ids else disagreement(name, descriptors)
-        joined = tuple(r for r in members if r in self._joined and r not in descriptors)
+        joined = tuple(r for r in members if r in self._joined and r not in descriptors) if self._joined else ()
         if error is None and joined:
             error = joined_disagreement(name, pending.kind, next(iter(descriptors.values())).op, joined)
         if error is not None:
@@ -290,8 +276,13 @@ class Coordinator:
         """The reduced bytes when every member that did not join sent its input with the request."""
         if self._reduce_inline is None:
             return None
-        payloads = [pending.payloads[r] for r in members if r in pending.payloads]
-        if not payloads or any(p is None for p in payloads):
+        payloads, sent = [], pending.payloads
+        for r in members:
+            if r in sent:  # a joined rank sent nothing: it counts as zeros
+                if sent[r] is None:
+                    return None
+                payloads.append(sent[r])
+        if not payloads:
             return None
         return self._reduce_inline(next(iter(pending.descriptors.values())), payloads, len(members))
 

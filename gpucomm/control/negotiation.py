@@ -36,8 +36,15 @@ class Descriptor(NamedTuple):
 
 def descriptor_of(req: Request) -> Descriptor:
     """What ``req``'s rank tells the coordinator about it."""
-    return Descriptor(req.kind, req.set_id, tuple(DTYPE_NAMES.get(t.dtype, str(t.dtype)) for t in req.tensors),
-                      tuple(tuple(t.shape) for t in req.tensors), req.device.type, int(req.op), req.prescale,
+    tensors = req.tensors
+    if len(tensors) == 1:  # the common case, without the generators
+        t = tensors[0]
+        dtypes: tuple[str, ...] = (DTYPE_NAMES.get(t.dtype) or str(t.dtype),)
+        shapes: tuple[tuple[int, ...], ...] = (tuple(t.shape),)
+    else:
+        dtypes = tuple(DTYPE_NAMES.get(t.dtype) or str(t.dtype) for t in tensors)
+        shapes = tuple(tuple(t.shape) for t in tensors)
+    return Descriptor(req.kind, req.set_id, dtypes, shapes, req.device.type, int(req.op), req.prescale,
                       req.postscale, req.root, None if req.splits is None else tuple(req.splits), req.ranks)
 
 

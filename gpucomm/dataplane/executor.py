@@ -11,7 +11,7 @@ Every other kind plans its buffers on the communication stream when it runs.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -21,10 +21,26 @@ from ..reduce_op import ReduceOp
 from .events import EventPool
 from .handles import Issued
 from .requests import Request, reducescatter_rows, scale_
+from .results import ResultBuffers
 
 _BACKEND_OPS = {ReduceOp.SUM: BackendOp.SUM, ReduceOp.MIN: BackendOp.MIN, ReduceOp.MAX: BackendOp.MAX, ReduceOp.PRODUCT: BackendOp.PRODUCT}
 
 Plan = tuple[list[Any], Callable[[], Any]]  # backend works, and the step that produces the result
+
+_results = ResultBuffers()  # large CPU results, recycled once their callers dropped them
+
+
+def new_result(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized result tensor: on the CPU warm memory from the pool when large (see
+    ``results.py``: a fresh mapping costs a page fault per 4 KiB on the first write), else new."""
+    if device.type == "cpu":
+        return _results.empty(shape, dtype)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def release_results() -> None:
+    """Let go of the pooled result memory (the job shut down)."""
+    _results.clear()
 
 
 def prepare(req: Request) -> None:
@@ -36,7 +52,7 @@ def prepare(req: Request) -> None:
         src = req.tensors[0]
         if req.prescale != 1.0 and req.outputs is not None:
             return
-        out = req.outputs[0] if req.outputs is not None else torch.empty_like(src)
+        out = req.outputs[0] if req.outputs is not None else new_result(src.shape, src.dtype, src.device)
         if req.prescale != 1.0:
             out.copy_(src)
             scale_(out, req.prescale)
@@ -44,7 +60,7 @@ def prepare(req: Request) -> None:
         req.outputs, req.send = [out], src
     elif req.kind == "broadcast":
         src = req.tensors[0]
-        req.outputs = req.outputs if req.outputs is not None else [torch.empty_like(src)]
+        req.outputs = req.outputs if req.outputs is not None else [new_result(src.shape, src.dtype, src.device)]
         req.send = src
 
 
@@ -182,10 +198,16 @@ class Executor:
             row_numel = math.prod(tail)
             most = max(rows)
             send = t.reshape(-1)
+            if min(rows) != most and backend.name == "mpi":  # allgatherv: straight into the compact result
+                recv = new_result((sum(rows) * row_numel,), t.dtype, t.device)
+                w = backend.allgather(send, recv, recv_counts=[n * row_numel for n in rows], stream=stream)
+                works.append(w)
+                pieces.append((recv, rows, None, row_numel, tail, False))
+                continue
             if min(rows) != most:  # uneven first dimension: pad to the longest, compact afterwards
                 send = torch.zeros(most * row_numel, dtype=t.dtype, device=t.device)
                 send[: t.numel()].copy_(t.reshape(-1))
-            recv = torch.empty(group.size * most * row_numel, dtype=t.dtype, device=t.device)
+            recv = new_result((group.size * most * row_numel,), t.dtype, t.device)
             w = backend.allgather(send, recv, stream=stream)
             if w is not None:
                 works.append(w)
@@ -196,8 +218,8 @@ class Executor:
             for recv, rows, most, row_numel, tail, scalar in pieces:
                 if scalar:
                     outs.append(recv.view(group.size))
-                elif min(rows) == most:
-                    outs.append(recv.view(group.size * most, *tail))
+                elif most is None or min(rows) == most:  # compact already
+                    outs.append(recv.view(sum(rows), *tail))
                 else:
                     parts = [recv[r * most * row_numel : (r * most + rows[r]) * row_numel] for r in range(group.size)]
                     outs.append(torch.cat(parts).view(sum(rows), *tail))
@@ -212,7 +234,7 @@ class Executor:
         received = [matrix[r][group.rank] for r in range(group.size)]
         tail = list(t.shape[1:])
         row_numel = math.prod(tail)
-        recv = torch.empty(sum(received) * row_numel, dtype=t.dtype, device=t.device)
+        recv = new_result((sum(received) * row_numel,), t.dtype, t.device)
         w = backend.alltoall(t.reshape(-1), recv, [s * row_numel for s in splits], [s * row_numel for s in received],
                              stream=stream)
         return [w] if w is not None else [], lambda: (recv.view(sum(received), *tail), received)
@@ -223,13 +245,16 @@ class Executor:
             rows = reducescatter_rows(t.shape[0], group.size)
             tail = list(t.shape[1:])
             row_numel, most = math.prod(tail), rows[0]
-            send = torch.zeros(group.size * most * row_numel, dtype=t.dtype, device=t.device)
-            flat, pos = t.reshape(-1), 0
-            for r, n in enumerate(rows):  # rank r's rows go to slot r, padded to the longest slot
-                send[r * most * row_numel : (r * most + n) * row_numel].copy_(flat[pos : pos + n * row_numel])
-                pos += n * row_numel
-            scale_(send, req.prescale)
-            recv = torch.empty(most * row_numel, dtype=t.dtype, device=t.device)
+            if rows[-1] == most and req.prescale == 1.0:  # equal parts: the input is the send buffer
+                send = t.reshape(-1)
+            else:  # rank r's rows go to slot r, padded to the longest slot; scaled in the copy
+                send = torch.zeros(group.size * most * row_numel, dtype=t.dtype, device=t.device)
+                flat, pos = t.reshape(-1), 0
+                for r, n in enumerate(rows):
+                    send[r * most * row_numel : (r * most + n) * row_numel].copy_(flat[pos : pos + n * row_numel])
+                    pos += n * row_numel
+                scale_(send, req.prescale)
+            recv = new_result((most * row_numel,), t.dtype, t.device)
             op, post = self._backend_op(req, group, backend, t.dtype)
             w = backend.reducescatter(send, recv, op=op, stream=stream)
             if w is not None:
@@ -247,4 +272,4 @@ class Executor:
         return works, after
 
 
-__all__ = ["Executor", "prepare"]
+__all__ = ["Executor", "new_result", "prepare", "release_results"]

@@ -31,10 +31,10 @@ from ..control.controller import ControlConfig, Controller, ControlLinks, Send
 from ..control.coordinator import Coordinator
 from ..control.one_rank import OneRankPlane
 from ..control.standins import StandIns
-from ..dataplane.executor import prepare
+from ..dataplane.executor import prepare, release_results
 from ..dataplane.groups import Group
 from ..dataplane.handles import Handle
-from ..dataplane.inline import reduce_inline
+from ..dataplane.inline import combine_inline
 from ..dataplane.plane import DataPlane
 from ..dataplane.requests import Request
 from ..dataplane.schedule import Schedule
@@ -100,7 +100,7 @@ class Job:
             return
         if rank == 0:
             self._coordinator = Coordinator(size, cache_capacity=self.control.cache_capacity,
-                                            process_sets=self.static_sets, reduce_inline=reduce_inline)
+                                            process_sets=self.static_sets, reduce_inline=combine_inline)
         standins = StandIns(lambda request, meta, keep: self.data.run_unowned(request, meta, self._execute, keep),
                             self._zeros_device, self.data.events)
         self.plane = Controller(rank, size, lambda handle, meta: self.data.run(handle, meta, self._execute),
@@ -319,6 +319,7 @@ class Job:
         self.data.close(failed=failed)
         self._schedules.clear()
         self.cpu.close(abort=failed)
+        release_results()
         try:
             self.client.add(f"{self.prefix}shutdown", 1)
             if self.server is not None:
