@@ -74,6 +74,10 @@ CASES = {c.id: c for c in [
          "optimizer_vs_ddp.json", "ratio gpucomm / DDP: ", 1),
     Case("autotune", ("benchmarks/autotune.py", "--quick", "--model", "cnn", "--json", "{out}/autotune.json"),
          "autotune.json", "autotune vs best fixed cap", 2),
+    Case("compression_memory", ("benchmarks/compression_memory.py", "--quick", "--json", "{out}/compression_memory.json"),
+         "compression_memory.json", "# ZeRO-1 (Adam): cnn", 2),
+    Case("powersgd_accuracy", ("benchmarks/powersgd_accuracy.py", "--quick", "--json", "{out}/powersgd_accuracy.json"),
+         "powersgd_accuracy.json", "resnet8  PowerSGD - uncompressed: ", 2),
     Case("startup", ("benchmarks/startup.py", "--quick", "--sizes", "1", "--launchers", "gpucomm-run",
                      "--json", "{out}/startup.json"), "startup.json", "Start-up to first completed allreduce"),
     Case("overhead-2", ("benchmarks/overhead.py", "--device", "cpu", "--quick", "--json", "{out}/overhead.json"),
@@ -401,7 +405,36 @@ def check_verify_gpu(r: Run, doc: dict) -> None:
     assert (r.out / "summary.txt").read_text().startswith("# gpucomm GPU verification, summary of the results in ")
 
 
+def check_compression_memory(r: Run, doc: dict) -> None:
+    assert doc["ranks"] == 2 and doc["quick"] and set(doc["compression"]) == set(doc["zero"]) == {"cnn"}
+    entries = {e["config"]: e for e in doc["compression"]["cnn"]}
+    assert list(entries) == ["none", "fp16", "powersgd r1", "powersgd r4"]
+    for e in entries.values():
+        assert e["gpucomm"]["control_rounds"] == 0  # the fixed schedule, also with two phases
+        # the same algorithms send the same bytes (gpucomm's bucket 0 adds its 4-byte training flag)
+        assert 0 <= e["gpucomm"]["bytes_per_step"] - e["ddp"]["bytes_per_step"] <= 8, e
+    none = entries["none"]["gpucomm"]["bytes_per_step"]
+    assert entries["fp16"]["gpucomm"]["bytes_per_step"] < none and entries["powersgd r1"]["gpucomm"]["bytes_per_step"] \
+        < entries["powersgd r4"]["gpucomm"]["bytes_per_step"] < none
+    unsharded, zero, anchor = doc["zero"]["cnn"]
+    assert unsharded["config"].startswith("gpucomm Adam") and zero["config"] == "gpucomm ZeRO-1 Adam"
+    assert zero["state_bytes_max"] <= unsharded["state_bytes_max"] / 2 + 64  # 1/N, N = 2
+    # the shards cover every moment once (Adam's 0-d step counters are per tensor: a few bytes either way)
+    assert abs(sum(zero["state_bytes_per_rank"]) - unsharded["state_bytes_max"]) <= 256 and anchor["state_bytes_max"] > 0
+
+
+def check_powersgd_accuracy(r: Run, doc: dict) -> None:
+    assert doc["ranks"] == 2 and doc["quick"] and len(doc["runs"]) == 4
+    rows = {(s["task"], s["compression"]): s for s in doc["summary"] if "compression" in s}
+    assert set(rows) == {(t, c) for t in ("digits", "resnet8") for c in ("none", "powersgd")}
+    for task in ("digits", "resnet8"):
+        assert rows[(task, "powersgd")]["bytes_per_step"] < rows[(task, "none")]["bytes_per_step"]
+        assert rows[(task, "powersgd")]["control_rounds"] == rows[(task, "none")]["control_rounds"] == 0
+        assert all(0 <= a <= 1 for a in rows[(task, "none")]["accuracies"] + rows[(task, "powersgd")]["accuracies"])
+
+
 CHECKS: dict[str, Callable[[Run, Any], None]] = {
+    "compression_memory": check_compression_memory, "powersgd_accuracy": check_powersgd_accuracy,
     "collectives-1": check_collectives, "collectives-2": check_collectives, "train": check_train,
     "optimizer_vs_ddp": check_optimizer_vs_ddp, "control_plane": check_control_plane, "autotune": check_autotune,
     "cpu_allreduce": check_cpu_allreduce, "overhead-1": check_overhead, "overhead-2": check_overhead,

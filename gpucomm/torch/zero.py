@@ -361,8 +361,8 @@ class Shards:
         """This rank's part of ``full`` (by parameter index) into its wrapped optimizer."""
         if self.optim is None:
             return
-        if self.size == 1:
-            self.optim.load_state_dict(self._local_dict({i: full[i] for i in full if self.params[i] in self.group_of}))
+        if self.size == 1:  # the wrapped optimizer holds every parameter, in the same order
+            self.optim.load_state_dict(self._local_dict(dict(full)))
             return
         local = {}
         for i, (segment, bucket) in enumerate(self.owners(self.rank)):
