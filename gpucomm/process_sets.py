@@ -19,8 +19,9 @@ class ProcessSet:
 
     def __init__(self, ranks_or_comm: Sequence[int] | Any) -> None:
         if hasattr(ranks_or_comm, "Get_rank"):
-            raise NotImplementedError("ProcessSet(mpi4py communicator) is not supported: gpucomm does not use MPI. "
-                                      "Pass the list of ranks instead.")
+            raise NotImplementedError("ProcessSet(mpi4py communicator) is not supported: a gpucomm process set is "
+                                      "built from its global ranks (also when its CPU collectives run on MPI). "
+                                      "Pass the list of ranks instead, e.g. comm.allgather(hvd.rank()).")
         ranks = list(ranks_or_comm)
         if any(not isinstance(r, int) or isinstance(r, bool) for r in ranks):
             raise ValueError(f"ProcessSet ranks must be integers, got {ranks!r}")

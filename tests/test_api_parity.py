@@ -41,11 +41,8 @@ NOT_OFFERED: dict[str, tuple[str, Callable[[Any], Any]]] = {
         "exactly the processes that should take part (or use process sets).",
         lambda hvd: hvd.init(comm=[0])),
     "ProcessSet(<mpi4py communicator>)": (
-        "gpucomm does not use MPI; a process set is a list of global ranks.",
+        "a gpucomm process set is built from its global ranks, also on MPI; an mpi4py communicator is refused.",
         lambda hvd: hvd.ProcessSet(_FakeMpiComm())),
-    "mpi_threads_supported()": (
-        "gpucomm never communicates through MPI; Horovod itself raises ValueError when MPI is not enabled.",
-        lambda hvd: hvd.mpi_threads_supported()),
 }
 
 # Instances to read instance attributes from (Horovod sets them in __init__).

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import time
 
 import psutil
@@ -26,7 +28,10 @@ def test_queries_before_init_raise_value_error():
 def test_build_queries_work_before_init():
     assert isinstance(hvd.nccl_built(), int)
     assert hvd.gloo_built() is True
-    assert hvd.mpi_built() is False
+    assert hvd.mpi_built() is (importlib.util.find_spec("mpi4py") is not None)  # the mpi extra
+    assert hvd.mpi_enabled() is False and hvd.gloo_enabled() is False
+    with pytest.raises(ValueError, match="MPI is not enabled in this job"):
+        hvd.mpi_threads_supported()
     assert (hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product) == (0, 1, 2, 3, 4, 5)
 
 

@@ -59,6 +59,10 @@ def test_scenario_passes_with_cpu_collectives_on_mpi(outcomes, name):
         assert all(x["mpi"] > 0 for x in issued), issued
 
 
+def test_horovods_queries_say_the_job_is_on_mpi(outcomes):
+    assert _values(outcomes, "horovod_queries") == [[True, True, False, True]] * SIZE
+
+
 def test_mismatches_raise_the_same_error_on_every_rank(outcomes):
     seen = _values(outcomes, "mismatches")
     messages = [{case: message for case, (_, _, message) in s.items()} for s in seen]

@@ -53,6 +53,7 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None,
     t0 = time.monotonic()
     prefix = f"{world.run_id}/e{elastic_round}/" if elastic_round else f"{world.run_id}/g{generation}/"
     record: dict[str, Any] = {"host": world.hostname, "local_rank": world.local_rank, "pid": os.getpid()}
+    transport = _decide_cpu_operations(world, env)  # before the store: it may initialize MPI (see there)
     server, client = open_store(world, generation, start_timeout, timeout, prefix=prefix, record=record,
                                 require_secret=env_flag(env, (REQUIRE_SECRET_VAR,)), bind=env.get(BIND_VAR) or None)
     steps.done(f"rendezvous store at {client.host}:{client.port} reached (launcher: {world.launcher})")
@@ -63,7 +64,7 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None,
         single_gpu = devices.single_gpu_test_enabled(env)
         pinned = _pin_gpu(client, server, prefix, world, record, single_gpu, start_timeout)
         steps.done(f"device chosen: {pinned or 'CPU'}")
-        choice = _choose_cpu_operations(client, server, prefix, world, record, env, start_timeout)
+        choice = _record_cpu_operations(transport, client, server, prefix, world, record, start_timeout)
         records = arrive(client, prefix, world, record, start_timeout, interrupt)
         steps.done(f"all {world.size} ranks arrived")
         _check_cpu_operations(records)
@@ -148,20 +149,32 @@ def _pin_gpu(client: RendezvousClient, server, prefix: str, world: World, record
         raise
 
 
-def _choose_cpu_operations(client: RendezvousClient, server, prefix: str, world: World, record: dict,
-                           env: Mapping[str, str], start_timeout: float) -> CpuOperations | None:
-    """This rank's CPU transport (None in a one-rank job), put in its arrival record so that every
-    rank can check that all chose alike; a failure (MPI asked for and unavailable) is published
-    the same way, so every rank fails with its message instead of waiting for this one."""
+def _decide_cpu_operations(world: World, env: Mapping[str, str]) -> CpuOperations | Exception | None:
+    """This rank's CPU transport (None in a one-rank job), or why the one asked for cannot serve.
+
+    Decided before rank 0 opens the store: choosing MPI initializes it, and ``MPI_Init_thread``
+    waits for every rank of the MPI launcher while holding the GIL, so in rank 0 it would starve
+    the store's thread while the other ranks wait to reach the store (a deadlock whenever rank 0
+    got there first). Every rank initializes MPI first, then meets at the store."""
     if world.size == 1:
         return None
     try:
-        choice = explain_cpu_operations(env)
-    except Exception as e:
-        _publish_failure(client, server, prefix, world, record, e, start_timeout)
-        raise
-    record["cpu_operations"] = choice.name
-    return choice
+        return explain_cpu_operations(env)
+    except Exception as e:  # noqa: BLE001 - published at arrival (``_record_cpu_operations``), then raised
+        return e
+
+
+def _record_cpu_operations(decided: CpuOperations | Exception | None, client: RendezvousClient, server, prefix: str,
+                           world: World, record: dict, start_timeout: float) -> CpuOperations | None:
+    """Put this rank's CPU transport in its arrival record, so that every rank can check that all
+    chose alike; a failure (MPI asked for and unavailable) is published the same way, so every
+    rank fails with its message instead of waiting for this one."""
+    if isinstance(decided, Exception):
+        _publish_failure(client, server, prefix, world, record, decided, start_timeout)
+        raise decided
+    if decided is not None:
+        record["cpu_operations"] = decided.name
+    return decided
 
 
 def _publish_failure(client: RendezvousClient, server, prefix: str, world: World, record: dict, error: Exception,

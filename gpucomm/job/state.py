@@ -117,6 +117,11 @@ class Job:
         return f"{kind}.noname.{next(counter)}" if set_id == 0 else f"{kind}.noname.ps{set_id}.{next(counter)}"
 
     @property
+    def on_mpi(self) -> bool:
+        """Whether this job's CPU collectives run on MPI (else Gloo, or nothing in a one-rank job)."""
+        return isinstance(self.cpu, MpiBackend)
+
+    @property
     def gloo(self) -> GlooBackend | MpiBackend | SelfBackend:
         """The job's CPU backend under its name from before MPI (``cpu``: Gloo or MPI)."""
         return self.cpu

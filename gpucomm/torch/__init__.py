@@ -6,6 +6,8 @@ machinery, and ``DistributedOptimizer``, the broadcast helpers and checkpoints l
 
 from __future__ import annotations
 
+import importlib.util
+
 from .. import job as _jobs
 from ..lazy import lazy_names
 from ..counters import stats
@@ -132,16 +134,20 @@ def gloo_built() -> bool:
 
 
 def mpi_built() -> bool:
-    """gpucomm never uses MPI for communication (mpirun can still launch it)."""
-    return False
+    """Whether CPU collectives can run on MPI here: mpi4py is installed (``pip install "gpucomm[mpi]"``).
+    Callable before init; imports nothing (MPI is initialized only by a job that uses it)."""
+    return importlib.util.find_spec("mpi4py") is not None
 
 
 def gloo_enabled() -> bool:
-    return _jobs.is_initialized()
+    """Whether this job's CPU collectives run on Gloo (every initialized job but one on MPI)."""
+    return _jobs.is_initialized() and not _jobs.current().on_mpi
 
 
 def mpi_enabled() -> bool:
-    return False
+    """Whether this job's CPU collectives run on MPI (an MPI launcher with mpi4py, or
+    ``GPUCOMM_CPU_OPERATIONS=mpi``); GPU tensors use NCCL either way."""
+    return _jobs.is_initialized() and _jobs.current().on_mpi
 
 
 def cuda_built() -> bool:
@@ -161,4 +167,10 @@ def ccl_built() -> bool:
 
 
 def mpi_threads_supported() -> bool:
-    raise ValueError("MPI is not enabled: gpucomm does not communicate through MPI.")
+    """True in a job on MPI: gpucomm's MPI data plane runs only at ``MPI_THREAD_MULTIPLE`` (init
+    checks it). Raises ``ValueError``, as Horovod does, when the job's CPU collectives are not on MPI."""
+    if not mpi_enabled():
+        raise ValueError("MPI is not enabled in this job: its CPU collectives run on Gloo (or it is not initialized). "
+                         "They run on MPI under an MPI launcher (gpucomm-run --mpi, mpirun, mpiexec) with mpi4py "
+                         "installed, or with GPUCOMM_CPU_OPERATIONS=mpi; check hvd.mpi_enabled() first.")
+    return True

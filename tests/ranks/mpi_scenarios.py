@@ -26,7 +26,16 @@ from tests.ranks import control_scenarios as control
 DATA_PLANE = {"GPUCOMM_INLINE_BYTES": "0"}  # small allreduces through MPI too, not the coordinator
 STALL = {"GPUCOMM_STALL_CHECK_TIME_SECONDS": "1", "GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS": "3"}
 
+def horovod_queries() -> list:
+    """Horovod's build and transport queries in a job on MPI."""
+    import gpucomm.torch as hvd
+
+    hvd.init()
+    return [hvd.mpi_built(), hvd.mpi_enabled(), hvd.gloo_enabled(), hvd.mpi_threads_supported()]
+
+
 SCENARIOS: dict[str, tuple[Callable[..., Any], dict[str, str]]] = {
+    "horovod_queries": (horovod_queries, {}),
     "allreduce": (checks.check_allreduce, DATA_PLANE),
     "data_movement": (checks.check_data_movement, DATA_PLANE),
     "reducescatter": (checks.check_reducescatter, DATA_PLANE),
