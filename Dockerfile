@@ -47,4 +47,4 @@ COPY . /workspace
 RUN /opt/venv/bin/pip install --no-cache-dir -e ".[cuda13,test,examples]"
 
 # 4. The README's test command (what .ci/run runs): the suite, then the kernel simulator suite in its own process.
-CMD ["/bin/sh", "-c", "/opt/venv/bin/python -m pytest -q && NUMBA_ENABLE_CUDASIM=1 /opt/venv/bin/python -m pytest -q tests/kernels/test_sim.py"]
+CMD ["/bin/sh", "-c", "/opt/venv/bin/python -m pytest -q -n 2 --dist loadfile && NUMBA_ENABLE_CUDASIM=1 /opt/venv/bin/python -m pytest -q tests/kernels/test_sim.py"]
