@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import multiprocessing as mp
 import os
 import secrets
@@ -21,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -37,7 +39,11 @@ ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 MARK = "GPUCOMM_TEST_JOB_MARK"  # every process a test starts carries it; leftovers are found by it
 FAILURE_GRACE = 10.0  # seconds the other ranks get to report once one rank has failed
+STACKS_SIGNAL = signal.SIGUSR1  # a rank that did not finish in time is asked for its threads' stacks first
+STACKS_WAIT = 1.0  # seconds it gets to write them
 _CTX = mp.get_context("spawn")
+# GPUCOMM_TIMEOUT in every rank a test starts; GPUCOMM_TEST_RANK_TIMEOUT shortens it for a run that hunts a hang
+RANK_TIMEOUT = os.environ.get("GPUCOMM_TEST_RANK_TIMEOUT", "60")
 
 
 class RankFailure(AssertionError):
@@ -52,7 +58,7 @@ def rank_env(rank: int, size: int, port: int, secret: bytes, extra: dict[str, st
         "GPUCOMM_CROSS_RANK": "0", "GPUCOMM_CROSS_SIZE": "1",
         "GPUCOMM_RENDEZVOUS_ADDR": "127.0.0.1", "GPUCOMM_RENDEZVOUS_PORT": str(port),
         "GPUCOMM_RENDEZVOUS_HOSTED": "1", "GPUCOMM_SECRET": secret.hex(),
-        "GPUCOMM_TIMEOUT": "60", "GPUCOMM_START_TIMEOUT": "60", "OMP_NUM_THREADS": "1",
+        "GPUCOMM_TIMEOUT": RANK_TIMEOUT, "GPUCOMM_START_TIMEOUT": "60", "OMP_NUM_THREADS": "1",
     }
     env.update(extra or {})
     return env
@@ -62,8 +68,26 @@ def rank_env(rank: int, size: int, port: int, secret: bytes, extra: dict[str, st
 # rank functions in a warm pool
 
 
-def _serve(conn, mark: str) -> None:
+def _stacks_on_signal(path: str) -> None:
+    """Write every thread's Python stack to ``path`` on ``STACKS_SIGNAL`` (a hung rank says where it hangs)."""
+    stacks = open(path, "w")  # noqa: SIM115 - open for the process's life: the handler writes to it
+    faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True)
+
+
+def _read_stacks(path: str | None) -> str:
+    if not path:
+        return ""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+    return text[-6000:]
+
+
+def _serve(conn, mark: str, stacks: str | None = None) -> None:
     """A pool worker: import once, then run tasks ``(fn, args, env)`` until the pipe closes."""
+    if stacks:
+        _stacks_on_signal(stacks)
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ[MARK] = mark
     import torch  # noqa: PLC0415 - the point of the pool: paid once per worker
@@ -113,8 +137,10 @@ def _reset_worker() -> None:
         log.removeHandler(handler)
 
 
-def _entry(fn: Callable[..., Any], env: dict[str, str], args: tuple, conn) -> None:
+def _entry(fn: Callable[..., Any], env: dict[str, str], args: tuple, conn, stacks: str | None = None) -> None:
     """A fresh rank process (``fresh=True``): one task, then exit."""
+    if stacks:
+        _stacks_on_signal(stacks)
     os.environ.update(env)
     try:
         conn.send(("ok", fn(*args)))
@@ -124,10 +150,24 @@ def _entry(fn: Callable[..., Any], env: dict[str, str], args: tuple, conn) -> No
         conn.close()
 
 
+def _stacks_file() -> str:
+    fd, path = tempfile.mkstemp(prefix="gpucomm-test-stacks-", suffix=".txt")
+    os.close(fd)
+    return path
+
+
+def _remove(path: str | None) -> None:
+    if path:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 class _Worker:
     def __init__(self, slot: int, mark: str) -> None:
         self.conn, child = _CTX.Pipe()
-        self.proc = _CTX.Process(target=_serve, args=(child, mark), name=f"rank-worker-{slot}", daemon=True)
+        self.stacks = _stacks_file()
+        self.proc = _CTX.Process(target=_serve, args=(child, mark, self.stacks), name=f"rank-worker-{slot}",
+                                 daemon=True)
         self.proc.start()
         child.close()
 
@@ -138,6 +178,7 @@ class _Worker:
         _kill_tree(self.proc.pid)
         self.proc.join(timeout=10)
         self.conn.close()
+        _remove(self.stacks)
 
 
 class _Pool:
@@ -195,7 +236,8 @@ def _run_pooled(fn, args, envs: dict[int, dict[str, str]], timeout: float) -> di
         worker = _POOL.take(r)
         worker.conn.send((fn, args, env))
         pending[r] = worker
-    outcomes = _collect({r: (w.conn, w.proc) for r, w in pending.items()}, timeout)
+    outcomes = _collect({r: (w.conn, w.proc) for r, w in pending.items()}, timeout,
+                        {r: w.stacks for r, w in pending.items()})
     for r, (status, _) in outcomes.items():
         if status != "ok":
             _POOL.drop(r)  # failed, timed out or died: never reused
@@ -204,16 +246,19 @@ def _run_pooled(fn, args, envs: dict[int, dict[str, str]], timeout: float) -> di
 
 def _run_fresh(fn, args, envs: dict[int, dict[str, str]], timeout: float) -> dict[int, tuple[str, Any]]:
     procs = {}
+    stacks = {r: _stacks_file() for r in envs}
     try:
         for r, env in envs.items():
             parent, child = _CTX.Pipe(duplex=False)
-            p = _CTX.Process(target=_entry, args=(fn, dict(env, **{MARK: _POOL.mark}), args, child), name=f"rank{r}",
-                             daemon=True)
+            p = _CTX.Process(target=_entry, args=(fn, dict(env, **{MARK: _POOL.mark}), args, child, stacks[r]),
+                             name=f"rank{r}", daemon=True)
             p.start()
             child.close()
             procs[r] = (parent, p)
-        return _collect(procs, timeout)
+        return _collect(procs, timeout, stacks)
     finally:
+        for path in stacks.values():
+            _remove(path)
         for conn, p in procs.values():
             p.join(timeout=5)
             if p.is_alive():
@@ -222,9 +267,11 @@ def _run_fresh(fn, args, envs: dict[int, dict[str, str]], timeout: float) -> dic
             conn.close()
 
 
-def _collect(procs: dict[int, tuple[Any, Any]], timeout: float) -> dict[int, tuple[str, Any]]:
+def _collect(procs: dict[int, tuple[Any, Any]], timeout: float,
+             stacks: dict[int, str] | None = None) -> dict[int, tuple[str, Any]]:
     """Each rank's ("ok", result) or ("error", text) within ``timeout``; once one rank fails, the
-    others get ``FAILURE_GRACE`` to report."""
+    others get ``FAILURE_GRACE`` to report. A rank that did not finish in time is asked for its
+    threads' stacks (``stacks``: rank -> the file its handler writes), which its error then shows."""
     deadline = time.monotonic() + timeout
     outcomes: dict[int, tuple[str, Any]] = {}
     pending = dict(procs)
@@ -242,8 +289,18 @@ def _collect(procs: dict[int, tuple[Any, Any]], timeout: float) -> dict[int, tup
                 outcomes[r] = ("error", f"rank {r} died with exit code {p.exitcode} without reporting")
                 del pending[r]
                 deadline = min(deadline, time.monotonic() + FAILURE_GRACE)
+    asked = []
+    for r, (_, p) in pending.items():
+        if stacks and stacks.get(r) and p.is_alive():
+            with contextlib.suppress(OSError):
+                os.kill(p.pid, STACKS_SIGNAL)
+                asked.append(r)
+    if asked:
+        time.sleep(STACKS_WAIT)
     for r in pending:
-        outcomes[r] = ("error", f"rank {r} did not finish in time (killed)")
+        where = _read_stacks(stacks.get(r)) if stacks and r in asked else ""
+        outcomes[r] = ("error", f"rank {r} did not finish in time (killed)"
+                       + (f"; its threads' stacks then:\n{where}" if where else ""))
     return outcomes
 
 

@@ -188,6 +188,13 @@ class _Event:
     def query(self) -> bool:
         return self.done
 
+    def record(self, stream) -> None:
+        self.done = False
+
+
+class _Stream:
+    device_index = 0
+
 
 class _Request:
     set_id = 0
@@ -214,6 +221,27 @@ def test_done_events_return_to_the_pool_once_finished_and_waited_for():
         assert pool._free == {0: [first]}
         release_second()
         assert pool._free == {0: [first, second]} and watchdog.retired == 2
+    finally:
+        watchdog.close()
+
+
+def test_a_new_event_is_made_only_while_every_earlier_one_is_still_in_flight():
+    """Seen on an H100 (2026-11-27): steady steps made new CUDA events because the previous step's
+    done event, finished and waited for, went back to the pool only at the watchdog's next tick or
+    after the new event was taken. The pool now asks the watchdog to retire what finished first."""
+    from gpucomm.counters import COUNTERS
+    from gpucomm.dataplane.events import EventPool
+    from gpucomm.dataplane.watchdog import NcclWatchdog
+
+    pool = EventPool()
+    watchdog = NcclWatchdog(0, 60.0, pool, health=lambda set_id: None, fail=lambda text: None)
+    try:
+        earlier = _Event()
+        watchdog.watch(earlier, 0, _Request())()  # issued and waited for
+        earlier.done = True  # the GPU finished it; no tick of the watchdog since
+        made = COUNTERS.cuda_events_created
+        assert pool.record(_Stream()) is earlier  # reused, not made
+        assert COUNTERS.cuda_events_created == made and watchdog.retired == 1
     finally:
         watchdog.close()
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpucomm.backends.base import BackendOp
-from gpucomm.backends.nccl import NcclBackend, _tables, nccl_module, nccl_version
+from gpucomm.backends.nccl import NcclBackend, _tables, connect_at_init, nccl_module, nccl_version
 from gpucomm.errors import CollectiveError
 from gpucomm.bootstrap.rendezvous import RendezvousClient, RendezvousServer
 from tests.ranks import collective_checks as checks
@@ -57,6 +57,27 @@ def test_unique_id_travels_through_the_store_intact():
 def test_communicator_without_gpu_fails_with_a_hint():
     with pytest.raises(CollectiveError, match="NCCL_DEBUG=INFO"):
         NcclBackend(bytes(nccl.get_unique_id()), 0, 1, 0)
+
+
+def test_peers_connect_when_the_communicator_is_created(caplog):
+    """NCCL >= 2.22 connects lazily inside the first collective, a host call that blocks until the
+    peers reach it: a bucket launched in backward on one rank and at synchronize() on another then
+    hangs the job (seen on an H100, NCCL 2.28.9). gpucomm asks for connections at creation unless
+    the user chose otherwise, and then says what that risks."""
+    env: dict[str, str] = {}
+    assert connect_at_init(env) and env == {"NCCL_RUNTIME_CONNECT": "0"}
+    mine = {"NCCL_RUNTIME_CONNECT": "1"}
+    with caplog.at_level("WARNING", logger="gpucomm.nccl"):
+        assert not connect_at_init(mine)
+    assert mine == {"NCCL_RUNTIME_CONNECT": "1"}  # the user's choice stands
+    assert "hang" in caplog.text or not caplog.text  # warned once per process (an earlier test may have)
+
+
+def test_the_communicator_asks_for_connections_before_nccl_creates_it():
+    import inspect
+
+    source = inspect.getsource(NcclBackend.__init__)
+    assert source.index("connect_at_init()") < source.index("NcclCommunicator(")
 
 
 SINGLE_GPU = {"GPUCOMM_SINGLE_GPU_TEST": "1"}

@@ -8,6 +8,7 @@ from a 128-byte unique id that rank 0 publishes through the rendezvous store.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any, Sequence
@@ -69,6 +70,35 @@ def _tables(nccl):
     return dtypes, ops
 
 
+RUNTIME_CONNECT_ENV = "NCCL_RUNTIME_CONNECT"
+_connect_warned = False
+
+
+def connect_at_init(environ: Any = os.environ) -> bool:
+    """Make NCCL connect every peer while the communicator is created (``NCCL_RUNTIME_CONNECT=0``)
+    unless the user chose otherwise; True when connections are made at init.
+
+    Why: since NCCL 2.22 a communicator connects lazily, inside its first collective of each kind,
+    and that host call blocks until the peers reach the same collective. gpucomm's schedules launch
+    a bucket from a backward hook as soon as its gradients are ready, and a bucket holding a
+    parameter unused on some rank is launched there only at ``synchronize()``; with lazy
+    connections the first rank then blocks inside backward (seen on an H100 with NCCL 2.28.9: rank
+    0 stuck in ncclAllReduce, rank 1 waiting for rank 0's next collective). Creating a communicator
+    is a collective point on every rank, so connecting there never waits on the training loop.
+    NCCL reads the variable when the process creates its first communicator."""
+    global _connect_warned
+    value = environ.setdefault(RUNTIME_CONNECT_ENV, "0").strip()
+    if value == "0":
+        return True
+    if not _connect_warned:
+        _connect_warned = True
+        log.warning("%s=%s: NCCL connects peers inside their first collective, which blocks until every peer "
+                    "reaches it; a bucket launched inside backward on one rank and only at synchronize() on "
+                    "another (a parameter unused on some ranks) can then hang the job. Unset it (gpucomm sets 0).",
+                    RUNTIME_CONNECT_ENV, value)
+    return False
+
+
 def unique_id_bytes(uid: Any) -> bytes:
     """The 128-byte NCCL unique id as bytes, from what ``cupy.cuda.nccl.get_unique_id()`` returns:
     bytes since CuPy 14, a tuple of 128 C ``char`` values (signed, -128..127) before."""
@@ -125,6 +155,7 @@ class NcclBackend:
             # select, never ``with Device(...)``: leaving that block would select the device that was
             # current before, and in a thread that had selected none that is GPU 0 (a new context there)
             cupy.cuda.Device(device_ordinal).use()
+            connect_at_init()
             try:
                 self.comm = nccl.NcclCommunicator(size, unique_id_for_cupy(unique_id, cupy_major()), rank)
             except OverflowError:  # CuPy < 14 where C char is unsigned (aarch64): the tuple takes 0..255

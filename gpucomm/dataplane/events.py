@@ -9,24 +9,35 @@ disturb a wait already queued.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from ..counters import COUNTERS
 
 
 class EventPool:
-    """Free events per device; ``record`` takes one (or makes one) and records it on ``stream``."""
+    """Free events per device; ``record`` takes one (or makes one) and records it on ``stream``.
+
+    ``reclaim()`` (set by the watchdog, which owns done events in flight) returns the events of
+    collectives that finished since it last looked; ``record`` calls it before making a new event,
+    so a step never makes one while a finished collective's event waits for the watchdog's tick."""
 
     def __init__(self) -> None:
         self._free: dict[int, list[Any]] = {}
         self._lock = threading.Lock()  # hooks on different autograd threads may record at once
+        self.reclaim: Callable[[], None] = lambda: None
+
+    def _take(self, device_index: int) -> Any:
+        with self._lock:
+            free = self._free.get(device_index)
+            return free.pop() if free else None
 
     def record(self, stream: Any) -> Any:
         import torch  # noqa: PLC0415 - only CUDA paths get here
 
-        free = self._free.get(stream.device_index)
-        with self._lock:
-            event = free.pop() if free else None
+        event = self._take(stream.device_index)
+        if event is None:
+            self.reclaim()
+            event = self._take(stream.device_index)
         if event is None:
             event = torch.cuda.Event()
             COUNTERS.cuda_events_created += 1

@@ -56,6 +56,7 @@ class NcclWatchdog:
         self._thread: threading.Thread | None = None
         self.failed = False  # a failure was found (then nothing counts as drained)
         self.retired = 0  # done events returned to the pool
+        events.reclaim = self.reclaim
 
     def watch(self, done_event: Any, device: int, request: Any) -> Callable[[], None]:
         """Watch a collective whose completion is ``done_event`` (on GPU ``device``); returns what its
@@ -71,6 +72,12 @@ class NcclWatchdog:
 
     def __len__(self) -> int:
         return len(self._inflight)
+
+    def reclaim(self) -> None:
+        """Return the events of the collectives finished so far to the pool (the pool asks before it
+        makes a new event)."""
+        with self._lock:
+            self._retire_finished()
 
     def _waited(self, entry: _InFlight) -> None:
         with self._lock:
