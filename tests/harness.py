@@ -319,7 +319,7 @@ class Result:
 
 def base_env(mark: str, **extra: str) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), GPUCOMM_START_TIMEOUT="60",
-               GPUCOMM_TIMEOUT="60")
+               GPUCOMM_TIMEOUT=RANK_TIMEOUT)
     env[MARK] = mark
     env.update(extra)
     return env

@@ -10,10 +10,13 @@ settle handles through ``settle`` / ``queue``, never by writing their fields.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..errors import CollectiveError
+
+CAUSE_GRACE = 2.0  # seconds a broken collective waits for the control plane to name why (a peer's death)
 
 
 @dataclass
@@ -116,7 +119,7 @@ class Handle:
             else:
                 self._result = issued.finalize()
         except Exception as e:
-            cause = self._owner.failure()
+            cause = _first_cause(self._owner)
             if cause is not None:  # another rank's failure broke this collective: name that first cause
                 raise CollectiveError(f"{_describe(self.request)} failed because {cause}") from e
             if isinstance(e, CollectiveError):
@@ -154,6 +157,20 @@ def _used_on(result: Any, stream: Any) -> None:
 def _describe(request: Any) -> str:
     describe = getattr(request, "describe", None)
     return describe() if callable(describe) else repr(request)
+
+
+def _first_cause(owner: Any) -> CollectiveError | None:
+    """The job's failure as the control plane names it, waiting up to ``CAUSE_GRACE`` for it: when a
+    peer dies, its data connection (a Gloo reset) and its control connection close together, and
+    the collective's error can reach the waiter before the control thread has read the closed link.
+    The named cause ("the control connection to rank 0 closed: rank 0 exited or failed") says what
+    happened; the transport's ("Connection reset by peer") does not. Only a failed wait pays this."""
+    deadline = time.monotonic() + CAUSE_GRACE
+    while True:
+        cause = owner.failure()
+        if cause is not None or time.monotonic() >= deadline:
+            return cause
+        time.sleep(0.01)
 
 
 __all__ = ["Handle", "Issued"]

@@ -109,7 +109,7 @@ class NcclWatchdog:
                 return
             oldest = self._inflight[0]
         error = self._health(oldest.request.set_id)
-        if error is None and (time.monotonic() - oldest.started <= self.timeout or oldest.event.query()):
+        if error is None and (time.monotonic() - oldest.started <= self.timeout or self._finished_since(oldest)):
             return  # in time, or it finished meanwhile
         request = oldest.request
         if error is not None:
@@ -124,6 +124,13 @@ class NcclWatchdog:
             self._inflight.clear()
         self._stop.set()
         self._fail(why + ". The NCCL communicators were aborted. " + NCCL_HINT)
+
+    def _finished_since(self, entry: _InFlight) -> bool:
+        """``entry`` finished after ``check`` let go of the lock: retired meanwhile (by ``reclaim`` or
+        ``watch`` on another thread, whose event may already be recorded anew, so its query would
+        say False) or its event says so now."""
+        with self._lock:
+            return entry.finished or entry.event.query()
 
     def drain(self, grace: float) -> bool:
         """Wait up to ``grace`` seconds for every watched collective to finish; True if they did."""
