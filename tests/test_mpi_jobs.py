@@ -20,7 +20,7 @@ from tests.test_mpi_backend import launcher
 
 SIZE = 3
 DATA_PLANE = ("allreduce", "data_movement", "reducescatter", "out_of_order", "join_uneven_steps",
-              "train_uneven_then_join", "static_process_sets")  # scenarios whose tensors go through the backend
+              "train_uneven_then_join", "static_process_sets", "async_and_barrier", "autograd")  # scenarios whose tensors go through the backend
 
 
 def _gpucomm_run_mpi(np: int, *argv: str, timeout: float) -> tuple:
@@ -108,3 +108,25 @@ def test_a_rank_that_dies_fails_the_waiting_rank_with_its_error():
     assert report["error"] == report["later"] == "rank 1 failed: ValueError: rank 1 gave up", report
     assert "gpucomm-run: rank 1 on" in r.stderr and "failed first: ValueError: rank 1 gave up" in r.stderr
     assert r.leftovers == []
+
+
+def test_a_name_in_flight_twice_is_refused_on_the_rank_that_reused_it(outcomes):
+    messages = _values(outcomes, "duplicate_name")
+    assert "another operation named 'allreduce.dup' is still in flight on this rank" in messages[0]
+    assert messages[1:] == [None] * (SIZE - 1)
+
+
+def test_cached_bursts_cost_a_few_control_rounds(outcomes):
+    for rank, per_mode in enumerate(_values(outcomes, "cache_bursts")):
+        for mode, bursts in per_mode.items():
+            assert len(bursts) == 2 and all(1 <= f <= 3 for f in bursts), (rank, mode, bursts)
+
+
+def test_a_stall_is_reported_and_the_job_recovers(outcomes):
+    warnings = _values(outcomes, "stall_warning_then_recover")[0]["warnings"]
+    assert any("allreduce.forgotten: waiting" in w and "1: [allreduce.forgotten]" in w for w in warnings), warnings
+
+
+def test_an_early_join_is_no_stall(outcomes):
+    lasts = _values(outcomes, "early_join_under_stall_shutdown")
+    assert len(set(lasts)) == 1 and lasts[0] != 0, lasts  # the same on every rank; rank 0 joined first

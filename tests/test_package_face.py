@@ -47,3 +47,16 @@ def test_lazy_names_resolve():
                             "assert hvd.DistributedOptimizer.__name__ == 'DistributedOptimizer'; "
                             "assert gpucomm.Communicator.__name__ == 'Communicator'")
     assert "gpucomm.torch.optimizer" in loaded
+
+
+def test_horovods_mpi_ops_module_name_holds_the_collectives_horovod_defines_there():
+    """``from horovod.torch.mpi_ops import allreduce`` (and the other differentiable collectives,
+    which Horovod defines in mpi_ops.py) must keep working with the import line changed."""
+    import gpucomm.torch as hvd
+    from gpucomm.torch import mpi_ops
+
+    for name in ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "grouped_allreduce",
+                 "grouped_allgather", "grouped_reducescatter", "allreduce_async", "broadcast_", "synchronize", "poll",
+                 "join", "barrier", "Average", "Sum", "Adasum"):
+        assert getattr(mpi_ops, name) is getattr(hvd, name), name
+        assert name in mpi_ops.__all__, name

@@ -637,3 +637,36 @@ def test_cli_requires_an_output(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main([str(tmp_path / "t.json")])
     assert exc.value.code == 2 and "-o/--output" in capsys.readouterr().err
+
+
+def test_the_gpu_timer_is_made_on_the_collectives_own_device(tmp_path, monkeypatch):
+    """Issue 25, defect 9: the timeline's GPU timer was made with no device, on whichever GPU the
+    tracing thread had current (the control thread's: GPU 0), not rank 0's. It now takes the
+    collective's stream's device. (The GPU test of this needs two GPUs.)"""
+    import torch
+
+    from gpucomm.timeline import tracer as tracer_module
+
+    made: list = []
+
+    class FakeActivities:
+        def __init__(self, timeline, device=None, **_):
+            made.append(device)
+
+        def trace(self, name, kind, stream=None):
+            return (name, kind, stream)
+
+        def close(self):
+            pass
+
+    class Stream:
+        device = torch.device("cuda", 1)
+
+    monkeypatch.setattr(tracer_module, "GpuActivities", FakeActivities)
+    tracer = tracer_module.Tracer(str(tmp_path / "timeline.json"))
+    try:
+        tracer.gpu_op("allreduce.x", "allreduce", Stream())
+        tracer.gpu_op("allreduce.y", "allreduce", Stream())
+    finally:
+        tracer.close()
+    assert made == [torch.device("cuda", 1)]  # made once, on the stream's GPU

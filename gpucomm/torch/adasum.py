@@ -127,7 +127,7 @@ def start(tensors: Sequence[torch.Tensor], name: str | None, convert: Callable[[
     themselves when in place), then ``convert``'s form (None: as they are)."""
     rows, gather_name, finish = _as_allgather(tensors, name, in_place, prescale, postscale, process_set)
     job = jobs.current()
-    handle = job.submit(submission.build_request(job, "allgather", rows, gather_name), send=send)
+    handle = submission.submit_request(job, submission.build_request(job, "allgather", rows, gather_name), send)
     if convert is None:
         return handle, finish
     return handle, lambda gathered: convert(finish(gathered))

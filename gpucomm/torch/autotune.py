@@ -8,14 +8,16 @@ steps. Here the step model (``gpucomm.tuning``) proposes and measured steps deci
    gradient became ready, as the optimizer's hooks see it);
 3. the job's own collective cost is measured: allreduces of a few sizes on the optimizer's
    schedule, timed on every rank, fitted to ``alpha + bytes / beta`` (``tuning.fit_alpha_beta``);
-4. candidates: the exact best contiguous cut of the ready order (``tuning.optimal_plan``), for a
-   processor of its own beside compute (GPUs) and, on CPU, for a processor that computes too;
-   and the cut at backward's pauses (``fusion.plan_by_readiness``). Each new one is adopted (the
-   layout is agreed across ranks, as every re-cut is) and timed for ``steps`` steps after one
-   warm-up step;
-5. the job's step time of a plan is its slowest rank's median; the fastest plan is kept, the
-   current one unless another is at least 1 % faster (``MIN_GAIN``: within noise, no churn).
-   Steady state then sends no control message again.
+4. candidates: the plan in use (the cut at backward's pauses, ``fusion.plan_by_readiness``, after
+   the first step) and the exact best contiguous cut of the ready order (``tuning.optimal_plan``),
+   for a processor of its own beside compute (GPUs) and, on CPU, for a processor that computes
+   too. The candidates are timed interleaved: ``ROUNDS`` rounds, each adopting every candidate in
+   turn (the layout is agreed across ranks, as every re-cut is) for one warm-up step and a share
+   of ``steps`` timed steps, so that a load that drifts during the trial (seen on CPU: 8 % between
+   blocks of steps) weighs on every candidate alike instead of deciding for one;
+5. the job's step time of a plan is its slowest rank's median over its rounds; the fastest plan
+   is kept, the one in use unless another is at least 2 % faster (``MIN_GAIN``: within noise, no
+   churn). Steady state then sends no control message again.
 
 Every rank takes the same decision from the same gathered numbers (ready times from the set's
 first rank, the slowest rank's costs and step times), so the layouts always agree. The trial log
@@ -44,7 +46,8 @@ LOG_VARS = ("GPUCOMM_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG")
 WARMUP_VARS = ("GPUCOMM_AUTOTUNE_WARMUP_SAMPLES", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES")
 STEPS_VARS = ("GPUCOMM_AUTOTUNE_STEPS_PER_SAMPLE", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE")
 CALIBRATION_REPEATS = 3
-MIN_GAIN = 0.01  # a plan replaces the one in use only if its step is at least this much shorter
+MIN_GAIN = 0.02  # a plan replaces the one in use only if its step is at least this much shorter
+ROUNDS = 4  # interleaved rounds (an even number: ABC CBA ABC CBA puts a steady drift on each alike)
 SMALLEST_PROBE = 64 << 10
 LARGEST_PROBE = 64 << 20
 
@@ -144,11 +147,27 @@ class Autotuner:
         candidates = [current] + self._proposals(ready_s, cost, current.plan)
         for c in candidates:
             c.predicted_s = self._predict(ready_s, cost, c.plan)
-        for c in candidates[1:]:
-            self._adopt(c.plan)
-            COUNTERS.autotune_trials += 1
-            yield from self._steps(1)  # the first step after a re-cut carries the agreement
-            c.measured_s = yield from self._timed()
+        in_use = current
+        if len(candidates) > 1:
+            timed: dict[int, list[float]] = {k: [] for k in range(len(candidates))}
+            per_round = max(2, -(-self.settings.steps // ROUNDS))
+            last = None  # the end of the step before the next timed one, when known
+            for r in range(ROUNDS):
+                # every round starts with the candidate the last one ended on: one re-cut fewer
+                order = list(range(len(candidates)))
+                if r % 2:
+                    order.reverse()
+                for k in order:
+                    c = candidates[k]
+                    if c is not in_use:
+                        self._adopt(c.plan)
+                        COUNTERS.autotune_trials += 1
+                        in_use = c
+                        last = yield from self._steps(1)  # the first step after a re-cut carries the agreement
+                    times, last = yield from self._times(per_round, last=last)
+                    timed[k] += times
+            for k, c in enumerate(candidates):
+                c.measured_s = statistics.median(timed[k])
         medians_by_rank = self._gather([c.measured_s for c in candidates], "decided")
         for k, c in enumerate(candidates):
             c.job_s = max(rank[k] for rank in medians_by_rank)
@@ -156,7 +175,7 @@ class Autotuner:
         if not best.job_s < current.job_s * (1 - MIN_GAIN):  # within noise of the plan in use: keep it
             best = current
         self.outcome.candidates, self.outcome.chosen = candidates, best.name
-        if candidates[-1] is not best:
+        if in_use is not best:
             self._adopt(best.plan)
         COUNTERS.autotune_done += 1
         self._report()
@@ -169,15 +188,23 @@ class Autotuner:
 
     def _timed(self, watch_last: bool = False) -> Generator[None, float, float]:
         """The median step of ``steps`` steps (the first timed from the step before it)."""
-        last = yield  # the end of the step before the first timed one
+        times, _ = yield from self._times(self.settings.steps, watch_last=watch_last)
+        return statistics.median(times)
+
+    def _times(self, n: int, *, watch_last: bool = False,
+               last: float | None = None) -> Generator[None, float, tuple[list[float], float]]:
+        """The durations of the next ``n`` steps, and when the last one ended. The first is timed
+        from ``last`` (the end of the step before it), or, unknown, from the end of the next step."""
+        if last is None:
+            last = yield
         times = []
-        for k in range(self.settings.steps):
-            if watch_last and k == self.settings.steps - 1:
+        for k in range(n):
+            if watch_last and k == n - 1:
                 self._watch()
             now = yield
             times.append(now - last)
             last = now
-        return statistics.median(times)
+        return times, last
 
     def _calibrate(self) -> list[tuple[int, float]]:
         """(bytes, seconds) of allreduces on the schedule: powers of 4 from 64 KiB up to the

@@ -21,7 +21,7 @@ from ..dataplane.requests import Request, equal_splits
 from ..process_sets import ProcessSet, check_members, global_process_set
 from .submission import (Adasum, Average, Max, Min, Product, Sum, build_request, check_name, check_root, control,
                          execute, first, handle_average_backwards_compatibility, poll, reduction, set_id, set_size,
-                         submit, synchronize)
+                         submit, submit_request, synchronize)
 
 # -- allreduce -------------------------------------------------------------------------------
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
@@ -191,7 +191,7 @@ def join(device: int = -1) -> int:
         job.join_device = device
     # the join leaves for the coordinator before the stand-ins start: a rank still training can only
     # finish a step with this rank's zeros after its join was sent, so "joined last" is that rank
-    joined = job.submit(Request("join", "join", [], set_id=0), send=Send.NOW)
+    joined = submit_request(job, Request("join", "join", [], set_id=0), Send.NOW)
     stand_ins = [_StandIn(party, job.select_device) for party in job.join_parties()]
     try:
         last = joined.wait()  # a failure here also ends the stand-ins' collectives
@@ -285,7 +285,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: int,
     indices = t.indices().t().contiguous()  # [nnz, sparse_dim]: allgather concatenates along dim 0
     request = build_request(job, "allgather", [indices, t.values().contiguous()],
                             None if name is None else f"{name}.sparse", process_set=process_set)
-    handle = job.submit(request, send=Send.CYCLE)
+    handle = submit_request(job, request, Send.CYCLE)
     size, shape = set_size(request.set_id), t.shape
 
     def wait() -> torch.Tensor:

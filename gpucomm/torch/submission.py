@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-from importlib import import_module
 from typing import Any, Callable, Sequence
 
 import torch
@@ -123,7 +122,7 @@ def submit(kind: str, tensors: Sequence[torch.Tensor], name: str | None, convert
         handle, convert = _start_adasum(tensors, name, convert, Send.CYCLE, options)
     else:
         job = jobs.current()
-        handle = job.submit(build_request(job, kind, tensors, name, **options), send=Send.CYCLE)
+        handle = submit_request(job, build_request(job, kind, tensors, name, **options), Send.CYCLE)
     handle_id = next(_handle_ids)
     with _handles_lock:
         _handles[handle_id] = (handle, convert)
@@ -137,21 +136,30 @@ def execute(kind: str, tensors: Sequence[torch.Tensor], name: str | None, **opti
         result = handle.wait()
         return result if convert is None else convert(result)
     job = jobs.current()
-    return job.submit(build_request(job, kind, tensors, name, **options), send=Send.ON_WAIT).wait()
+    return submit_request(job, build_request(job, kind, tensors, name, **options), Send.ON_WAIT).wait()
+
+
+def submit_request(job: Any, request: Request, send: Send) -> Any:
+    """Submit a built ``request`` to ``job``; its handle. The front's one call into the job's
+    submission (``submit``/``execute`` here, and the requests built elsewhere: ``join``, the sparse
+    allreduce, Adasum's allgather)."""
+    return job.submit(request, send=send)
 
 
 def register_adasum(start: Callable[..., tuple[Any, Callable[[Any], Any] | None]]) -> None:
     """``start(tensors, name, convert, send, **options) -> (handle, convert)``: how an Adasum
-    allreduce is started (``adasum.py`` registers it when first imported)."""
+    allreduce is started (``adasum.py`` registers it when imported, which ``gpucomm.torch`` does)."""
     _adasum.append(start)
 
 
 def _start_adasum(tensors: Sequence[torch.Tensor], name: str | None, convert: Callable[[Any], Any] | None,
                   send: Send, options: dict) -> tuple[Any, Callable[[Any], Any] | None]:
-    """The one place an Adasum allreduce starts (``adasum.py``, loaded on first use); ``convert``
-    None: the result as it comes."""
+    """The one place an Adasum allreduce starts (``adasum.py`` registers how: ``gpucomm.torch``
+    imports it, so it is registered before any collective can run); ``convert`` None: the result as
+    it comes."""
     if not _adasum:
-        import_module(f"{__package__}.adasum")  # registers itself (it builds on this module)
+        raise RuntimeError("internal error: no Adasum allreduce is registered (gpucomm.torch imports "
+                           "gpucomm.torch.adasum, which registers it); please report this as a gpucomm bug.")
     return _adasum[0](tensors, name, convert, send, **options)
 
 
@@ -203,7 +211,7 @@ def check_root(root_rank: int, process_set: ProcessSet | None = None) -> int:
 
 def control(kind: str, name: str, sid: int = 0, **fields: Any) -> Any:
     """Run a control operation (no tensors) on process set ``sid`` and return its value."""
-    return jobs.current().submit(Request(kind, name, [], set_id=sid, **fields), send=Send.ON_WAIT).wait()
+    return submit_request(jobs.current(), Request(kind, name, [], set_id=sid, **fields), Send.ON_WAIT).wait()
 
 
 __all__ = ["Adasum", "Average", "Max", "Min", "Product", "Sum", "build_request", "check_name", "check_root", "control",

@@ -48,6 +48,12 @@ SCENARIOS: dict[str, tuple[Callable[..., Any], dict[str, str]]] = {
     "dynamic_process_sets": (control.dynamic_process_sets, {}),
     "stall_shutdown": (control.stall_shutdown, STALL),
     "shutdown_while_others_wait": (control.shutdown_while_others_wait, {}),
+    "async_and_barrier": (checks.check_async_and_barrier, DATA_PLANE),
+    "autograd": (checks.check_autograd, DATA_PLANE),
+    "duplicate_name": (control.duplicate_name, {}),
+    "cache_bursts": (control.cache_bursts, {"GPUCOMM_CYCLE_TIME": "10000"}),
+    "stall_warning_then_recover": (control.stall_warning_then_recover, {"GPUCOMM_STALL_CHECK_TIME_SECONDS": "1"}),
+    "early_join_under_stall_shutdown": (control.early_join_under_stall_shutdown, STALL),
 }
 
 
