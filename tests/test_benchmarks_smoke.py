@@ -74,6 +74,8 @@ CASES = {c.id: c for c in [
          "optimizer_vs_ddp.json", "ratio gpucomm / DDP: ", 1),
     Case("autotune", ("benchmarks/autotune.py", "--quick", "--model", "cnn", "--json", "{out}/autotune.json"),
          "autotune.json", "autotune vs best fixed cap", 2),
+    Case("finite_check", ("benchmarks/finite_check.py", "--quick", "--model", "cnn", "--json", "{out}/finite_check.json"),
+         "finite_check.json", "  checked / plain: ", 2),
     Case("compression_memory", ("benchmarks/compression_memory.py", "--quick", "--json", "{out}/compression_memory.json"),
          "compression_memory.json", "# ZeRO-1 (Adam): cnn", 2),
     Case("powersgd_accuracy", ("benchmarks/powersgd_accuracy.py", "--quick", "--json", "{out}/powersgd_accuracy.json"),
@@ -296,6 +298,12 @@ def check_autotune(r: Run, doc: dict) -> None:
     assert set(doc["explanation"]["plans"]) == {"autotune (model's plan, shared processor)", "ddp (25 MiB buckets)"}
 
 
+def check_finite_check(r: Run, doc: dict) -> None:
+    assert doc["ranks"] == 2 and doc["model"] == "cnn" and set(doc["step_s"]) == {"checked", "plain"}
+    assert all(v > 0 for v in doc["step_s"].values()) and doc["ratio_checked_vs_plain"] > 0
+    assert doc["counters"]["nonfinite_steps"] == 0 and doc["counters"]["schedule_steps"] > 0
+
+
 def check_control_plane(r: Run, doc: dict) -> None:
     assert doc["benchmark"] == "control_plane" and doc["ranks"] == 2
     assert doc["generations"]["default"]["inline_bytes"] == 16 << 10
@@ -437,6 +445,7 @@ CHECKS: dict[str, Callable[[Run, Any], None]] = {
     "compression_memory": check_compression_memory, "powersgd_accuracy": check_powersgd_accuracy,
     "collectives-1": check_collectives, "collectives-2": check_collectives, "train": check_train,
     "optimizer_vs_ddp": check_optimizer_vs_ddp, "control_plane": check_control_plane, "autotune": check_autotune,
+    "finite_check": check_finite_check,
     "cpu_allreduce": check_cpu_allreduce, "overhead-1": check_overhead, "overhead-2": check_overhead,
     "startup": check_startup, "timeline_overhead": check_timeline_overhead,
     "mismatch_exit": check_mismatch_exit, "pack_bw": check_pack_bw, "verify_gpu": check_verify_gpu,
