@@ -137,6 +137,10 @@ def check_data_movement(device: str = "cpu") -> int:
         got = hvd.alltoall(even)
         assert_close(got, torch.cat([make(q, (2 * n, 3), dtype)[2 * r : 2 * r + 2] for q in range(n)]), "alltoall equal")
         count += 4 + 2 * n
+    # a large allgather, uneven and with an empty rank: on Gloo in a small group it runs as one broadcast per rank
+    big = make(r, (r * 70000, 4), torch.float32, device)
+    assert_close(hvd.allgather(big), torch.cat([make(q, (q * 70000, 4), torch.float32) for q in range(n)]),
+                 "large uneven allgather")
     # grouped allgather
     outs = hvd.grouped_allgather([make(r, (r + 1,), torch.float32, device), make(r, (1, 2), torch.int64, device)])
     assert_close(outs[0], torch.cat([make(q, (q + 1,), torch.float32) for q in range(n)]), "grouped allgather 0")
