@@ -318,10 +318,10 @@ def test_parse_slurm_tasks_per_node_rejects_garbage(text: str) -> None:
 
 def test_derive_port_is_stable_and_in_range() -> None:
     ports = {derive_port(f"job-{i}") for i in range(2000)}
-    assert all(20000 <= p < 40000 for p in ports)
+    assert all(20000 <= p < 32768 for p in ports)  # below Linux's default ephemeral ports
     assert len(ports) > 1500  # spreads jobs over the range
     assert derive_port("123456.0") == derive_port("123456.0")
-    assert 20000 <= derive_port("") < 40000
+    assert 20000 <= derive_port("") < 32768
 
 
 def test_derived_secret_is_shared_by_all_ranks() -> None:

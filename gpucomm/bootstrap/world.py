@@ -57,7 +57,9 @@ SLURM_JOB_ID_VARS = ("SLURM_JOB_ID", "SLURM_JOBID")
 
 MIN_SECRET_BYTES = 16
 DERIVED_PORT_BASE = 20000
-DERIVED_PORT_SPAN = 20000  # derived ports lie in [20000, 40000)
+# derived ports lie in [20000, 32768): below Linux's default range of ephemeral ports (32768-60999), where any
+# outgoing connection on the host may hold the port (seen: a derived 35694 taken while rank 0 started)
+DERIVED_PORT_SPAN = 12768
 LOOPBACK = "127.0.0.1"
 _SECRET_LABEL = b"gpucomm-derived-secret-v1"
 _PORT_LABEL = b"gpucomm-rendezvous-port-v1"
@@ -209,11 +211,13 @@ def _hostname(env: Mapping[str, str], var: str | None, hostname: str | None) -> 
 # ---------------------------------------------------------------- public helpers
 
 def derive_port(run_id: str) -> int:
-    """Deterministic rendezvous port in [20000, 40000) for a job id.
+    """Deterministic rendezvous port in [20000, 32768) for a job id.
 
     Every rank of a job computes the same port without communicating: the first
-    8 bytes of SHA-256(label + run_id) modulo 20000, plus 20000.  Collisions with
-    other services are possible; set GPUCOMM_RENDEZVOUS_PORT to override.
+    8 bytes of SHA-256(label + run_id) modulo 12768, plus 20000, which keeps it
+    below Linux's default ephemeral range (32768-60999), whose ports any outgoing
+    connection may hold.  Collisions with other services are possible; set
+    GPUCOMM_RENDEZVOUS_PORT to override.
     """
     digest = hashlib.sha256(_PORT_LABEL + b"\0" + run_id.encode()).digest()
     return DERIVED_PORT_BASE + int.from_bytes(digest[:8], "big") % DERIVED_PORT_SPAN
