@@ -39,7 +39,8 @@ def new_result(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -
 
 
 BROADCAST_GATHER_BYTES = 1 << 20  # a Gloo allgather this large (result bytes) or larger runs as broadcasts
-BROADCAST_GATHER_RANKS = 4  # ... in groups this small (measured at 2 ranks; more ranks: more broadcasts)
+BROADCAST_GATHER_RANKS = 4  # ... in groups this small (measured at 2 ranks; more ranks: more broadcasts); a
+# Gloo reduce-scatter in such a group runs as an allreduce (which moves twice the bytes: measured at 2 ranks only)
 
 
 def _gathered_by_broadcasts(backend: str, size: int, result_bytes: int) -> bool:
@@ -265,7 +266,7 @@ class Executor:
         # Gloo's reduce-scatter is the slow one of its collectives on CPU (2 ranks, 32 MiB: 50.7 ms, where
         # its allreduce takes 26.6 ms and moves twice the bytes): there, allreduce a private copy and keep
         # this rank's slot. MPI's and NCCL's reduce-scatters are fast; they run as they are.
-        via_allreduce = backend.name == "gloo"
+        via_allreduce = backend.name == "gloo" and group.size <= BROADCAST_GATHER_RANKS  # measured at 2 ranks
         for t in req.tensors:
             rows = reducescatter_rows(t.shape[0], group.size)
             tail = list(t.shape[1:])

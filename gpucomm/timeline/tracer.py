@@ -10,6 +10,7 @@ and the backward pass, so the picture shows bucket allreduces overlapping backwa
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Sequence
 
 from .gpu import GpuActivities
@@ -55,10 +56,13 @@ class Tracer:
             tl.op_end(name, dtype, shape)
             return
         remaining = [len(futures)]
+        counting = threading.Lock()  # Gloo runs an op's works on several threads: their callbacks may race
 
         def done(_fut: Any) -> None:
-            remaining[0] -= 1  # callbacks of one op run one at a time, on the backend's thread
-            if remaining[0] == 0:
+            with counting:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
                 tl.activity_end(name)
                 tl.op_end(name, dtype, shape)
 
