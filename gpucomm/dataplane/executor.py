@@ -38,14 +38,15 @@ def new_result(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-BROADCAST_GATHER_BYTES = 1 << 20  # a Gloo allgather this large (result bytes) or larger runs as broadcasts
-BROADCAST_GATHER_RANKS = 4  # ... in groups this small (measured at 2 ranks; more ranks: more broadcasts); a
-# Gloo reduce-scatter in such a group runs as an allreduce (which moves twice the bytes: measured at 2 ranks only)
+SMALL_GLOO_GROUP = 4  # Gloo groups up to this size take the faster collectives below (measured at 2 ranks)
+BROADCAST_GATHER_BYTES = 1 << 20  # an allgather this large (result bytes) runs as one broadcast per rank
 
 
-def _gathered_by_broadcasts(backend: str, size: int, result_bytes: int) -> bool:
-    """A large allgather on Gloo in a small group runs as one broadcast per rank (see ``_allgather``)."""
-    return backend == "gloo" and 1 < size <= BROADCAST_GATHER_RANKS and result_bytes >= BROADCAST_GATHER_BYTES
+def _small_gloo_group(backend, group) -> bool:
+    """Gloo's reduce-scatter and allgather are its slow collectives on CPU: in a group this small a
+    reduce-scatter runs as an allreduce (twice the bytes, still faster) and a large allgather as
+    broadcasts. The answer depends only on what every member shares, so all members take one path."""
+    return backend.name == "gloo" and 1 < group.size <= SMALL_GLOO_GROUP
 
 
 def release_results() -> None:
@@ -208,7 +209,7 @@ class Executor:
             row_numel = math.prod(tail)
             most = max(rows)
             send = t.reshape(-1)
-            if _gathered_by_broadcasts(backend.name, group.size, sum(rows) * row_numel * t.element_size()):
+            if _small_gloo_group(backend, group) and sum(rows) * row_numel * t.element_size() >= BROADCAST_GATHER_BYTES:
                 # Gloo's allgather is slow on CPU (2 ranks, 32 MiB each: 36.8 ms, where one 32 MiB broadcast
                 # takes 11.9 ms): each rank's rows are broadcast by their owner, straight into the compact result
                 recv = new_result((sum(rows) * row_numel,), t.dtype, t.device)
@@ -263,10 +264,9 @@ class Executor:
 
     def _reducescatter(self, req: Request, meta: dict, group, backend, stream) -> Plan:
         works, pieces = [], []
-        # Gloo's reduce-scatter is the slow one of its collectives on CPU (2 ranks, 32 MiB: 50.7 ms, where
-        # its allreduce takes 26.6 ms and moves twice the bytes): there, allreduce a private copy and keep
-        # this rank's slot. MPI's and NCCL's reduce-scatters are fast; they run as they are.
-        via_allreduce = backend.name == "gloo" and group.size <= BROADCAST_GATHER_RANKS  # measured at 2 ranks
+        # Gloo's reduce-scatter (2 ranks, 32 MiB: 50.7 ms, where its allreduce takes 26.6 ms): in a small
+        # group, allreduce a private copy and keep this rank's slot. MPI's and NCCL's run as they are.
+        via_allreduce = _small_gloo_group(backend, group)
         for t in req.tensors:
             rows = reducescatter_rows(t.shape[0], group.size)
             tail = list(t.shape[1:])
