@@ -66,6 +66,8 @@ def test_peers_connect_when_the_communicator_is_created(caplog, monkeypatch):
     the user chose otherwise, and then says what that risks."""
     env: dict[str, str] = {}
     assert connect_at_init(env) and env == {"NCCL_RUNTIME_CONNECT": "0"}
+    empty = {"NCCL_RUNTIME_CONNECT": " "}  # NCCL ignores an empty value: as unset (gpucomm-run does the same)
+    assert connect_at_init(empty) and empty == {"NCCL_RUNTIME_CONNECT": "0"}
     import gpucomm.backends.nccl as nccl_backend
 
     monkeypatch.setattr(nccl_backend, "_connect_warned", False)

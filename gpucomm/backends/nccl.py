@@ -87,7 +87,9 @@ def connect_at_init(environ: Any = os.environ) -> bool:
     is a collective point on every rank, so connecting there never waits on the training loop.
     NCCL reads the variable when the process creates its first communicator."""
     global _connect_warned
-    value = environ.setdefault(RUNTIME_CONNECT_ENV, "0").strip()
+    value = environ.get(RUNTIME_CONNECT_ENV, "").strip()
+    if not value:  # unset, or set empty (NCCL ignores an empty value and keeps its lazy default)
+        environ[RUNTIME_CONNECT_ENV] = value = "0"
     if value == "0":
         return True
     if not _connect_warned:
