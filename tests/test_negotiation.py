@@ -575,6 +575,71 @@ def test_control_config_reads_horovod_names_and_prefers_gpucomm_ones():
     assert (cfg.stall_warning, cfg.stall_shutdown, cfg.cache_capacity, cfg.inline_bytes) == (7.0, 20.0, 9, 0)
 
 
+def test_waiting_callers_poll_only_while_every_local_rank_has_a_core(monkeypatch):
+    from gpucomm.control import config as config_module
+
+    monkeypatch.setattr(config_module, "_usable_cores", lambda: 4)
+    assert ControlConfig.from_env({}, 1.0, local_size=4).spin == pytest.approx(config_module.DEFAULT_SPIN_US / 1e6)
+    assert ControlConfig.from_env({}, 1.0, local_size=5).spin == 0.0  # oversubscribed: the core is the peer's
+    assert ControlConfig.from_env({"GPUCOMM_SPIN_US": "0"}, 1.0, local_size=2).spin == 0.0
+    assert ControlConfig.from_env({"GPUCOMM_SPIN_US": "40"}, 1.0, local_size=9).spin == pytest.approx(40e-6)
+    with pytest.raises(ValueError, match="GPUCOMM_SPIN_US"):
+        ControlConfig.from_env({"GPUCOMM_SPIN_US": "-1"}, 1.0)
+
+
+def test_readable_polls_then_blocks_and_reports_what_is_readable():
+    import socket
+    import threading
+
+    from gpucomm.control import channel
+
+    a, b = socket.socketpair()
+    try:
+        assert channel.readable([a], 0.01, spin=0.002) == []  # nothing came: polled, then slept out the rest
+        assert channel.readable([a], 0.0, spin=0.002) == []  # no time to wait: no polling either
+        b.sendall(b"x")
+        assert channel.readable([a], 1.0, spin=0.002) == [a]  # already there: found by the first poll
+        a.recv(1)
+        late = threading.Timer(0.02, lambda: b.sendall(b"y"))  # arrives after the polling ended
+        late.start()
+        assert channel.readable([a], 5.0, spin=0.001) == [a]
+        late.join()
+        assert a.recv(1) == b"y"
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("timeout", [None, 2.0])
+def test_recv_exact_reads_a_frame_whole_or_in_pieces_without_losing_the_sockets_timeout(timeout):
+    import socket
+    import threading
+    import time
+
+    from gpucomm.bootstrap.framing import FrameError, recv_exact
+
+    a, b = socket.socketpair()
+    try:
+        a.settimeout(timeout)
+        b.sendall(b"abcd")
+        assert recv_exact(a, 4, time.monotonic() + 5) == b"abcd"  # all there at once
+        b.sendall(b"ab")
+        later = threading.Timer(0.02, lambda: b.sendall(b"cdef"))
+        later.start()
+        assert recv_exact(a, 6, time.monotonic() + 5) == b"abcdef"  # the rest arrives later
+        later.join()
+        assert a.gettimeout() == timeout
+        with pytest.raises(FrameError, match="not complete in time"):
+            recv_exact(a, 3, time.monotonic() + 0.05)  # nothing comes
+        assert a.gettimeout() == timeout
+        b.close()
+        with pytest.raises(FrameError, match="connection closed after 0 of 2 bytes"):
+            recv_exact(a, 2, time.monotonic() + 5)
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.parametrize("shutdown", ["10", "5"])
 def test_stall_shutdown_must_exceed_the_warning(shutdown):
     with pytest.raises(ValueError, match="must exceed the stall warning time"):

@@ -64,12 +64,27 @@ def mac(secret: bytes, nonce: bytes, direction: bytes, seq: int, body: bytes) ->
     return hmac.digest(secret, nonce + direction + _SEQ.pack(seq) + body, "sha256")
 
 
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
+
+
 def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     """``n`` bytes from ``sock``; with a ``deadline`` (``time.monotonic()``), all of them by then
     (FrameError otherwise; the socket's timeout is restored)."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     previous = sock.gettimeout() if deadline is not None else None
+    # usually all there already: read it without switching the socket's timeout (two syscalls); not
+    # on a socket with a timeout of its own, where Python would wait for data before reading
+    if deadline is not None and _DONTWAIT and not previous:
+        try:
+            got = sock.recv_into(view, n, _DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            got = 0
+        else:
+            if got == 0:
+                raise FrameError(f"connection closed after 0 of {n} bytes")
+            if got == n:
+                return bytes(buf)
     try:
         while got < n:
             if deadline is not None:

@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple
 
 from ..dataplane.inline import DEFAULT_INLINE_BYTES
 from ..settings import env_flag, env_flag_default_on, env_number
 from .coordinator import DEFAULT_CACHE_CAPACITY
+
+
+# us a caller blocked on a control round polls before sleeping: the coordinator's answer to a small
+# synchronous op arrives within ~100-250 us of the request on one host (benchmarks/overhead.py)
+DEFAULT_SPIN_US = 250.0
+
+
+def _usable_cores() -> int:
+    """Cores this process may run on (its affinity mask: cgroups, taskset), else all of them."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 class Send(str, enum.Enum):
@@ -38,9 +52,12 @@ class ControlConfig:
     inline_bytes: int = DEFAULT_INLINE_BYTES  # CPU allreduces up to this size are reduced by the coordinator
     liveness_timeout: float | None = 30.0  # s of control-channel silence before a rank is declared stopped
     deadlock_check: bool = True  # error when every member of a set is blocked on operations that lack another
+    spin: float = 0.0  # s a caller blocked on a control round polls its sockets before it sleeps (see below)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str], timeout: float) -> "ControlConfig":
+    def from_env(cls, env: Mapping[str, str], timeout: float, local_size: int = 1) -> "ControlConfig":
+        """``local_size``: ranks on this host; polling is on by default only while they have a core
+        each (an oversubscribed host needs the core a poller would take for the rank it waits on)."""
         cycle_ms = env_number(env, ("GPUCOMM_CYCLE_TIME", "HOROVOD_CYCLE_TIME"), 1.0, allow_zero=True)
         capacity = env_number(env, ("GPUCOMM_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY"), DEFAULT_CACHE_CAPACITY,
                               allow_zero=True)
@@ -55,10 +72,12 @@ class ControlConfig:
         inline = env_number(env, ("GPUCOMM_INLINE_BYTES",), DEFAULT_INLINE_BYTES, allow_zero=True)
         # by default well inside the collective timeout, so a stopped rank is named before a transfer times out
         liveness = env_number(env, ("GPUCOMM_LIVENESS_TIMEOUT",), min(30.0, max(5.0, timeout / 2)), allow_zero=True)
-        return cls(timeout=timeout, cycle_time=cycle_ms / 1000.0, cache_capacity=int(capacity),
+        spin_us = env_number(env, ("GPUCOMM_SPIN_US",), DEFAULT_SPIN_US if local_size <= _usable_cores() else 0.0,
+                             allow_zero=True)
+        return cls(timeout=timeout, spin=spin_us / 1e6, cycle_time=cycle_ms / 1000.0, cache_capacity=int(capacity),
                    stall_warning=None if disabled else warning, stall_shutdown=(shutdown or None) if not disabled else None,
                    inline_bytes=int(inline), liveness_timeout=liveness or None,
                    deadlock_check=env_flag_default_on("GPUCOMM_DEADLOCK_CHECK", env))
 
 
-__all__ = ["ControlConfig", "ControlLinks", "DEFAULT_CACHE_CAPACITY", "Send"]
+__all__ = ["ControlConfig", "ControlLinks", "DEFAULT_CACHE_CAPACITY", "DEFAULT_SPIN_US", "Send"]

@@ -212,7 +212,8 @@ class Controller:
             if until is not None and until.agreed():
                 return
             wait = 0.0 if until is None else min(deadline - time.monotonic(), self._stall_tick())
-            ready = channel.readable(self._sockets() + [self._waker.fd], max(0.0, wait))
+            ready = channel.readable(self._sockets() + [self._waker.fd], max(0.0, wait),
+                                     spin=self.config.spin if until is not None else 0.0)
             for sock in ready:
                 if sock == self._waker.fd:
                     self._waker.drain()

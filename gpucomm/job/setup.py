@@ -48,7 +48,7 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None,
     steps = SetupSteps()
     static_sets, dynamic_sets = init_sets(process_sets, world.size, env)
     control = ControlConfig.from_env(env, env_seconds(env, ("GPUCOMM_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS"),
-                                                      DEFAULT_TIMEOUT))
+                                                      DEFAULT_TIMEOUT), local_size=world.local_size)
     timeout = control.timeout
     start_timeout = env_seconds(env, ("GPUCOMM_START_TIMEOUT", "HOROVOD_START_TIMEOUT"), DEFAULT_START_TIMEOUT)
     t0 = time.monotonic()
