@@ -697,6 +697,23 @@ def summary_lines(tables: Sequence[Table], nranks: int, not_measured: dict[str, 
     return lines
 
 
+def ratio_lines(tables: Sequence[Table], metric: str) -> list[str]:
+    """gpucomm's bandwidth over torch.distributed's, per collective and place, for rows of equal
+    size, type, op and root (the comparison the README quotes); none when either is missing."""
+    by = {(t.coll, t.impl): t for t in tables}
+    cells = []
+    for coll in dict.fromkeys(t.coll for t in tables):
+        ours, theirs = by.get((coll, "gpucomm")), by.get((coll, "torch"))
+        if ours is None or theirs is None:
+            continue
+        for a, b in zip(ours.rows, theirs.rows):
+            for place in ("out_of_place", "in_place"):
+                x, y = getattr(a, place), getattr(b, place)
+                if x is not None and y is not None and getattr(y, metric) > 0:
+                    cells.append(f"{coll} {place.replace('_', '-')} {a.size} B {getattr(x, metric) / getattr(y, metric):.2f}")
+    return [f"# gpucomm / torch.distributed {metric}: " + ", ".join(cells)] if cells else []
+
+
 def say(*lines: str) -> None:
     if hvd.rank() == 0:
         for line in lines:
@@ -743,18 +760,63 @@ def _stop(signum: int, _frame) -> None:
 def run_sweep(tables: list[Table], impls: Sequence[Impl], sizes: Sequence[int], args: argparse.Namespace,
               device: torch.device) -> bool:
     """Every table, appended to ``tables`` before its rows fill in; False when SIGINT or SIGTERM (the
-    launcher stopping the job: Ctrl-C, or another rank failing) cut the sweep short."""
+    launcher stopping the job: Ctrl-C, or another rank failing) cut the sweep short. With
+    ``--rounds R`` the sweep runs R times, each round every implementation's table in turn, and
+    ``tables`` ends with the median of the rounds (``median_tables``)."""
     previous = signal.signal(signal.SIGTERM, _stop)
+    rounds: list[list[Table]] = []
     try:
-        for coll in args.collectives:
-            for impl in impls:
-                tables.append(Table(coll, impl.name, impl.label))
-                run_table(tables[-1], impl, sizes, args, device)
+        for r in range(args.rounds):
+            if args.rounds > 1:
+                say(f"# round {r + 1} of {args.rounds}")
+            rounds.append([])
+            for coll in args.collectives:
+                for impl in impls:
+                    rounds[-1].append(Table(coll, impl.name, impl.label))
+                    if args.rounds == 1:
+                        tables.append(rounds[-1][-1])
+                    run_table(rounds[-1][-1], impl, sizes, args, device)
     except KeyboardInterrupt:
+        if args.rounds > 1:
+            tables.extend(rounds[-1])  # the round under way, as far as it got
         return False
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if args.rounds > 1:
+        tables.extend(median_tables(rounds))
+        say(f"# Median of {args.rounds} interleaved rounds (time per call; bandwidths from that time)")
+        for table in tables:
+            say(f"# Collective {table.coll}, implementation {table.impl}: {table.label}", *table_header(),
+                *(format_row(row) for row in table.rows), *table_footer(table))
     return True
+
+
+def _median_result(results: Sequence[Result | None]) -> Result | None:
+    kept = [r for r in results if r is not None and math.isfinite(r.time_us) and r.time_us > 0]
+    if not kept:
+        return results[0]
+    times = sorted(r.time_us for r in kept)
+    mid = len(times) // 2
+    t = times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
+    scale = kept[0].time_us / t  # bandwidth is bytes / time: rescale one round's to the median time
+    wrongs = [r.wrong for r in kept if r.wrong is not None]
+    return Result(t, kept[0].algbw * scale, kept[0].busbw * scale, max(wrongs) if wrongs else None)
+
+
+def median_tables(rounds: Sequence[Sequence[Table]]) -> list[Table]:
+    """One table per (collective, implementation): each cell's median time over the rounds (each
+    round has the same tables in the same order, with the same rows); #wrong and errors the worst."""
+    merged = []
+    for same in zip(*rounds):
+        first = same[0]
+        table = Table(first.coll, first.impl, first.label, skipped=list(first.skipped))
+        for rows in zip(*(t.rows for t in same)):
+            r0 = rows[0]
+            table.rows.append(Row(r0.size, r0.count, r0.type, r0.redop, r0.root,
+                                  _median_result([r.out_of_place for r in rows]),
+                                  _median_result([r.in_place for r in rows]), max(r.errors for r in rows)))
+        merged.append(table)
+    return merged
 
 
 def device_text(device: torch.device) -> str:
@@ -949,6 +1011,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-i", "--stepbytes", type=parse_size, default=1 << 20, help="add this when -f is 1 (default 1M)")
     ap.add_argument("-w", "--warmup_iters", type=int, help="warm-up calls (default 5)")
     ap.add_argument("-n", "--iters", type=int, help="timed calls per size (default 20)")
+    ap.add_argument("-R", "--rounds", type=int, default=1,
+                    help="run the sweep this many times, the implementations' tables in turn each round, and "
+                         "report each cell's median: interleaved, so load that drifts during the run is shared "
+                         "(default 1: nccl-tests' single pass)")
     ap.add_argument("-z", "--blocking", type=int, choices=(0, 1), default=0,
                     help="1: wait for completion and run a barrier after each call")
     ap.add_argument("-d", "--datatype", dest="dtype_list", type=_dtypes, default=["float"],
@@ -997,8 +1063,8 @@ def validate(args: argparse.Namespace) -> None:
     fill_defaults(args)
     if args.minbytes > args.maxbytes:
         raise UsageError(f"invalid sizes: minbytes {args.minbytes} > maxbytes {args.maxbytes}")
-    if args.stepfactor < 1 or args.iters < 1 or args.warmup_iters < 0 or args.stepbytes < 1:
-        raise UsageError("-f and -i must be at least 1, -n at least 1 and -w at least 0")
+    if args.stepfactor < 1 or args.iters < 1 or args.warmup_iters < 0 or args.stepbytes < 1 or args.rounds < 1:
+        raise UsageError("-f and -i must be at least 1, -n and -R at least 1 and -w at least 0")
     if args.minbytes < 1:
         raise UsageError("-b must be at least 1 byte")
     if args.impls is not None:
@@ -1100,6 +1166,7 @@ def cpu_transport(asked: str) -> dict[str, Any]:
 def report(tables: Sequence[Table], env: dict[str, Any], args: argparse.Namespace) -> None:
     """Rank 0's summary, JSON and plot."""
     say(*summary_lines(tables, hvd.size(), env["not_measured"]))
+    say(*ratio_lines(tables, summary_metric(hvd.size())))
     ran = env["cpu_operations"]["collectives"]
     if ran["gloo"] or ran["mpi"]:
         say(f"# gpucomm's CPU collectives on rank 0 (--cpu-operations {env['cpu_operations']['asked']}): "

@@ -17,7 +17,7 @@ stays). Each gpucomm variant's CPU collectives are counted per transport (``hvd.
 JSON proves which one carried its gradients.
 
 Prints the median step time of each, the ratio gpucomm / DDP with the spread of the per-round
-ratios, and (GPU) the share of gradient-allreduce time hidden behind backward; writes JSON.
+ratios, with ``--floor`` the same steps without any communication (the floor for both), and (GPU) the share of gradient-allreduce time hidden behind backward; writes JSON.
 ``--quick`` is a smoke run (batch 8, 1 warm-up step, 2 rounds of 2 steps). Counts out of range, or
 ``--cuda`` without a GPU, end the run with one line on stderr and status 2.
 """
@@ -68,6 +68,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--cpu-operations", default="auto",
                     help="gpucomm's CPU transport: auto (default: as hvd.init() decides), gloo, mpi, or gloo,mpi to "
                          "time both beside DDP (needs an MPI launcher: gpucomm-run --mpi, mpiexec)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time the same steps with no communication at all (a local model and optimizer), "
+                         "interleaved: the floor no data-parallel step can go below, beside DDP's")
     ap.add_argument("--json", default="optimizer_vs_ddp.json")
     args = ap.parse_args()
     if args.fusion == "torch":
@@ -161,6 +164,8 @@ def main() -> None:
     ddp_model = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base).to(device),
                                                           device_ids=[device.index] if args.cuda else None)
     theirs = torch.optim.SGD(ddp_model.parameters(), lr=0.01, momentum=0.9)
+    local_model = copy.deepcopy(base).to(device)
+    local_opt = torch.optim.SGD(local_model.parameters(), lr=0.01, momentum=0.9)
     g = torch.Generator().manual_seed(hvd.rank())
     data = torch.randn(args.batch_size, *sample, generator=g).to(device)
     target = (torch.randint(0, 1000, (args.batch_size,), generator=g)).to(device)
@@ -192,9 +197,13 @@ def main() -> None:
 
     runs: dict[str, Callable[[int], list[float]]] = {v.name: (lambda n, v=v: run_gpucomm(v, n)) for v in variants}
     runs["ddp"] = lambda n: timed(ddp_model, theirs, n)
+    if args.floor:  # the same steps with no communicator at all: what no data-parallel wrapper can beat
+        runs["no-comm"] = lambda n: timed(local_model, local_opt, n)
     for v in variants:
         run_gpucomm(v, args.warmup)  # warm-up (and, with two transports, each one's first job)
     timed(ddp_model, theirs, args.warmup)
+    if args.floor:
+        timed(local_model, local_opt, args.warmup)
     for v in variants:
         v.counts = dict.fromkeys(v.counts, 0)
     names = list(runs)
@@ -233,11 +242,16 @@ def main() -> None:
             q, span = quartiles(rr), value_range(rr)
             print(f"ratio {v.name} / DDP: {ratios[v.name]:.3f}  (per-round ratios: median "
                   f"{fmt(statistics.median(rr), '.3f')}, quartiles {fmt_pair(q, '.3f')}, range {fmt_pair(span, '.3f')})")
+        if args.floor:
+            print(f"ratio no-comm / DDP: {job['no-comm'] / job['ddp']:.3f}  (the same steps without any communication "
+                  f"or wrapper: no communicator's step can be below this; DDP spends "
+                  f"{(job['ddp'] - job['no-comm']) * 1e3:.1f} ms per step beyond it)")
         with open(args.json, "w") as f:
             json.dump({"benchmark": "optimizer_vs_ddp", "model": args.model, "parameters": params,
                        "ranks": hvd.size(), "device": "cuda" if args.cuda else "cpu", "batch_size": args.batch_size,
                        "median_step_s": job, "ratio": ratios[main_name], "round_ratios": round_ratios[main_name],
                        "ratios": ratios, "round_ratios_by_variant": round_ratios,
+                       "no_comm_floor_ratio": job["no-comm"] / job["ddp"] if args.floor else None,
                        "transport_collectives": {v.name: v.counts for v in variants},
                        "load_average": list(os.getloadavg()), "fusion": fusion,
                        "kernel_fallbacks": hvd.stats()["kernel_fallbacks"]}, f, indent=2)

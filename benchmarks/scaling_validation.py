@@ -14,16 +14,25 @@ No GPU and no network are used: each prediction is the step model of ``gpucomm.t
 - the scheduler of the system that was measured.
 
 **Horovod** (``docs/benchmarks.rst``: 128 servers x 4 Pascal GPUs, RoCE 25 Gbit/s; 90 % Inception V3
-and ResNet-101, 68 % VGG-16 at 512 GPUs). Single-GPU step: Horovod's own baselines at batch 64
-(134.4 / 119.4 / 130.9 images/s, README table removed in PR #44) — the only published P100 figures
-for all three models on that cluster (TensorFlow's benchmark page has no ResNet-101). tf_cnn_benchmarks'
-``inception3`` has no auxiliary head (``auxiliary=False``): 23,834,568 parameters. Cluster: 4 GPUs
-per node on PCIe (Pascal, compute capability 6.0: LL128 off), one 25 Gbit/s NIC per node (NCCL's
-search: 3.125 GB/s NIC -> 3.0 GB/s ring channel), Intel CPUs, ring only (NCCL 2.x of 2017-18 had no
-tree; trees arrived in 2.4). Scheduler: Horovod 0.13's loop (``operations.cc`` at 8318a898): a 5 ms
-cycle, 64 MiB fusion threshold, one coordination round per cycle (taken as two small-message NCCL
-tree allreduces), fused allreduces run one at a time; the step is averaged over 5 cycle phases.
-Beside it, what gpucomm would do on that cluster: its default buckets and the exact optimal plan.
+and ResNet-101, 68 % VGG-16 at 512 GPUs; the README before it, same cluster at 32 servers: 90 %, 90 %
+and 79 % at 128 GPUs). Single-GPU step: Horovod's own baselines at batch 64 (134.4 / 119.4 / 130.9
+images/s, README table removed in PR #44) — the only published P100 figures for all three models on
+that cluster (TensorFlow's benchmark page has no ResNet-101). tf_cnn_benchmarks' ``inception3`` has no
+auxiliary head (``auxiliary=False``): 23,834,568 parameters. Cluster: 4 GPUs per node on PCIe
+(Pascal, compute capability 6.0: LL128 off), one 25 Gbit/s NIC per node (NCCL's search: 3.125 GB/s
+NIC -> 3.0 GB/s ring channel), Intel CPUs, ring only (NCCL 2.x of 2017-18 had no tree; trees arrived
+in 2.4). Scheduler: Horovod 0.13's loop (``operations.cc`` at 8318a898): a 5 ms cycle, 64 MiB fusion
+threshold, one coordination round per cycle (taken as two small-message NCCL tree allreduces), fused
+allreduces run one at a time; the step is averaged over 5 cycle phases. Stragglers
+(``gpucomm/tuning/straggler.py``): a synchronous step waits for its slowest rank, ``cv x T x E[max of
+n standard normals]`` for per-rank step noise of ``cv`` (Chen et al., arXiv 1604.00981; Horovod's
+``docs/timeline.md``: "which workers were early and which were late"). No published figure gives the
+cluster's ``cv`` or its effective ring speed, so these two constants, and only they, are fitted by
+least squares on the PR #44 table's 16-GPU rows (RDMA Horovod with NCCL, all three models at once); the
+128- and 512-GPU figures are not used by the fit and check it. One more published 16-GPU row, RDMA
+Horovod with NCCL before Tensor Fusion (README at 68ea5929), is predicted with the same constants as a
+further check. Beside it, what gpucomm would do on that fitted cluster (the same straggler wait): its
+default buckets and the exact optimal plan.
 
 **PyTorch DDP** (``benchmarks/distributed/ddp/README.md`` at bf69c149; V100 DGX-1, 8 GPUs per machine
 on NVLink, 4 x 100 Gbit/s InfiniBand per machine, batch 32, per-replica p50). Single-GPU step: the
@@ -34,7 +43,8 @@ launched in order). DDP's own cost per gradient (its hooks' copies into and out 
 the compute stream) is one machine constant, fitted on the table's 1-GPU DDP row (world size 1: no
 communication at all, so that row shows DDP's overhead alone) by least squares over both models;
 the multi-GPU rows are then predictions. The uncalibrated prediction (no DDP overhead) is printed
-too.
+too. No straggler term there (cv 0): that table's p50 grows by at most 3 ms from 2 to 16 GPUs, which
+bounds such a cv near 1 % on that cluster (Derived: 0.003 s / (0.162 s x (1.77 - 0.56))).
 
 One set of machine constants per cluster, the same for every model; nothing is tuned per model.
 """
@@ -58,20 +68,32 @@ from gpucomm.tuning.policies import capped_buckets, cycle_schedule  # noqa: E402
 from gpucomm.tuning.predict import predict_step  # noqa: E402
 from gpucomm.tuning.profile import Profile  # noqa: E402
 from gpucomm.tuning.step import simulate  # noqa: E402
+from gpucomm.tuning.straggler import Stragglers, expected_max_normal, fit_cv  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------- inputs
 
 HOROVOD_BATCH = 64
-HOROVOD_BASELINE_IMG_S = {"inception_v3": 134.4, "resnet101": 119.4, "vgg16": 130.9}  # PR #44 table
-HOROVOD_PUBLISHED = {  # efficiency by GPU count: 16 from the PR #44 table (RDMA, NCCL), 512 from the docs
-    "inception_v3": {16: 15.0 / 16, 512: 0.90},
-    "resnet101": {16: 14.6 / 16, 512: 0.90},
-    "vgg16": {16: 13.7 / 16, 512: 0.68},
+# Single-GPU images/s at batch 64 and 16-GPU images/s of "RDMA Horovod (allreduce on GPU with NCCL)": the table PR #44
+# removed from README.md (horovod/horovod 6bb6a2db, the diff's "-" side; 4 servers x 4 Pascal, RoCE 25 Gbit/s)
+HOROVOD_BASELINE_IMG_S = {"inception_v3": 134.4, "resnet101": 119.4, "vgg16": 130.9}
+HOROVOD_16_IMG_S = {"inception_v3": 2022.6, "resnet101": 1746.2, "vgg16": 1787.4}
+HOROVOD_PUBLISHED = {  # efficiency by GPU count on one cluster (4 Pascal GPUs per server, RoCE 25 Gbit/s)
+    # 16: images/s above over 16 x the baseline (the table's rounded speed-ups: 15.0x, 14.6x, 13.7x);
+    # 128: README.md before 8318a898 (from 6bb6a2db on): "32 servers with 4 Pascal GPUs each ... 90% scaling
+    #      efficiency for both Inception V3 and ResNet-101, and 79% scaling efficiency for VGG-16";
+    # 512: docs/benchmarks.rst (8318a898 on): "128 servers ... 90% ... and 68% scaling efficiency for VGG-16"
+    name: {16: HOROVOD_16_IMG_S[name] / (16 * HOROVOD_BASELINE_IMG_S[name]), 128: e128, 512: e512}
+    for name, e128, e512 in (("inception_v3", 0.90, 0.90), ("resnet101", 0.90, 0.90), ("vgg16", 0.79, 0.68))
 }
+HOROVOD_FIT_GPUS = 16  # the cluster's constants are fitted on these rows only; 128 and 512 are held out
 HOROVOD_GPUS = [4, 8, 16, 32, 64, 128, 256, 512]
 HOROVOD_CYCLE_S = 5e-3
 HOROVOD_FUSION_BYTES = 64 << 20
 HOROVOD_PHASES = 5
+HOROVOD_NIC_GBS = 25 * 1000 / 8000  # NCCL topo.cc: net.bw = mbps / 8000: 3.125 GB/s, the ring speed's upper bound
+# README.md at 68ea5929 (August 2017), "prepared before the Tensor Fusion release": RDMA Horovod on GPU (NCCL),
+# 16 GPUs; (single-GPU images/s at batch 64, 16-GPU images/s). A check of the fitted cluster, not fitted on.
+HOROVOD_PRE_FUSION = {"inception_v3": (133.0, 1974.4), "resnet101": (118.1, 1651.2), "vgg16": (130.8, 1824.0)}
 
 DDP_BATCH = 32
 DDP_NO_DDP_S = {"resnet50": 0.097, "resnet101": 0.162}
@@ -106,79 +128,102 @@ def horovod_cluster(gpus: int) -> Cluster:
     return Cluster(gpus_per_node=4, nodes=gpus // 4, intra="pci", nic_gbps=25, nics_per_node=1, compute_capability=60)
 
 
-def horovod_step(prof: Profile, nccl: NcclModel) -> float:
-    """Horovod's cycle, averaged over where in its cycle the loop is when backward starts."""
+def horovod_nccl(gpus: int, bw: float | None = None) -> NcclModel:
+    """NCCL's model of the cluster; ``bw``: the ring's channel speed in GB/s in place of NCCL's 3.0
+    (one server alone keeps its PCIe ring)."""
+    cluster = horovod_cluster(gpus)
+    graphs = {"ring": Graph(channels=1, bw_intra=bw, bw_inter=bw, nvlink=False)} if bw and cluster.nodes > 1 else {}
+    return NcclModel(cluster, graphs=graphs)
+
+
+def horovod_step(prof: Profile, nccl: NcclModel, stragglers: Stragglers | None = None, *,
+                 threshold_bytes: int = HOROVOD_FUSION_BYTES) -> float:
+    """Horovod's cycle, averaged over where in its cycle the loop is when backward starts, plus the
+    wait for the slowest rank (``stragglers``; none by default)."""
     cost = nccl.cost("ring")
     negotiation = 2 * nccl.time_s(64, "tree", "LL") if nccl.cluster.ranks > 1 else 0.0
     steps = [cycle_schedule(prof.ready_s, prof.sizes, cost, cycle_s=HOROVOD_CYCLE_S,
-                            threshold_bytes=HOROVOD_FUSION_BYTES, negotiation_s=negotiation,
+                            threshold_bytes=threshold_bytes, negotiation_s=negotiation,
                             forward_s=prof.forward_s, backward_s=prof.backward_s, update_s=prof.update_s,
                             phase_s=HOROVOD_CYCLE_S * k / HOROVOD_PHASES).step_s
              for k in range(HOROVOD_PHASES)]
-    return sum(steps) / len(steps)
+    wait = stragglers.delay_s(prof.step_s, nccl.cluster.ranks) if stragglers is not None else 0.0
+    return sum(steps) / len(steps) + wait
 
 
-def horovod_efficiency_at(prof: Profile, gpus: int, bw: float) -> float:
-    """Horovod's predicted efficiency with the ring's network channel at ``bw`` GB/s instead of
-    NCCL's 3.0 (one server alone keeps its PCIe ring)."""
-    cluster = horovod_cluster(gpus)
-    graphs = {"ring": Graph(channels=1, bw_intra=bw, bw_inter=bw, nvlink=False)} if cluster.nodes > 1 else {}
-    return prof.step_s / horovod_step(prof, NcclModel(cluster, graphs=graphs))
+def fit_rows(profs: dict[str, Profile], bw: float | None) -> list[tuple[float, int, float]]:
+    """``fit_cv``'s rows: each model's predicted step without stragglers over its single-GPU step at
+    ``HOROVOD_FIT_GPUS``, and the published efficiency there."""
+    g = HOROVOD_FIT_GPUS
+    nccl = horovod_nccl(g, bw)
+    return [(horovod_step(p, nccl) / p.step_s, g, HOROVOD_PUBLISHED[n][g]) for n, p in profs.items()]
 
 
-def fitted_bandwidth(profs: dict[str, Profile], gpus: int) -> float:
-    """One ring bandwidth for the whole cluster: least squares of the efficiency error over every
-    model published at ``gpus`` (a log-spaced grid from 0.5 to 3.0 GB/s, then refined)."""
+def _residual(rows: list[tuple[float, int, float]], cv: float) -> float:
+    return sum((1 / e - r - cv * expected_max_normal(g)) ** 2 for r, g, e in rows)
+
+
+def fit_cluster(profs: dict[str, Profile]) -> tuple[float, float]:
+    """The cluster's two constants, ring speed (GB/s) and per-rank step noise ``cv``, by least squares
+    of the relative step (1 / efficiency) over every model's ``HOROVOD_FIT_GPUS`` row: ``cv`` in
+    closed form (``fit_cv``) for each ring speed, the speed by a grid from 1.0 GB/s to the NIC's
+    3.125, then golden section around the best grid point."""
     def loss(bw: float) -> float:
-        return sum((horovod_efficiency_at(p, gpus, bw) - HOROVOD_PUBLISHED[n][gpus]) ** 2 for n, p in profs.items())
+        rows = fit_rows(profs, bw)
+        return _residual(rows, fit_cv(rows))
 
-    grid = [0.5 * 6 ** (k / 24) for k in range(25)]
-    best = min(grid, key=loss)
-    lo, hi = best / 6 ** (1 / 24), min(3.0, best * 6 ** (1 / 24))
-    for _ in range(20):  # golden section on the bracket around the best grid point
+    grid = [1.0 * HOROVOD_NIC_GBS ** (k / 12) for k in range(13)]
+    losses = [loss(bw) for bw in grid]
+    k = min(range(len(grid)), key=losses.__getitem__)
+    lo, hi = grid[max(0, k - 1)], grid[min(len(grid) - 1, k + 1)]
+    for _ in range(16):
         a, b = hi - (hi - lo) / 1.618, lo + (hi - lo) / 1.618
         lo, hi = (lo, b) if loss(a) < loss(b) else (a, hi)
-    return (lo + hi) / 2
-
-
-def bandwidth_for(prof: Profile, gpus: int, target: float) -> float | None:
-    """The ring channel bandwidth (GB/s, in place of NCCL's 3.0) at which Horovod's predicted
-    efficiency equals ``target``; None when even 100 GB/s stays below it."""
-    def eff(bw: float) -> float:
-        return horovod_efficiency_at(prof, gpus, bw)
-
-    lo, hi = 0.01, 100.0
-    if eff(hi) < target:
-        return None
-    for _ in range(40):
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if eff(mid) < target else (lo, mid)
-    return hi
+    bw = (lo + hi) / 2
+    return bw, fit_cv(fit_rows(profs, bw))
 
 
 def horovod() -> dict:
-    out: dict = {"models": {}}
     profs = {name: profile(name, HOROVOD_BATCH, HOROVOD_BATCH / img_s)
              for name, img_s in HOROVOD_BASELINE_IMG_S.items()}
-    fitted = fitted_bandwidth(profs, 16)
-    out["ring_bw_fitted_on_16_gpus_gbs"] = fitted
+    bw, cv = fit_cluster(profs)
+    cv_nccl = fit_cv(fit_rows(profs, None))
+    fitted, nccl_bw = Stragglers(cv), Stragglers(cv_nccl)
+    out: dict = {"fit_gpus": HOROVOD_FIT_GPUS, "ring_bw_gbs": bw, "cv": cv, "cv_at_nccl_bw": cv_nccl,
+                 "expected_max_normal": {g: expected_max_normal(g) for g in HOROVOD_GPUS}, "models": {}}
     for name, prof in profs.items():
         rows = []
         for gpus in HOROVOD_GPUS:
-            nccl = NcclModel(horovod_cluster(gpus))
-            hvd_step = horovod_step(prof, nccl)
-            best = predict_step(prof, nccl.cost(), plan="optimal")
-            default = predict_step(prof, nccl.cost(), plan="gpucomm")
-            rows.append({"gpus": gpus, "horovod_efficiency": prof.step_s / hvd_step,
-                         "horovod_efficiency_fitted_bw": horovod_efficiency_at(prof, gpus, fitted),
-                         "gpucomm_optimal_efficiency": prof.step_s / best.step.step_s,
+            plain, model = horovod_nccl(gpus), horovod_nccl(gpus, bw)
+            wait = fitted.delay_s(prof.step_s, gpus)
+            best = predict_step(prof, model.cost(), plan="optimal")
+            default = predict_step(prof, model.cost(), plan="gpucomm")
+            published = HOROVOD_PUBLISHED[name].get(gpus)
+            rows.append({"gpus": gpus, "published_efficiency": published,
+                         "role": None if published is None else "fit" if gpus == HOROVOD_FIT_GPUS else "held out",
+                         "predicted_efficiency": prof.step_s / horovod_step(prof, model, fitted),
+                         "nccl_bw_stragglers_efficiency": prof.step_s / horovod_step(prof, plain, nccl_bw),
+                         "no_stragglers_efficiency": prof.step_s / horovod_step(prof, plain),
+                         "straggler_wait_s": wait,
+                         "gpucomm_optimal_efficiency": prof.step_s / (best.step.step_s + wait),
                          "gpucomm_optimal_buckets": len(best.buckets),
-                         "gpucomm_default_efficiency": prof.step_s / default.step.step_s,
-                         "published_efficiency": HOROVOD_PUBLISHED[name].get(gpus)})
-        needed = {g: bandwidth_for(prof, g, e) for g, e in HOROVOD_PUBLISHED[name].items()}
+                         "gpucomm_default_efficiency": prof.step_s / (default.step.step_s + wait)})
         out["models"][name] = {"single_gpu_step_s": prof.step_s, "gradient_bytes": prof.total_bytes,
-                               "tensors": len(prof.sizes),
-                     "rows": rows, "ring_bw_for_published_gbs": needed}
+                               "tensors": len(prof.sizes), "rows": rows}
+    pre = {}
+    for name, (single, sixteen) in HOROVOD_PRE_FUSION.items():
+        prof = profs[name].scaled(HOROVOD_BATCH / single)
+        step = horovod_step(prof, horovod_nccl(16, bw), fitted, threshold_bytes=0)  # every tensor alone
+        pre[name] = {"predicted_efficiency": prof.step_s / step, "published_efficiency": sixteen / (16 * single)}
+    out["pre_fusion_16_gpus"] = pre
+    out["sources"] = {
+        "16": "horovod/horovod README.md, table removed by PR #44 (6bb6a2db): RDMA Horovod, allreduce on GPU (NCCL)",
+        "128": "horovod/horovod README.md 6bb6a2db..8318a898: 32 servers x 4 Pascal, RoCE 25 Gbit/s, 90/90/79 %",
+        "512": "horovod/horovod docs/benchmarks.rst (8318a898 on): 128 servers x 4 Pascal, RoCE 25 Gbit/s, 90/90/68 %",
+        "pre_fusion_16": "horovod/horovod README.md at 68ea5929 (before Tensor Fusion)",
+        "stragglers": "Chen et al., Revisiting Distributed Synchronous SGD, arXiv 1604.00981; horovod/horovod "
+                      "docs/timeline.md at 8318a898",
+        "fit": f"ring_bw_gbs and cv: least squares on the {HOROVOD_FIT_GPUS}-GPU rows only"}
     return out
 
 
@@ -242,26 +287,40 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"collective cost: NCCL's model {NCCL_VERSION}")
 
     hv = horovod()
-    fitted = hv["ring_bw_fitted_on_16_gpus_gbs"]
+    e = hv["expected_max_normal"]
     print("\nHorovod, 4 Pascal GPUs per server, 25 Gbit/s RoCE, batch 64 per GPU: scaling efficiency")
-    print(f"  'Horovod pred': NCCL's ring at its own 3.0 GB/s; 'fitted bw': the ring at {fitted:.2f} GB/s, one speed "
-          "for the cluster fitted on the 16-GPU rows of all three models (the 512-GPU rows are not used)")
-    print(f"{'model':13s} {'GPUs':>5s} {'Horovod pred':>12s} {'published':>9s} {'diff':>7s}  {'fitted bw':>9s} "
-          f"{'diff':>7s}   {'gpucomm optimal':>15s} {'gpucomm default':>15s}")
+    print(f"  cluster constants, least squares on the {hv['fit_gpus']}-GPU rows of all three models only (128 and 512 "
+          f"held out):\n    ring channel {hv['ring_bw_gbs']:.2f} GB/s (NCCL's own: 3.0; the NIC's line rate 3.125), "
+          f"per-rank step-time noise cv {hv['cv'] * 100:.2f} % of the single-GPU step\n"
+          "    (the step waits cv x step x E[max of n standard normals] for its slowest rank: "
+          + ", ".join(f"{e[g]:.2f} at {g}" for g in (4, 16, 128, 512)) + ";\n     the mechanism: Chen et al., "
+          "arXiv 1604.00981; horovod/horovod docs/timeline.md at 8318a898, \"which workers were early and which "
+          "were late\")")
+    print(f"  'pred': that cluster; 'NCCL bw': the ring at NCCL's 3.0 GB/s, cv {hv['cv_at_nccl_bw'] * 100:.2f} % "
+          "fitted the same way; 'no straggler': NCCL's model alone (the earlier prediction);\n"
+          "  gpucomm's plans on the fitted cluster, same straggler wait")
+    print(f"{'model':13s} {'GPUs':>5s} {'published':>9s} {'pred':>6s} {'diff':>6s}  {'NCCL bw':>7s} {'diff':>6s}  "
+          f"{'no straggler':>12s} {'diff':>6s}  {'role':8s}  {'gpucomm optimal':>15s} {'gpucomm default':>15s}")
+
+    def diff(v: float, pub: float | None) -> str:
+        return f"{(v - pub) * 100:+6.1f}" if pub is not None else " " * 6
+
     for name, m in hv["models"].items():
         for r in m["rows"]:
             pub = r["published_efficiency"]
-            diff = f"{(r['horovod_efficiency'] - pub) * 100:+6.1f}" if pub is not None else "      "
-            diff2 = f"{(r['horovod_efficiency_fitted_bw'] - pub) * 100:+6.1f}" if pub is not None else "      "
-            print(f"{name:13s} {r['gpus']:5d} {_pct(r['horovod_efficiency']):>12s} {_pct(pub):>9s} {diff:>7s}  "
-                  f"{_pct(r['horovod_efficiency_fitted_bw']):>9s} {diff2:>7s}   "
+            print(f"{name:13s} {r['gpus']:5d} {_pct(pub):>9s} {_pct(r['predicted_efficiency']):>6s} "
+                  f"{diff(r['predicted_efficiency'], pub)}  {_pct(r['nccl_bw_stragglers_efficiency']):>7s} "
+                  f"{diff(r['nccl_bw_stragglers_efficiency'], pub)}  {_pct(r['no_stragglers_efficiency']):>12s} "
+                  f"{diff(r['no_stragglers_efficiency'], pub)}  {r['role'] or '':8s}  "
                   f"{_pct(r['gpucomm_optimal_efficiency']):>10s} ({r['gpucomm_optimal_buckets']:2d} b) "
                   f"{_pct(r['gpucomm_default_efficiency']):>15s}")
-    print("ring channel bandwidth at which the model would give the published efficiency (NCCL's own: 3.0 GB/s):")
-    for name, m in hv["models"].items():
-        parts = [f"{g} GPUs: " + (f"{bw:.2f} GB/s" if bw is not None else "none up to 100 GB/s")
-                 for g, bw in m["ring_bw_for_published_gbs"].items()]
-        print(f"  {name:13s} " + "; ".join(parts))
+    print("  published: 16 GPUs, README table removed by PR #44 (6bb6a2db); 128 GPUs, README 6bb6a2db..8318a898 "
+          "(32 servers); 512 GPUs, docs/benchmarks.rst (128 servers)")
+    print("  check, not fitted: 16 GPUs before Tensor Fusion (README at 68ea5929; every tensor its own allreduce), "
+          "fitted cluster:")
+    for name, r in hv["pre_fusion_16_gpus"].items():
+        print(f"    {name:13s} predicted {_pct(r['predicted_efficiency'])}  published "
+              f"{_pct(r['published_efficiency'])}  {diff(r['predicted_efficiency'], r['published_efficiency'])}")
 
     dd = ddp()
     print(f"\nPyTorch DDP, V100 DGX-1 (NVLink), 4 x 100 Gbit/s InfiniBand per machine, batch 32: p50 s/iter "

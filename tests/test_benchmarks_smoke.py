@@ -69,7 +69,7 @@ CASES = {c.id: c for c in [
     Case("train", ("benchmarks/train.py", "--device", "cpu", "--quick", "--models", "cnn", "--rounds", "2",
                    "--steps-per-round", "1", "--warmup", "0", "--json", "{out}/train.json",
                    "--plot", "{out}/train.png"), "train.json", "gpucomm / DDP throughput, cnn: ", 1),
-    Case("optimizer_vs_ddp", ("benchmarks/optimizer_vs_ddp.py", "--quick", "--model", "cnn",
+    Case("optimizer_vs_ddp", ("benchmarks/optimizer_vs_ddp.py", "--quick", "--model", "cnn", "--floor",
                               "--json", "{out}/optimizer_vs_ddp.json"),
          "optimizer_vs_ddp.json", "ratio gpucomm / DDP: ", 1),
     Case("autotune", ("benchmarks/autotune.py", "--quick", "--model", "cnn", "--json", "{out}/autotune.json"),
@@ -286,8 +286,10 @@ def check_train(r: Run, doc: dict) -> None:
 
 def check_optimizer_vs_ddp(r: Run, doc: dict) -> None:
     assert doc["benchmark"] == "optimizer_vs_ddp" and doc["ranks"] == 1 and doc["model"] == "cnn"
-    assert set(doc["median_step_s"]) == {"gpucomm", "ddp"} and all(v > 0 for v in doc["median_step_s"].values())
-    assert len(doc["round_ratios"]) == 2 and doc["ratio"] > 0
+    assert set(doc["median_step_s"]) == {"gpucomm", "ddp", "no-comm"}
+    assert all(v > 0 for v in doc["median_step_s"].values())
+    assert len(doc["round_ratios"]) == 2 and doc["ratio"] > 0 and doc["no_comm_floor_ratio"] > 0
+    assert any(line.startswith("ratio no-comm / DDP: ") for line in r.rank0())
 
 
 def check_autotune(r: Run, doc: dict) -> None:
@@ -499,3 +501,18 @@ def test_startup_and_cpu_allreduce_and_pack_bw_summaries_of_nothing(capsys):
     assert pack.targets([], {}) == dict.fromkeys(
         ["pack_unpack_ge_85pct_d2d_64MiB_and_resnet50", "unpack_with_average_ge_85pct_d2d_resnet50",
          "casts_ge_85pct_d2d", "tiny_1000_within_3x_d2d", "resnet50_host_us_per_launch_le_30"], False)
+
+
+def test_model_check_adds_the_wait_for_the_slower_rank_on_each_step(monkeypatch):
+    monkeypatch.setenv("GPUCOMM_FUSION_BY_READINESS", "0")  # model_check sets it at import; keep it undone
+    check = _load("model_check")
+    from gpucomm.tuning.profile import Profile
+
+    def prof(steps):
+        return Profile("m", 1, ["w"], [4], [0.1], 0.1, 0.2, extra={"step_s": steps})
+
+    # medians 1.0 and 1.0, but on two steps of three one rank is slow: the job's median step is 1.2
+    assert check.sync_wait([prof([1.0, 1.0, 1.2]), prof([1.2, 1.0, 1.0])]) == pytest.approx(0.2)
+    assert check.sync_wait([prof([1.0, 1.1, 1.2]), prof([1.0, 1.1, 1.2])]) == 0.0  # in step: no wait
+    assert check.sync_wait([prof([1.0, 1.2, 1.0])]) == 0.0  # one rank waits for nobody
+    assert check.sync_wait([prof([1.0]), Profile("m", 1, ["w"], [4], [0.1], 0.1, 0.2)]) == 0.0  # no per-step times

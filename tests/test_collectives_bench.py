@@ -129,6 +129,26 @@ def test_summary_of_empty_tables_says_why_instead_of_failing():
     assert bench.summary_lines([], 2, {})[0] == "# Summary: avg bus bandwidth (GB/s): n/a (no tables were run)"
 
 
+def test_rounds_merge_into_each_cells_median_time_and_the_ratio_line_compares_like_rows():
+    def table(impl, times, wrong=0):
+        rows = [bench.Row(32 << 20, 8 << 20, "float", "sum", -1,
+                          bench.Result(t, 1e3 / t, 2e3 / t, wrong), None if impl == "gpucomm" else
+                          bench.Result(2 * t, 0.5e3 / t, 1e3 / t, 0)) for t in times]
+        return bench.Table("allreduce", impl, impl, rows)
+
+    rounds = [[table("gpucomm", [10.0]), table("torch", [40.0])],
+              [table("gpucomm", [30.0], wrong=3), table("torch", [20.0])],
+              [table("gpucomm", [20.0]), table("torch", [30.0])]]
+    ours, theirs = bench.median_tables(rounds)
+    cell = ours.rows[0].out_of_place
+    assert (cell.time_us, cell.busbw, cell.algbw, cell.wrong) == (20.0, pytest.approx(100.0), pytest.approx(50.0), 3)
+    assert ours.rows[0].in_place is None and theirs.rows[0].in_place.time_us == 60.0  # 2x the median 30
+    assert theirs.rows[0].out_of_place.busbw == pytest.approx(2e3 / 30)
+    (line,) = bench.ratio_lines([ours, theirs], "busbw")
+    assert line == "# gpucomm / torch.distributed busbw: allreduce out-of-place 33554432 B 1.50"  # 100 / 66.7
+    assert bench.ratio_lines([ours], "busbw") == []  # nothing to compare with
+
+
 def test_one_rank_summary_and_plot_use_algbw(tmp_path, capsys):
     one_rank = _table("allreduce", "gpucomm", [0.0, 0.0])  # busbw = algbw x 2(n-1)/n = 0 at 1 rank
     (line, *_) = bench.summary_lines([one_rank], 1, {})

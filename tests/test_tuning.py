@@ -19,6 +19,7 @@ from gpucomm.tuning import (AlphaBeta, Cluster, FitError, Graph, NcclModel, Over
 from gpucomm.tuning.flops import analytic_profile
 from gpucomm.tuning.optimal import buckets_from_cuts
 from gpucomm.tuning.plans import to_fusion_buckets, to_groups
+from gpucomm.tuning.straggler import Stragglers, expected_max_normal, fit_cv
 from tests.harness import PYTHON, run
 
 # -- the α-β fit -----------------------------------------------------------------------------------
@@ -326,6 +327,44 @@ def test_analytic_profile_by_hand():
     assert ready["2.weight"] == pytest.approx(1600, rel=1e-6) and ready["2.bias"] == ready["2.weight"]
     assert ready["0.weight"] == pytest.approx(3200, rel=1e-6) and prof.backward_s == pytest.approx(3200, rel=1e-6)
     assert prof.sizes == [800, 80, 400, 20]
+
+
+# -- the wait for the slowest rank ------------------------------------------------------------------
+
+
+def test_expected_max_normal_against_closed_forms_and_tables():
+    assert expected_max_normal(1) == 0.0
+    assert expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), abs=1e-8)  # E[max(z1, z2)]
+    assert expected_max_normal(3) == pytest.approx(1.5 / math.sqrt(math.pi), abs=1e-8)
+    # published values of the expected largest of n standard normals (e.g. Harter 1961): 1.02938, 1.53875
+    assert expected_max_normal(4) == pytest.approx(1.029375, abs=1e-6)
+    assert expected_max_normal(10) == pytest.approx(1.538753, abs=1e-6)
+    # a Monte Carlo estimate agrees at a rank count with no closed form
+    rng = random.Random(3)
+    draws = [max(rng.gauss(0, 1) for _ in range(64)) for _ in range(4000)]
+    assert expected_max_normal(64) == pytest.approx(sum(draws) / len(draws), abs=0.03)
+    values = [expected_max_normal(n) for n in (2, 4, 16, 128, 512)]
+    assert values == sorted(values) and values[-1] < math.sqrt(2 * math.log(512))
+    with pytest.raises(ValueError, match="ranks >= 1"):
+        expected_max_normal(0)
+
+
+def test_stragglers_delay_and_fit():
+    s = Stragglers(0.04)
+    assert s.delay_s(0.5, 1) == 0.0
+    assert s.delay_s(0.5, 16) == pytest.approx(0.04 * 0.5 * expected_max_normal(16))
+    with pytest.raises(ValueError, match="fraction >= 0"):
+        Stragglers(-0.01)
+    # rows made with a known cv come back to it, whatever the communication part of each row
+    cv = 0.037
+    rows = [(r, n, 1 / (r + cv * expected_max_normal(n))) for r, n in ((1.0, 16), (1.08, 16), (1.2, 128), (1.0, 512))]
+    assert fit_cv(rows) == pytest.approx(cv, rel=1e-9)
+    # a model already slower than published: no negative noise
+    assert fit_cv([(1.3, 16, 0.9)]) == 0.0
+    with pytest.raises(ValueError, match="more than one rank"):
+        fit_cv([(1.0, 1, 1.0)])
+    with pytest.raises(ValueError, match="efficiency"):
+        fit_cv([(1.0, 16, 0.0)])
 
 
 def test_plans_become_fusion_buckets_and_groups():

@@ -7,7 +7,8 @@ Pure Python (no torch, no GPU) at its core:
 - ``step``: the step as gpucomm schedules it (buckets in index order, one at a time on one stream);
 - ``optimal``: the exact best contiguous bucket cuts in ready order (an O(n²) dynamic program);
 - ``policies``: other systems' plans (gpucomm's and DDP's fixed caps, Horovod's cycle);
-- ``profile`` / ``predict``: a model's ready times and sizes in, predicted step and efficiency out.
+- ``profile`` / ``predict``: a model's ready times and sizes in, predicted step and efficiency out;
+- ``straggler``: the wait for the slowest rank of a synchronous step (per-rank noise, ``E[max]``).
 
 Torch-side helpers load only when imported: ``measure`` (profile a model on a device), ``flops``
 (an analytic profile from the architecture) and ``plans`` (a plan as ``fusion.Bucket`` records or
@@ -21,6 +22,7 @@ from .policies import capped_buckets, cycle_schedule
 from .predict import Prediction, predict_step, scaling_efficiency
 from .profile import Profile
 from .step import BucketTiming, Overheads, StepPrediction, simulate
+from .straggler import Stragglers, expected_max_normal, fit_cv
 
 __all__ = [
     "AlphaBeta", "CostFn", "FitError", "fit_alpha_beta", "medians", "ring_allreduce",
@@ -30,4 +32,5 @@ __all__ = [
     "Prediction", "predict_step", "scaling_efficiency",
     "Profile",
     "BucketTiming", "Overheads", "StepPrediction", "simulate",
+    "Stragglers", "expected_max_normal", "fit_cv",
 ]
