@@ -70,6 +70,32 @@ def test_analytic_profile_of_a_builtin(capsys):
     assert "model vgg16: 32 gradients, 527.8 MiB; batch 64 per GPU; one device: step 489.0 ms" in text
 
 
+def test_lists_of_shapes_are_each_predicted_and_stragglers_lengthen_every_step(tmp_path, capsys):
+    base = ["--model", "resnet50", "--analytic", "--step-time", "0.097", "--nodes", "1,16", "--intra", "pci",
+            "--cc", "70"]
+    out = tmp_path / "grid.json"
+    assert main(base + ["--gpus-per-node", "4,8", "--nic-gbps", "25,100", "--algorithm", "ring,tree",
+                        "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    rows = json.loads(out.read_text())["shapes"]
+    combos = [(r["gpus_per_node"], r["nic_gbps"], r["algorithm"]) for r in rows]
+    assert combos == [(g, n, a) for g in (4, 8) for n in (25.0, 100.0) for a in ("ring", "tree") for _ in (1, 16)]
+    assert [r["gpus"] for r in rows[:2]] == [4, 64] and [r["gpus"] for r in rows[-2:]] == [8, 128]
+    assert text.count("shape: ") == 8 and "shape: 8/node, 100 Gbit/s, tree" in text
+    slow, fast = (next(r for r in rows if (r["gpus_per_node"], r["nic_gbps"], r["algorithm"], r["nodes"]) == key)
+                  for key in ((8, 25.0, "ring", 16), (8, 100.0, "ring", 16)))
+    assert slow["step_s"] > fast["step_s"]  # a slower NIC never makes the step shorter
+    assert main(base + ["--gpus-per-node", "8", "--step-noise-cv", "0.04", "--json", str(out)]) == 0
+    noisy = json.loads(out.read_text())["shapes"]
+    assert main(base + ["--gpus-per-node", "8", "--json", str(out)]) == 0
+    quiet = json.loads(out.read_text())["shapes"]
+    from gpucomm.tuning.straggler import expected_max_normal
+
+    for a, b in zip(noisy, quiet):  # the wait for the slowest of n ranks, on top of the same plan
+        assert a["step_s"] - b["step_s"] == pytest.approx(0.04 * 0.097 * expected_max_normal(a["gpus"]), rel=1e-6)
+        assert a["efficiency"] < b["efficiency"] or a["gpus"] == 1
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--model", "nosuchmodule:build"], "cannot import 'nosuchmodule'"),
     (["--model", "tests.test_scaling_models:not_a_triple", "--device", "cpu"], "must return (model, batch, loss_fn)"),
@@ -86,6 +112,9 @@ def test_bad_models_are_named(argv, message, capsys):
     (["--model", "vgg16", "--analytic"], "--analytic needs --step-time"),
     (["--model", "vgg16", "--link-gbps", "10"], "go together"),
     (["--model", "vgg16", "--nodes", "0"], "give one or more counts >= 1"),
+    (["--model", "vgg16", "--algorithm", "ring,mesh"], "give one or more of auto, ring, tree"),
+    (["--model", "vgg16", "--nic-gbps", "25,-1"], "give one or more numbers > 0"),
+    (["--model", "vgg16", "--step-noise-cv", "-0.1"], "give a fraction >= 0"),
 ])
 def test_bad_arguments_exit_2_with_the_fix(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -6,7 +6,11 @@
         --cc 90 --nic-gbps 400 --nics-per-node 8 --plot eff.png
     python -m gpucomm.scaling --model vgg16 --analytic --step-time 0.489 --batch-size 64 --gpus-per-node 4 \\
         --nodes 1,4,128 --nic-gbps 25 --intra pci --cc 60 --algorithm ring
+    python -m gpucomm.scaling --model resnet50 --analytic --step-time 0.097 --gpus-per-node 4,8 \\
+        --nodes 1,4,16,64 --nic-gbps 25,100 --algorithm ring,tree --step-noise-cv 0.02   # a grid of shapes
 
+``--gpus-per-node``, ``--nic-gbps`` and ``--algorithm`` take comma lists as ``--nodes`` does: every
+combination is predicted, one table (and one plot line) each.
 Weak scaling: every GPU keeps the profiled batch. For each shape the step is predicted with the
 best bucket plan (the exact dynamic program of ``gpucomm.tuning.optimal``) and, beside it, with
 gpucomm's default buckets (1 MiB first, then 25 MiB). The collective's cost is NCCL's published
@@ -30,9 +34,31 @@ from ..tuning.nccl import NCCL_VERSION, Cluster, NcclModel
 from ..tuning.predict import predict_step, scaling_efficiency
 from ..tuning.profile import Profile
 from ..tuning.step import Overheads
+from ..tuning.straggler import Stragglers
 from . import sources
 
-__all__ = ["build_parser", "main", "predict_shapes"]
+__all__ = ["build_parser", "main", "predict_shapes", "shapes"]
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers (e.g. 25,100)") from None
+    if not values or min(values) <= 0 or not all(math.isfinite(v) for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more numbers > 0")
+    return values
+
+
+def _algorithm_list(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in values if v not in ALGORITHMS]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more of {', '.join(ALGORITHMS)} (comma-separated)")
+    return list(dict.fromkeys(values))
+
+
+ALGORITHMS = ("auto", "ring", "tree")
 
 
 def _int_list(text: str) -> list[int]:
@@ -66,17 +92,22 @@ def build_parser() -> argparse.ArgumentParser:
                      help="scale the profile to this single-device step time in seconds (e.g. a published one)")
     src.add_argument("--save-profile", metavar="JSON", help="write the profile used")
     cl = ap.add_argument_group("cluster shapes (NCCL's cost model)")
-    cl.add_argument("--gpus-per-node", type=int, default=8, help="default %(default)s")
+    cl.add_argument("--gpus-per-node", type=_int_list, default=[8], help="comma list (default 8)")
     cl.add_argument("--nodes", type=_int_list, default=[1, 2, 4, 8, 16], help="comma list (default 1,2,4,8,16)")
     cl.add_argument("--intra", choices=["nvlink", "pci"], default="nvlink",
                     help="GPU links in a node (default %(default)s)")
     cl.add_argument("--nvlinks", type=int, default=6, help="NVLink links per GPU (default %(default)s)")
-    cl.add_argument("--nic-gbps", type=float, default=100.0, help="each NIC's Gbit/s (default %(default)s)")
+    cl.add_argument("--nic-gbps", type=_float_list, default=[100.0], help="each NIC's Gbit/s, comma list (default 100)")
     cl.add_argument("--nics-per-node", type=int, default=1, help="default %(default)s")
     cl.add_argument("--cc", type=int, default=70,
                     help="compute capability x10: 60, 70, 80, 90, 100 (default %(default)s)")
     cl.add_argument("--cpu", choices=["intel", "amd"], default="intel")
-    cl.add_argument("--algorithm", choices=["auto", "ring", "tree"], default="auto")
+    cl.add_argument("--algorithm", type=_algorithm_list, default=["auto"],
+                    help="NCCL algorithm: auto, ring, tree, or a comma list of them (default auto)")
+    cl.add_argument("--step-noise-cv", type=float, default=0.0, metavar="CV",
+                    help="per-rank step-time noise as a fraction of the step: each step waits for its slowest rank "
+                         "(tuning.straggler; 0.041 fits Horovod's 2017 cluster, see benchmarks/scaling_validation.py; "
+                         "default 0)")
     cl.add_argument("--protocol", choices=["auto", "LL", "LL128", "Simple"], default="auto")
     cl.add_argument("--link-latency-us", type=float, help="instead of NCCL's model: a ring over links of this latency")
     cl.add_argument("--link-gbps", type=float, help="... and this bandwidth (Gbit/s)")
@@ -109,6 +140,8 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             ap.error(f"{flag} {path}: its folder does not exist")
     if args.batch_size < 1 or args.steps < 1 or args.warmup < 0:
         ap.error("--batch-size and --steps must be >= 1, --warmup >= 0")
+    if not (math.isfinite(args.step_noise_cv) and args.step_noise_cv >= 0):
+        ap.error(f"--step-noise-cv {args.step_noise_cv}: give a fraction >= 0 of the step (0.04 is 4 %%)")
 
 
 def get_profile(args: argparse.Namespace) -> Profile:
@@ -129,36 +162,54 @@ def get_profile(args: argparse.Namespace) -> Profile:
     return prof.scaled(args.step_time) if args.step_time else prof
 
 
+def shapes(args: argparse.Namespace) -> list[tuple[int, float, str]]:
+    """The (GPUs per node, NIC Gbit/s, algorithm) combinations asked for, in the order given (a
+    ``--link-*`` ring has no NIC or algorithm of NCCL's: one combination per GPUs-per-node)."""
+    if args.link_latency_us is not None:
+        return [(g, args.link_gbps, "ring") for g in args.gpus_per_node]
+    return [(g, nic, algo) for g in args.gpus_per_node for nic in args.nic_gbps for algo in args.algorithm]
+
+
+def shape_label(row: dict[str, Any]) -> str:
+    """A shape's name in tables and plot legends."""
+    return f"{row['gpus_per_node']}/node, {row['nic_gbps']:g} Gbit/s, {row['algorithm']}"
+
+
 def predict_shapes(prof: Profile, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One row per node count: the predicted step with the best plan and with gpucomm's default."""
+    """One row per cluster shape and node count: the predicted step with the best plan and with
+    gpucomm's default; with ``--step-noise-cv`` each also waits for its slowest rank."""
     overheads = Overheads(per_bucket_s=args.per_bucket_us * 1e-6, pack_Bps=args.pack_gbs * 2e9)
+    noise = Stragglers(args.step_noise_cv)
     rows = []
-    for nodes in args.nodes:
-        ranks = nodes * args.gpus_per_node
-        if args.link_latency_us is not None:
-            cost = ring_allreduce(ranks, args.link_latency_us * 1e-6, args.link_gbps * 1e9 / 8)
-            model = f"ring of links {args.link_latency_us:g} us, {args.link_gbps:g} Gbit/s"
-        else:
-            cluster = Cluster(gpus_per_node=args.gpus_per_node, nodes=nodes, intra=args.intra, nvlinks=args.nvlinks,
-                              nic_gbps=args.nic_gbps, nics_per_node=args.nics_per_node, compute_capability=args.cc,
-                              cpu=args.cpu)
-            nccl = NcclModel(cluster)
-            cost = nccl.cost(args.algorithm, args.protocol)
-            model = f"NCCL {args.algorithm}/{args.protocol}"
-        best = predict_step(prof, cost, overheads=overheads, processor=args.processor)
-        default = predict_step(prof, cost, plan="gpucomm", overheads=overheads, processor=args.processor)
-        algos = sorted({nccl.choice(b.nbytes, args.algorithm, args.protocol)[0] + "/" +
-                        nccl.choice(b.nbytes, args.algorithm, args.protocol)[1] for b in best.step.buckets}) \
-            if args.link_latency_us is None and ranks > 1 else []
-        rows.append({
-            "gpus": ranks, "nodes": nodes, "cost_model": model, "nccl_choices": algos,
-            "step_s": best.step.step_s, "samples_per_s": best.samples_per_s(prof.batch_size, ranks),
-            "efficiency": scaling_efficiency(prof.step_s, best.step.step_s), "exposed_s": best.step.exposed_s,
-            "overlap_fraction": best.step.overlap_fraction,
-            "buckets": [list(b) for b in best.buckets], "bucket_bytes": [b.nbytes for b in best.step.buckets],
-            "default_step_s": default.step.step_s,
-            "default_efficiency": scaling_efficiency(prof.step_s, default.step.step_s),
-            "default_buckets": len(default.buckets)})
+    for per_node, nic, algorithm in shapes(args):
+        for nodes in args.nodes:
+            ranks = nodes * per_node
+            if args.link_latency_us is not None:
+                cost = ring_allreduce(ranks, args.link_latency_us * 1e-6, args.link_gbps * 1e9 / 8)
+                model = f"ring of links {args.link_latency_us:g} us, {args.link_gbps:g} Gbit/s"
+            else:
+                cluster = Cluster(gpus_per_node=per_node, nodes=nodes, intra=args.intra, nvlinks=args.nvlinks,
+                                  nic_gbps=nic, nics_per_node=args.nics_per_node, compute_capability=args.cc,
+                                  cpu=args.cpu)
+                nccl = NcclModel(cluster)
+                cost = nccl.cost(algorithm, args.protocol)
+                model = f"NCCL {algorithm}/{args.protocol}"
+            best = predict_step(prof, cost, overheads=overheads, processor=args.processor)
+            default = predict_step(prof, cost, plan="gpucomm", overheads=overheads, processor=args.processor)
+            algos = sorted({"/".join(nccl.choice(b.nbytes, algorithm, args.protocol)[:2]) for b in best.step.buckets}) \
+                if args.link_latency_us is None and ranks > 1 else []
+            wait = noise.delay_s(prof.step_s, ranks)
+            step, default_step = best.step.step_s + wait, default.step.step_s + wait
+            rows.append({
+                "gpus": ranks, "nodes": nodes, "gpus_per_node": per_node, "nic_gbps": nic, "algorithm": algorithm,
+                "cost_model": model, "nccl_choices": algos, "straggler_wait_s": wait,
+                "step_s": step, "samples_per_s": prof.batch_size * ranks / step,
+                "efficiency": scaling_efficiency(prof.step_s, step), "exposed_s": best.step.exposed_s,
+                "overlap_fraction": best.step.overlap_fraction,
+                "buckets": [list(b) for b in best.buckets], "bucket_bytes": [b.nbytes for b in best.step.buckets],
+                "default_step_s": default_step,
+                "default_efficiency": scaling_efficiency(prof.step_s, default_step),
+                "default_buckets": len(default.buckets)})
     return rows
 
 
@@ -168,18 +219,27 @@ def print_report(prof: Profile, rows: list[dict[str, Any]], args: argparse.Names
           f"(forward {prof.forward_s * 1e3:.1f}, "
           f"backward {prof.backward_s * 1e3:.1f}, update {prof.update_s * 1e3:.1f}) [{prof.source}; {prof.device}]")
     if args.link_latency_us is None:
-        print(f"collective: NCCL's cost model {NCCL_VERSION}; {args.gpus_per_node} GPUs per node over {args.intra}, "
-              f"{args.nics_per_node} x {args.nic_gbps:g} Gbit/s NIC per node, compute capability {args.cc}")
-    print(f"{'GPUs':>5s} {'nodes':>5s} {'step ms':>9s} {'samples/s':>11s} {'eff':>6s} {'exposed ms':>10s} "
-          f"{'buckets':>7s} {'default ms':>10s} {'def eff':>7s}  NCCL picks")
-    for r in rows:
-        print(f"{r['gpus']:5d} {r['nodes']:5d} {r['step_s'] * 1e3:9.1f} {r['samples_per_s']:11.1f} "
-              f"{r['efficiency'] * 100:5.1f}% {r['exposed_s'] * 1e3:10.1f} {len(r['buckets']):7d} "
-              f"{r['default_step_s'] * 1e3:10.1f} {r['default_efficiency'] * 100:6.1f}%  "
-              f"{', '.join(r['nccl_choices'])}")
+        print(f"collective: NCCL's cost model {NCCL_VERSION}; GPUs per node over {args.intra}, "
+              f"{args.nics_per_node} NIC(s) per node, compute capability {args.cc}")
+    if args.step_noise_cv:
+        print(f"each step waits for its slowest rank: per-rank step noise {args.step_noise_cv * 100:g} % of the step "
+              f"(tuning.straggler)")
+    several = len(shapes(args)) > 1
+    for label in dict.fromkeys(shape_label(r) for r in rows):
+        print(f"shape: {label}")
+        print(f"{'GPUs':>5s} {'nodes':>5s} {'step ms':>9s} {'samples/s':>11s} {'eff':>6s} {'exposed ms':>10s} "
+              f"{'buckets':>7s} {'default ms':>10s} {'def eff':>7s}  NCCL picks")
+        for r in rows:
+            if shape_label(r) != label:
+                continue
+            print(f"{r['gpus']:5d} {r['nodes']:5d} {r['step_s'] * 1e3:9.1f} {r['samples_per_s']:11.1f} "
+                  f"{r['efficiency'] * 100:5.1f}% {r['exposed_s'] * 1e3:10.1f} {len(r['buckets']):7d} "
+                  f"{r['default_step_s'] * 1e3:10.1f} {r['default_efficiency'] * 100:6.1f}%  "
+                  f"{', '.join(r['nccl_choices'])}")
     for r in rows:
         sizes = ", ".join(f"{b / 2 ** 20:.2f}" for b in r["bucket_bytes"])
-        print(f"best plan at {r['gpus']} GPUs: {len(r['buckets'])} buckets of [{sizes}] MiB")
+        where = f" ({shape_label(r)})" if several else ""
+        print(f"best plan at {r['gpus']} GPUs{where}: {len(r['buckets'])} buckets of [{sizes}] MiB")
         if args.show_plans:
             for k, b in enumerate(r["buckets"]):
                 print(f"  bucket {k}: {prof.names[b[0]]} .. {prof.names[b[-1]]} ({len(b)} tensors)")
@@ -192,9 +252,14 @@ def plot(rows: list[dict[str, Any]], prof: Profile, path: str) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    gpus = [r["gpus"] for r in rows]
-    ax.plot(gpus, [r["efficiency"] * 100 for r in rows], "o-", label="best plan (exact DP)")
-    ax.plot(gpus, [r["default_efficiency"] * 100 for r in rows], "s--", label="gpucomm default buckets")
+    labels = list(dict.fromkeys(shape_label(r) for r in rows))
+    for label in labels:
+        mine = [r for r in rows if shape_label(r) == label]
+        gpus = [r["gpus"] for r in mine]
+        suffix = f", {label}" if len(labels) > 1 else ""
+        line, = ax.plot(gpus, [r["efficiency"] * 100 for r in mine], "o-", label="best plan (exact DP)" + suffix)
+        ax.plot(gpus, [r["default_efficiency"] * 100 for r in mine], "s--", color=line.get_color(),
+                label="gpucomm default buckets" + suffix)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("GPUs")
     ax.set_ylabel("scaling efficiency (%)")
