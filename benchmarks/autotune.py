@@ -195,10 +195,12 @@ def report(args: argparse.Namespace, job: dict, trial: list[dict], explanation: 
     for row in trial:
         print(f"  trial: {row['candidate']:18s} {row['buckets']:>3s} buckets, measured {row['measured_step_ms']} ms, "
               f"predicted backward+communication {row['predicted_backward_comm_ms']} ms{'  <- kept' if row['chosen'] == '1' else ''}")
+    stats = hvd.stats()  # the transport that carried the job's CPU collectives (the fit's samples among them)
+    transport = "MPI" if stats["mpi_collectives"] > stats["gloo_collectives"] else "Gloo"
     if explanation:
         p = explanation["profile"]
         print(f"model of the step (one rank alone: forward {p['forward_ms']:.1f} ms, backward {p['backward_ms']:.1f} "
-              f"ms, update {p['update_ms']:.1f} ms; {p['gradient_MB']:.1f} MB of gradients; Gloo fitted "
+              f"ms, update {p['update_ms']:.1f} ms; {p['gradient_MB']:.1f} MB of gradients; {transport} fitted "
               f"{explanation['alpha_us']:.0f} us + bytes / {explanation['bandwidth_GBps']:.2f} GB/s):")
         for name, e in explanation["plans"].items():
             print(f"  {name}: {e['buckets']} buckets, step {e['step_ms']:.1f} ms = compute + communication "
@@ -207,7 +209,7 @@ def report(args: argparse.Namespace, job: dict, trial: list[dict], explanation: 
     write_json(args.json, {"benchmark": "autotune", "model": args.model, "ranks": hvd.size(),
                            "batch_size": args.batch_size, "rounds": args.rounds, "steps": args.steps,
                            "median_step_s": job, "best_fixed_cap": best_cap, "trial": trial,
-                           "tuning_steps": tuning_steps, "explanation": explanation,
+                           "tuning_steps": tuning_steps, "explanation": explanation, "transport": transport,
                            "load_average": os.getloadavg()[0]})
     print(f"wrote {args.json}")
 
