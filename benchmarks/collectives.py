@@ -706,11 +706,18 @@ def ratio_lines(tables: Sequence[Table], metric: str) -> list[str]:
         ours, theirs = by.get((coll, "gpucomm")), by.get((coll, "torch"))
         if ours is None or theirs is None:
             continue
-        for a, b in zip(ours.rows, theirs.rows):
+        keys = {(r.size, r.count, r.type, r.redop, r.root) for r in ours.rows}
+        plain = len({(k[2], k[3], k[4]) for k in keys}) == 1  # one type, op and root: the size says which row
+        same = {(r.size, r.count, r.type, r.redop, r.root): r for r in theirs.rows}
+        for a in ours.rows:
+            b = same.get((a.size, a.count, a.type, a.redop, a.root))
+            if b is None:  # torch skipped this case (e.g. Gloo's integer average)
+                continue
+            what = f"{a.size} B" if plain else f"{a.size} B {a.type} {a.redop} root {a.root}"
             for place in ("out_of_place", "in_place"):
                 x, y = getattr(a, place), getattr(b, place)
                 if x is not None and y is not None and getattr(y, metric) > 0:
-                    cells.append(f"{coll} {place.replace('_', '-')} {a.size} B {getattr(x, metric) / getattr(y, metric):.2f}")
+                    cells.append(f"{coll} {place.replace('_', '-')} {what} {getattr(x, metric) / getattr(y, metric):.2f}")
     return [f"# gpucomm / torch.distributed {metric}: " + ", ".join(cells)] if cells else []
 
 
@@ -767,9 +774,9 @@ def run_sweep(tables: list[Table], impls: Sequence[Impl], sizes: Sequence[int], 
     rounds: list[list[Table]] = []
     try:
         for r in range(args.rounds):
+            rounds.append([])
             if args.rounds > 1:
                 say(f"# round {r + 1} of {args.rounds}")
-            rounds.append([])
             for coll in args.collectives:
                 for impl in impls:
                     rounds[-1].append(Table(coll, impl.name, impl.label))
@@ -777,8 +784,12 @@ def run_sweep(tables: list[Table], impls: Sequence[Impl], sizes: Sequence[int], 
                         tables.append(rounds[-1][-1])
                     run_table(rounds[-1][-1], impl, sizes, args, device)
     except KeyboardInterrupt:
-        if args.rounds > 1:
-            tables.extend(rounds[-1])  # the round under way, as far as it got
+        if args.rounds > 1 and len(rounds) > 1:  # the medians of the rounds that finished
+            tables.extend(median_tables(rounds[:-1]))
+            say(f"# Interrupted in round {len(rounds)}: the tables kept are the medians of the {len(rounds) - 1} "
+                f"rounds that finished")
+        elif args.rounds > 1 and rounds:
+            tables.extend(rounds[-1])  # the first round, as far as it got
         return False
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -807,6 +818,9 @@ def median_tables(rounds: Sequence[Sequence[Table]]) -> list[Table]:
     """One table per (collective, implementation): each cell's median time over the rounds (each
     round has the same tables in the same order, with the same rows); #wrong and errors the worst."""
     merged = []
+    shape = [(t.coll, t.impl, len(t.rows)) for t in rounds[0]]
+    if any([(t.coll, t.impl, len(t.rows)) for t in r] != shape for r in rounds):
+        raise ValueError("median_tables: the rounds differ in their tables or rows; every round must run the same sweep")
     for same in zip(*rounds):
         first = same[0]
         table = Table(first.coll, first.impl, first.label, skipped=list(first.skipped))

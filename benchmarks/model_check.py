@@ -247,7 +247,9 @@ def sync_wait(profiles: list[Profile]) -> float:
     rank is slower *on that step*, so the job's step is the median of the per-step maxima, not the
     larger median. Measured from the ranks' profiles of one round (both ranks compute at once, no
     communication; step i of each rank runs at about the same time): that median of maxima less the
-    larger of the medians (0 with one rank, or without per-step times)."""
+    larger of the medians (0 with one rank, or without per-step times). Nothing aligns the ranks'
+    steps while they profile (each round starts them together after a collective), so the pairing
+    drifts by up to a step's jitter per step: an estimate, not a measurement of the job's waits."""
     steps = [p.extra.get("step_s") or [] for p in profiles]
     n = min(len(s) for s in steps)
     if len(steps) < 2 or n == 0:

@@ -212,6 +212,8 @@ def main() -> None:
     for r in range(args.rounds):
         medians = {}
         for name in (names if r % 2 == 0 else names[::-1]):  # one transport switch per round at most
+            if args.floor:
+                dist.barrier()  # the no-communication steps let the ranks drift apart: start each run together
             t = runs[name](args.steps_per_round)
             times[name] += t
             medians[name] = statistics.median(t)

@@ -293,7 +293,7 @@ def check_optimizer_vs_ddp(r: Run, doc: dict) -> None:
 
 
 def check_autotune(r: Run, doc: dict) -> None:
-    assert doc["benchmark"] == "autotune" and doc["ranks"] == 2 and doc["model"] == "cnn"
+    assert doc["benchmark"] == "autotune" and doc["ranks"] == 2 and doc["model"] == "cnn" and doc["transport"] == "Gloo"
     assert set(doc["median_step_s"]) == {"cap 1", "cap 25", "default", "autotune", "ddp"}
     assert all(v > 0 for v in doc["median_step_s"].values()) and doc["best_fixed_cap"] in ("cap 1", "cap 25")
     assert doc["trial"][0]["candidate"] == "current" and sum(int(t["chosen"]) for t in doc["trial"]) == 1

@@ -147,6 +147,16 @@ def test_rounds_merge_into_each_cells_median_time_and_the_ratio_line_compares_li
     (line,) = bench.ratio_lines([ours, theirs], "busbw")
     assert line == "# gpucomm / torch.distributed busbw: allreduce out-of-place 33554432 B 1.50"  # 100 / 66.7
     assert bench.ratio_lines([ours], "busbw") == []  # nothing to compare with
+    # torch skipped a case gpucomm ran (Gloo's integer average): rows pair by what they measured, not position
+    mine = bench.Table("allreduce", "gpucomm", "g", [
+        bench.Row(64, 16, "int32", "avg", -1, bench.Result(1.0, 4.0, 8.0, 0), None),
+        bench.Row(64, 16, "int32", "sum", -1, bench.Result(1.0, 4.0, 6.0, 0), None)])
+    torch_t = bench.Table("allreduce", "torch", "t", [
+        bench.Row(64, 16, "int32", "sum", -1, bench.Result(1.0, 4.0, 3.0, 0), None)])
+    assert bench.ratio_lines([mine, torch_t], "busbw") == [
+        "# gpucomm / torch.distributed busbw: allreduce out-of-place 64 B int32 sum root -1 2.00"]
+    with pytest.raises(ValueError, match="rounds differ"):
+        bench.median_tables([[ours], [table("gpucomm", [1.0, 2.0])]])
 
 
 def test_one_rank_summary_and_plot_use_algbw(tmp_path, capsys):

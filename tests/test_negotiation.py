@@ -583,8 +583,10 @@ def test_waiting_callers_poll_only_while_every_local_rank_has_a_core(monkeypatch
     assert ControlConfig.from_env({}, 1.0, local_size=5).spin == 0.0  # oversubscribed: the core is the peer's
     assert ControlConfig.from_env({"GPUCOMM_SPIN_US": "0"}, 1.0, local_size=2).spin == 0.0
     assert ControlConfig.from_env({"GPUCOMM_SPIN_US": "40"}, 1.0, local_size=9).spin == pytest.approx(40e-6)
-    with pytest.raises(ValueError, match="GPUCOMM_SPIN_US"):
-        ControlConfig.from_env({"GPUCOMM_SPIN_US": "-1"}, 1.0)
+    assert ControlConfig.from_env({}, 1.0).spin == 0.0  # ranks per host unknown: no polling unless asked
+    for bad in ("-1", "inf", "nan", "20000"):
+        with pytest.raises(ValueError, match="GPUCOMM_SPIN_US"):
+            ControlConfig.from_env({"GPUCOMM_SPIN_US": bad}, 1.0, local_size=1)
 
 
 def test_readable_polls_then_blocks_and_reports_what_is_readable():
@@ -610,7 +612,7 @@ def test_readable_polls_then_blocks_and_reports_what_is_readable():
         b.close()
 
 
-@pytest.mark.parametrize("timeout", [None, 2.0])
+@pytest.mark.parametrize("timeout", [None, 0.5, 30.0])  # 30: the control plane's sockets (their timeout is the body's)
 def test_recv_exact_reads_a_frame_whole_or_in_pieces_without_losing_the_sockets_timeout(timeout):
     import socket
     import threading
@@ -618,25 +620,59 @@ def test_recv_exact_reads_a_frame_whole_or_in_pieces_without_losing_the_sockets_
 
     from gpucomm.bootstrap.framing import FrameError, recv_exact
 
+    span = timeout or 5.0  # deadlines this far ahead let a socket with a timeout read without switching it
     a, b = socket.socketpair()
     try:
         a.settimeout(timeout)
         b.sendall(b"abcd")
-        assert recv_exact(a, 4, time.monotonic() + 5) == b"abcd"  # all there at once
+        assert recv_exact(a, 4, time.monotonic() + span) == b"abcd"  # all there at once
+        assert recv_exact(a, 0, time.monotonic() + span) == b""
         b.sendall(b"ab")
         later = threading.Timer(0.02, lambda: b.sendall(b"cdef"))
         later.start()
-        assert recv_exact(a, 6, time.monotonic() + 5) == b"abcdef"  # the rest arrives later
+        assert recv_exact(a, 6, time.monotonic() + span) == b"abcdef"  # the rest arrives later
         later.join()
         assert a.gettimeout() == timeout
         with pytest.raises(FrameError, match="not complete in time"):
-            recv_exact(a, 3, time.monotonic() + 0.05)  # nothing comes
+            recv_exact(a, 3, time.monotonic() + 0.05)  # nothing comes, before a deadline shorter than the timeout
+        if timeout is not None and timeout < 1:
+            with pytest.raises(FrameError, match="not complete in time"):
+                recv_exact(a, 3, time.monotonic() + span)  # nothing comes, waiting in the socket's own timeout
         assert a.gettimeout() == timeout
         b.close()
         with pytest.raises(FrameError, match="connection closed after 0 of 2 bytes"):
-            recv_exact(a, 2, time.monotonic() + 5)
+            recv_exact(a, 2, time.monotonic() + span)
     finally:
         a.close()
+        b.close()
+
+
+def test_a_control_frame_that_has_arrived_is_read_without_switching_the_sockets_timeout():
+    import socket
+
+    from gpucomm.bootstrap.framing import FramedChannel
+    from gpucomm.control import channel
+
+    class Counting(socket.socket):
+        switches = 0
+
+        def settimeout(self, value):
+            Counting.switches += 1
+            super().settimeout(value)
+
+    a, b = socket.socketpair()
+    reader = Counting(fileno=a.detach())
+    try:
+        reader.settimeout(channel.BODY_TIMEOUT)  # as the control plane sets its sockets up
+        Counting.switches = 0
+        ours = FramedChannel(reader, b"k" * 32, b"n" * 16, b"S", 1 << 20)
+        theirs = FramedChannel(b, b"k" * 32, b"n" * 16, b"C", 1 << 20)
+        for i in range(3):
+            channel.send(theirs, [("req", i, "x" * 100)])
+            assert channel.recv(ours) == [("req", i, "x" * 100)]
+        assert Counting.switches == 0 and reader.gettimeout() == channel.BODY_TIMEOUT
+    finally:
+        reader.close()
         b.close()
 
 

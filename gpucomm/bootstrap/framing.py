@@ -65,6 +65,7 @@ def mac(secret: bytes, nonce: bytes, direction: bytes, seq: int, body: bytes) ->
 
 
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
+_SLACK_S = 0.01  # a socket timeout this much past the deadline still counts as within it
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
@@ -72,14 +73,19 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> by
     (FrameError otherwise; the socket's timeout is restored)."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
+    if n == 0:
+        return b""
     previous = sock.gettimeout() if deadline is not None else None
-    # usually all there already: read it without switching the socket's timeout (two syscalls); not
-    # on a socket with a timeout of its own, where Python would wait for data before reading
-    if deadline is not None and _DONTWAIT and not previous:
+    # Usually all there already: read it without switching the socket's timeout (two syscalls). On a
+    # socket with a timeout of its own Python first waits up to that timeout for data, so only where
+    # that wait cannot outlast the deadline (the control plane's sockets: their timeout is the body's).
+    if deadline is not None and _DONTWAIT and (not previous or previous <= deadline - time.monotonic() + _SLACK_S):
         try:
             got = sock.recv_into(view, n, _DONTWAIT)
         except (BlockingIOError, InterruptedError):
             got = 0
+        except socket.timeout:
+            raise FrameError(f"frame not complete in time (0 of {n} bytes)") from None
         else:
             if got == 0:
                 raise FrameError(f"connection closed after 0 of {n} bytes")

@@ -44,7 +44,7 @@ def recv(chan: Channel) -> list:
     return pickle.loads(chan.recv(BODY_TIMEOUT))
 
 
-def readable(socks: list, timeout: float, spin: float = 0.0) -> list:
+def readable(socks: list[socket.socket | int], timeout: float, spin: float = 0.0) -> list[socket.socket | int]:
     """The members of ``socks`` (sockets or fds) with data to read, waiting up to ``timeout`` s.
     ``spin``: first poll them without sleeping for up to that many seconds. A process woken from
     ``select`` on a shared machine pays tens of microseconds before it runs again (measured here:
@@ -57,14 +57,16 @@ def readable(socks: list, timeout: float, spin: float = 0.0) -> list:
         return []
     timeout = max(0.0, timeout)
     if spin > 0.0 and timeout > 0.0:
-        end = time.perf_counter() + min(spin, timeout)
+        start = time.perf_counter()
+        end = start + min(spin, timeout)
         while True:
             ready, _, _ = select.select(socks, [], [], 0.0)
             if ready:
                 return ready
-            if time.perf_counter() >= end:
+            now = time.perf_counter()
+            if now >= end:
                 break
-        timeout = max(0.0, timeout - spin)
+        timeout = max(0.0, timeout - (now - start))  # the time really spent (a poller may be descheduled)
     ready, _, _ = select.select(socks, [], [], timeout)
     return ready
 

@@ -15,14 +15,26 @@ from .coordinator import DEFAULT_CACHE_CAPACITY
 # us a caller blocked on a control round polls before sleeping: the coordinator's answer to a small
 # synchronous op arrives within ~100-250 us of the request on one host (benchmarks/overhead.py)
 DEFAULT_SPIN_US = 250.0
+MAX_SPIN_US = 10_000.0
 
 
 def _usable_cores() -> int:
-    """Cores this process may run on (its affinity mask: cgroups, taskset), else all of them."""
+    """Cores this process may run on: its affinity mask (cpusets, taskset), else all of them, and no
+    more than a cgroup v2 CPU quota allows (``cpu.max``, e.g. a container's ``--cpus``). A rank
+    pinned to one core (``mpirun --bind-to core``, Slurm ``--cpu-bind``) counts 1: such ranks poll
+    only when ``GPUCOMM_SPIN_US`` asks."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(float(quota) / float(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
 class Send(str, enum.Enum):
@@ -55,9 +67,10 @@ class ControlConfig:
     spin: float = 0.0  # s a caller blocked on a control round polls its sockets before it sleeps (see below)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str], timeout: float, local_size: int = 1) -> "ControlConfig":
-        """``local_size``: ranks on this host; polling is on by default only while they have a core
-        each (an oversubscribed host needs the core a poller would take for the rank it waits on)."""
+    def from_env(cls, env: Mapping[str, str], timeout: float, local_size: int | None = None) -> "ControlConfig":
+        """``local_size``: ranks on this host; polling is on by default only while they are no more
+        than the cores this process may use (an oversubscribed host needs the core a poller would
+        take for the rank it waits on). None (not known): off unless ``GPUCOMM_SPIN_US`` says."""
         cycle_ms = env_number(env, ("GPUCOMM_CYCLE_TIME", "HOROVOD_CYCLE_TIME"), 1.0, allow_zero=True)
         capacity = env_number(env, ("GPUCOMM_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY"), DEFAULT_CACHE_CAPACITY,
                               allow_zero=True)
@@ -72,12 +85,16 @@ class ControlConfig:
         inline = env_number(env, ("GPUCOMM_INLINE_BYTES",), DEFAULT_INLINE_BYTES, allow_zero=True)
         # by default well inside the collective timeout, so a stopped rank is named before a transfer times out
         liveness = env_number(env, ("GPUCOMM_LIVENESS_TIMEOUT",), min(30.0, max(5.0, timeout / 2)), allow_zero=True)
-        spin_us = env_number(env, ("GPUCOMM_SPIN_US",), DEFAULT_SPIN_US if local_size <= _usable_cores() else 0.0,
-                             allow_zero=True)
+        default_spin = DEFAULT_SPIN_US if local_size is not None and local_size <= _usable_cores() else 0.0
+        spin_us = env_number(env, ("GPUCOMM_SPIN_US",), default_spin, allow_zero=True)
+        if not spin_us <= MAX_SPIN_US:  # also NaN and inf
+            raise ValueError(f"GPUCOMM_SPIN_US={env.get('GPUCOMM_SPIN_US')!r} must be between 0 and {MAX_SPIN_US:g} "
+                             f"(us a caller polls before it sleeps; the default is {DEFAULT_SPIN_US:g}, 0 turns it "
+                             f"off): a longer poll burns a core for every op that waits on a slower rank.")
         return cls(timeout=timeout, spin=spin_us / 1e6, cycle_time=cycle_ms / 1000.0, cache_capacity=int(capacity),
                    stall_warning=None if disabled else warning, stall_shutdown=(shutdown or None) if not disabled else None,
                    inline_bytes=int(inline), liveness_timeout=liveness or None,
                    deadlock_check=env_flag_default_on("GPUCOMM_DEADLOCK_CHECK", env))
 
 
-__all__ = ["ControlConfig", "ControlLinks", "DEFAULT_CACHE_CAPACITY", "DEFAULT_SPIN_US", "Send"]
+__all__ = ["ControlConfig", "ControlLinks", "DEFAULT_CACHE_CAPACITY", "DEFAULT_SPIN_US", "MAX_SPIN_US", "Send"]

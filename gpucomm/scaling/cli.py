@@ -37,7 +37,7 @@ from ..tuning.step import Overheads
 from ..tuning.straggler import Stragglers
 from . import sources
 
-__all__ = ["build_parser", "main", "predict_shapes", "shapes"]
+__all__ = ["build_parser", "main", "predict_shapes", "shape_label", "shapes"]
 
 
 def _float_list(text: str) -> list[float]:
@@ -47,7 +47,7 @@ def _float_list(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers (e.g. 25,100)") from None
     if not values or min(values) <= 0 or not all(math.isfinite(v) for v in values):
         raise argparse.ArgumentTypeError(f"{text!r}: give one or more numbers > 0")
-    return values
+    return list(dict.fromkeys(values))
 
 
 def _algorithm_list(text: str) -> list[str]:
@@ -68,7 +68,7 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers (e.g. 1,2,4,8)") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: give one or more counts >= 1")
-    return values
+    return list(dict.fromkeys(values))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,7 +141,7 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.batch_size < 1 or args.steps < 1 or args.warmup < 0:
         ap.error("--batch-size and --steps must be >= 1, --warmup >= 0")
     if not (math.isfinite(args.step_noise_cv) and args.step_noise_cv >= 0):
-        ap.error(f"--step-noise-cv {args.step_noise_cv}: give a fraction >= 0 of the step (0.04 is 4 %%)")
+        ap.error(f"--step-noise-cv {args.step_noise_cv}: give a fraction >= 0 of the step (0.04 is 4 percent)")
 
 
 def get_profile(args: argparse.Namespace) -> Profile:
@@ -165,9 +165,13 @@ def get_profile(args: argparse.Namespace) -> Profile:
 def shapes(args: argparse.Namespace) -> list[tuple[int, float, str]]:
     """The (GPUs per node, NIC Gbit/s, algorithm) combinations asked for, in the order given (a
     ``--link-*`` ring has no NIC or algorithm of NCCL's: one combination per GPUs-per-node)."""
+    def listed(value: Any) -> list:  # a Namespace built by hand may hold one value
+        return list(value) if isinstance(value, (list, tuple)) else [value]
+
+    per_node = listed(args.gpus_per_node)
     if args.link_latency_us is not None:
-        return [(g, args.link_gbps, "ring") for g in args.gpus_per_node]
-    return [(g, nic, algo) for g in args.gpus_per_node for nic in args.nic_gbps for algo in args.algorithm]
+        return [(g, args.link_gbps, "ring") for g in per_node]
+    return [(g, nic, algo) for g in per_node for nic in listed(args.nic_gbps) for algo in listed(args.algorithm)]
 
 
 def shape_label(row: dict[str, Any]) -> str:
@@ -179,7 +183,7 @@ def predict_shapes(prof: Profile, args: argparse.Namespace) -> list[dict[str, An
     """One row per cluster shape and node count: the predicted step with the best plan and with
     gpucomm's default; with ``--step-noise-cv`` each also waits for its slowest rank."""
     overheads = Overheads(per_bucket_s=args.per_bucket_us * 1e-6, pack_Bps=args.pack_gbs * 2e9)
-    noise = Stragglers(args.step_noise_cv)
+    noise = Stragglers(getattr(args, "step_noise_cv", 0.0))
     rows = []
     for per_node, nic, algorithm in shapes(args):
         for nodes in args.nodes:

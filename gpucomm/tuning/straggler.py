@@ -21,6 +21,7 @@ the same cluster, so that it can then be checked on other rank counts of that cl
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterable
@@ -35,12 +36,20 @@ def _phi_cdf(x: float) -> float:
     return 0.5 * math.erfc(-x / math.sqrt(2.0))
 
 
-@lru_cache(maxsize=256)
 def expected_max_normal(n: int) -> float:
     """E[max of ``n`` independent standard normals] (0 for one): ``∫₀^∞ 1 - Φ(x)ⁿ - Φ(-x)ⁿ dx``,
     by the trapezoid rule on [0, 10] (error below 1e-8)."""
-    if not (isinstance(n, int) and n >= 1):
+    try:
+        ranks = operator.index(n)  # int, numpy integers; not floats or bools-as-floats
+    except TypeError:
+        ranks = 0
+    if isinstance(n, bool) or ranks < 1:
         raise ValueError(f"expected_max_normal: n={n!r} must be a whole number of ranks >= 1.")
+    return _expected_max_normal(ranks)
+
+
+@lru_cache(maxsize=256)
+def _expected_max_normal(n: int) -> float:
     if n == 1:
         return 0.0
     h = _X_MAX / _STEPS
