@@ -18,7 +18,9 @@ In one 2-rank job (one thread per rank), rank 0 fits the cost curve and both ran
    steps with the buckets the exact dynamic program (``optimal.optimal_plan``) chose from a first
    profile, passed as ``groups=``.
 4. **Prediction**, per round, from that round's profiles and Gloo samples: ``step.simulate`` with
-   the line fitted to that round's samples and the copy bandwidth; a synchronous step waits for
+   the cost curve through that round's measured medians (``costs.MeasuredCurve``; ``--cost line``:
+   the α-β line fitted to them, whose error is printed beside either way: Gloo here moves 16 MiB in
+   11 ms and 32 MiB in 26 ms, a bend no single line follows) and the copy bandwidth; a synchronous step waits for
    the slower rank, so the job's prediction is the larger of the two ranks', plus the wait that
    per-step jitter adds (``sync_wait``: the median of the ranks' per-step maxima in that round's
    profiles less the larger median; on a shared 2-core machine steps vary by several percent). The processor model
@@ -56,7 +58,7 @@ from bench_stats import write_json  # noqa: E402
 import gpucomm.torch as hvd  # noqa: E402
 from gpucomm.dataplane.fusion import plan_buckets  # noqa: E402
 from gpucomm.scaling import zoo  # noqa: E402
-from gpucomm.tuning.costs import AlphaBeta, fit_alpha_beta, medians  # noqa: E402
+from gpucomm.tuning.costs import CostFn, MeasuredCurve, fit_alpha_beta, medians  # noqa: E402
 from gpucomm.tuning.measure import profile_model  # noqa: E402
 from gpucomm.tuning.optimal import optimal_plan  # noqa: E402
 from gpucomm.tuning.plans import to_groups  # noqa: E402
@@ -80,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--models", default="mlp10m,cnn10m,resnet18", help="comma-separated, from %(default)s")
     ap.add_argument("--rounds", type=int, help=f"interleaved rounds (default {FULL['rounds']})")
     ap.add_argument("--steps", type=int, help=f"steps per variant and round (default {FULL['steps']})")
+    ap.add_argument("--cost", choices=["measured", "line"], default="measured",
+                    help="the collective cost each round's prediction uses: the round's measured Gloo times "
+                         "(costs.MeasuredCurve, default) or the α-β line fitted to them; the other is printed beside")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 rounds of 2 steps, 3 samples per size")
     ap.add_argument("--json", default="model_check.json")
     args = ap.parse_args(argv)
@@ -204,11 +209,12 @@ def check_model(name: str, args: argparse.Namespace, cost: AlphaBeta, overheads:
     every = hvd.allgather_object(rounds, name=f"model_check.{name}.results")  # [rank][round]
     buckets = {"default": default_buckets, "optimal": [list(b) for b in plan.buckets]}
 
-    def predict(prof: Profile, bk: list[list[int]], mode: str, line: AlphaBeta) -> float:
-        return simulate(prof.ready_s, prof.sizes, bk, line, overheads=overheads, forward_s=prof.forward_s,
+    def predict(prof: Profile, bk: list[list[int]], mode: str, curve: CostFn) -> float:
+        return simulate(prof.ready_s, prof.sizes, bk, curve, overheads=overheads, forward_s=prof.forward_s,
                         backward_s=prof.backward_s, update_s=prof.update_s, processor=mode).step_s
 
     round_fits = [fit_alpha_beta(medians(rd["gloo"])) for rd in every[0]]  # rank 0's samples of each round
+    round_curves = [MeasuredCurve.from_samples(rd["gloo"]) for rd in every[0]]
 
     other = "dedicated" if args.processor == "shared" else "shared"
     profs = [median_profile([rd["profile"] for rd in mine]) for mine in every]
@@ -219,12 +225,16 @@ def check_model(name: str, args: argparse.Namespace, cost: AlphaBeta, overheads:
         for r in range(args.rounds):
             # a synchronous step waits for the slower rank: each rank's own profile through the model
             line = round_fits[r]
+            curve = round_curves[r] if args.cost == "measured" else line
             wait = sync_wait([every[k][r]["profile"] for k in range(len(every))])
-            pred = max(predict(every[k][r]["profile"], bk, args.processor, line) for k in range(len(every))) + wait
-            alt = max(predict(every[k][r]["profile"], bk, other, line) for k in range(len(every))) + wait
-            measured = max(every[k][r][variant] for k in range(len(every)))
-            per_round.append({"predicted_s": pred, "measured_s": measured, "error": pred / measured - 1, "sync_wait_s": wait,
-                              f"{other}_s": alt, "gloo_fit": line.to_dict()})
+            ranks = range(len(every))
+            pred = max(predict(every[k][r]["profile"], bk, args.processor, curve) for k in ranks) + wait
+            alt = max(predict(every[k][r]["profile"], bk, other, curve) for k in ranks) + wait
+            by_line = max(predict(every[k][r]["profile"], bk, args.processor, line) for k in ranks) + wait
+            measured = max(every[k][r][variant] for k in ranks)
+            per_round.append({"predicted_s": pred, "measured_s": measured, "error": pred / measured - 1,
+                              "sync_wait_s": wait, f"{other}_s": alt, "gloo_fit": line.to_dict(),
+                              "alpha_beta_predicted_s": by_line, "alpha_beta_error": by_line / measured - 1})
         med = statistics.median
         detail = simulate(profs[0].ready_s, profs[0].sizes, bk, cost, overheads=overheads,
                           forward_s=profs[0].forward_s, backward_s=profs[0].backward_s, update_s=profs[0].update_s,
@@ -237,6 +247,7 @@ def check_model(name: str, args: argparse.Namespace, cost: AlphaBeta, overheads:
             "error_range": [min(x["error"] for x in per_round), max(x["error"] for x in per_round)],
             "other_processor_step_s": med(x[f"{other}_s"] for x in per_round),
             "sync_wait_s": med(x["sync_wait_s"] for x in per_round),
+            "alpha_beta_error": med(x["alpha_beta_error"] for x in per_round),
             "predicted_rank0_median_profile": detail.to_dict()}
     result["round_gloo_fits"] = [f.to_dict() for f in round_fits]
     return result
@@ -295,17 +306,20 @@ def main(argv: list[str] | None = None) -> None:
               f"'{other}' column is the other model, for comparison")
         print("per round: prediction from that round's profiles (the slower rank's), beside that round's measured "
               "step; medians over rounds, error = median of the rounds' errors (their range beside)")
+        cost_name = "the round's measured Gloo times" if args.cost == "measured" else "the round's alpha-beta line"
+        print(f"collective cost: {cost_name}; the 'a-b error' column is the alpha-beta line's error, for comparison")
         print(f"{'model':10s} {'plan':8s} {'buckets':>7s} {'alone ms':>9s} {'predicted ms':>13s} {'measured ms':>12s} "
-              f"{'error':>7s} {'range':>15s} {other + ' ms':>12s}")
+              f"{'error':>7s} {'range':>15s} {'a-b error':>9s} {other + ' ms':>12s}")
         for r in results:
             for variant, p in r["plans"].items():
                 lo, hi = p["error_range"]
                 print(f"{r['model']:10s} {variant:8s} {len(p['buckets']):7d} {max(r['alone_step_s']) * 1e3:9.1f} "
                       f"{p['predicted_step_s'] * 1e3:13.1f} {p['measured_step_s'] * 1e3:12.1f} "
                       f"{p['error'] * 100:+6.1f}% {lo * 100:+6.1f}..{hi * 100:+5.1f}% "
-                      f"{p['other_processor_step_s'] * 1e3:12.1f}")
+                      f"{p['alpha_beta_error'] * 100:+8.1f}% {p['other_processor_step_s'] * 1e3:12.1f}")
         write_json(args.json, {"benchmark": "model_check", "ranks": 2, "threads_per_rank": 1, "rounds": args.rounds,
                                "steps_per_round": args.steps, "cpus": os.cpu_count(), "processor": args.processor,
+                               "cost": args.cost,
                                "load_average": {"before": load_before, "after": load_after},
                                "gloo_samples": samples, "gloo_fit": cost.to_dict(),
                                "hook_copy_Bps": hook_Bps, "models": results})

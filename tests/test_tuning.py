@@ -384,3 +384,18 @@ def test_the_model_core_imports_no_torch():
     r = run([PYTHON, "-c", "import sys, gpucomm.tuning; print('torch' in sys.modules)"], timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_measured_curve_follows_the_samples_and_carries_the_last_slope_on():
+    from gpucomm.tuning.costs import MeasuredCurve
+
+    curve = MeasuredCurve.from_samples([(1 << 20, 0.004), (16 << 20, 0.011), (32 << 20, 0.026), (1 << 20, 0.002),
+                                        (1 << 20, 0.003), (16 << 20, 0.012), (16 << 20, 0.010)])
+    assert curve.points == ((float(1 << 20), 0.003), (float(16 << 20), 0.011), (float(32 << 20), 0.026))  # medians
+    assert curve(1 << 20) == 0.003 and curve(4096) == 0.003  # below the smallest size: its time
+    assert curve(24 << 20) == pytest.approx(0.0185)  # halfway between 16 and 32 MiB
+    assert curve(48 << 20) == pytest.approx(0.041)  # the last segment's 15 ms per 16 MiB, carried on
+    assert curve.to_dict() == {"points": [[float(1 << 20), 0.003], [float(16 << 20), 0.011], [float(32 << 20), 0.026]]}
+    for bad in ([(1 << 20, 0.003)], [(1 << 20, 0.003), (1 << 20, 0.004)], [(1, 0.0), (2, 1.0)]):
+        with pytest.raises(ValueError, match="MeasuredCurve"):
+            MeasuredCurve(tuple(bad))

@@ -2,7 +2,8 @@
 
 Pure Python (no torch, no GPU) at its core:
 
-- ``costs``: collective cost curves, ``AlphaBeta`` and ``fit_alpha_beta`` from measured samples;
+- ``costs``: collective cost curves, ``AlphaBeta`` and ``fit_alpha_beta`` from measured samples, or
+  ``MeasuredCurve`` through the samples themselves;
 - ``nccl``: NCCL's published cost model (ring and tree, 2.30.7 constants) for clusters we do not have;
 - ``step``: the step as gpucomm schedules it (buckets in index order, one at a time on one stream);
 - ``optimal``: the exact best contiguous bucket cuts in ready order (an O(n²) dynamic program);
@@ -15,7 +16,7 @@ Torch-side helpers load only when imported: ``measure`` (profile a model on a de
 ``DistributedOptimizer(groups=...)`` lists).
 """
 
-from .costs import AlphaBeta, CostFn, FitError, fit_alpha_beta, medians, ring_allreduce
+from .costs import AlphaBeta, CostFn, FitError, MeasuredCurve, fit_alpha_beta, medians, ring_allreduce
 from .nccl import NCCL_VERSION, Cluster, Graph, NcclModel, graph_for
 from .optimal import OptimalPlan, buckets_from_cuts, optimal_plan, ready_order
 from .policies import capped_buckets, cycle_schedule
@@ -25,7 +26,7 @@ from .step import BucketTiming, Overheads, StepPrediction, simulate
 from .straggler import Stragglers, expected_max_normal, fit_cv
 
 __all__ = [
-    "AlphaBeta", "CostFn", "FitError", "fit_alpha_beta", "medians", "ring_allreduce",
+    "AlphaBeta", "CostFn", "FitError", "MeasuredCurve", "fit_alpha_beta", "medians", "ring_allreduce",
     "NCCL_VERSION", "Cluster", "Graph", "NcclModel", "graph_for",
     "OptimalPlan", "buckets_from_cuts", "optimal_plan", "ready_order",
     "capped_buckets", "cycle_schedule",

@@ -1,9 +1,9 @@
 """Collective cost curves: the time one allreduce of ``nbytes`` takes.
 
-The model of a step (``step.py``) needs only a function ``cost(nbytes) -> seconds``. Two kinds are
+The model of a step (``step.py``) needs only a function ``cost(nbytes) -> seconds``. Three kinds are
 built here or beside it: an α-β line fitted from measured (bytes, seconds) samples of the machine at
-hand (Gloo or NCCL), and NCCL's own published cost model for machines we do not have
-(``nccl.py``). Times are seconds, sizes bytes, bandwidths bytes per second.
+hand (Gloo or NCCL), the measured samples themselves (``MeasuredCurve``), and NCCL's own published
+cost model for machines we do not have (``nccl.py``). Times are seconds, sizes bytes, bandwidths bytes per second.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Sequence
 
 from ..errors import FitError
 
-__all__ = ["CostFn", "AlphaBeta", "fit_alpha_beta", "medians", "ring_allreduce", "FitError"]
+__all__ = ["CostFn", "AlphaBeta", "MeasuredCurve", "fit_alpha_beta", "medians", "ring_allreduce", "FitError"]
 
 CostFn = Callable[[int], float]
 """``cost(nbytes) -> seconds`` of one collective."""
@@ -76,6 +76,46 @@ def fit_alpha_beta(samples: Iterable[tuple[float, float]], *, relative: bool = T
                        "noise-dominated "
                        "— measure larger messages (at least a few MiB) or more repetitions.")
     return AlphaBeta(alpha_s=alpha, bandwidth_Bps=1.0 / slope)
+
+
+@dataclass(frozen=True)
+class MeasuredCurve:
+    """The measured times themselves: piecewise linear through (bytes, seconds) points, sorted by
+    size; below the smallest size its time, above the largest the last segment's slope carried on.
+
+    An α-β line is one start-up cost and one bandwidth for every size. On a CPU the bandwidth of a
+    collective falls once its buffers outgrow the caches (Gloo here: 16 MiB in 11 ms, 32 MiB in
+    26 ms), which no single line follows; a job that measured its own sizes can use them as they
+    are (``benchmarks/model_check.py`` prints both predictions)."""
+
+    points: tuple[tuple[float, float], ...]
+
+    def __post_init__(self) -> None:
+        pts = self.points
+        if len(pts) < 2 or any(b1 <= b0 for (b0, _), (b1, _) in zip(pts, pts[1:])):
+            raise ValueError(f"MeasuredCurve: needs two or more points with strictly growing sizes, got "
+                             f"{[b for b, _ in pts]}; pass medians(samples) of at least two sizes.")
+        if any(not (t > 0 and math.isfinite(t)) for _, t in pts):
+            raise ValueError("MeasuredCurve: every time must be finite seconds > 0.")
+
+    @classmethod
+    def from_samples(cls, samples: Iterable[tuple[float, float]]) -> "MeasuredCurve":
+        """Through the median time of each measured size."""
+        return cls(tuple((float(b), float(t)) for b, t in medians(list(samples))))
+
+    def __call__(self, nbytes: int) -> float:
+        pts = self.points
+        if nbytes <= pts[0][0]:
+            return pts[0][1]
+        i = 1
+        while i < len(pts) - 1 and pts[i][0] < nbytes:
+            i += 1
+        (b0, t0), (b1, t1) = pts[i - 1], pts[i]
+        return max(0.0, t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0))
+
+    def to_dict(self) -> dict[str, list[list[float]]]:
+        """JSON-ready: ``{"points": [[bytes, seconds], ...]}``."""
+        return {"points": [[b, t] for b, t in self.points]}
 
 
 def medians(samples: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
