@@ -86,6 +86,9 @@ CASES = {c.id: c for c in [
          "overhead.json", "# gpucomm host overhead per cached op: 2 rank(s)", 2),
     Case("overhead-1", ("benchmarks/overhead.py", "--device", "cpu", "--quick", "--json", "{out}/overhead.json"),
          "overhead.json", "# gpucomm host overhead per cached op: 1 rank(s)", 1),
+    Case("collectives-rounds", ("benchmarks/collectives.py", "--device", "cpu", "--quick", "-R", "2", "--ops",
+                                "allreduce,broadcast", "-e", "64", "--json", "{out}/collectives.json", "--plot", ""),
+         "collectives.json", "# gpucomm / torch.distributed busbw: ", 2),
     Case("cpu_allreduce", ("benchmarks/cpu_allreduce.py", "--quick", "--json", "{out}/cpu_allreduce.json"),
          "cpu_allreduce.json", "gpucomm / raw gloo small-op latency: ", 1),
     Case("pack_bw", ("benchmarks/pack_bw.py", "--quick", "--json", "{out}/pack_bw.json"), "pack_bw.json", "# target "),
@@ -233,6 +236,18 @@ def parse_tables(lines: list[str]) -> dict[tuple[str, str], dict]:
         elif current is not None and line.startswith(("# Out of bounds values :", "# Avg bus bandwidth")):
             current["footer"].append(line)
     return tables
+
+
+def check_collectives_rounds(r: Run, doc: dict) -> None:
+    lines = r.rank0()
+    assert [ln for ln in lines if ln.startswith("# round ")] == ["# round 1 of 2", "# round 2 of 2"]
+    assert "# Median of 2 interleaved rounds (time per call; bandwidths from that time)" in lines
+    assert [(t["collective"], t["impl"]) for t in doc["tables"]] == [(c, i) for c in ("allreduce", "broadcast")
+                                                                    for i in ("gpucomm", "torch")]
+    assert all(len([x for x in doc["results"] if (x["collective"], x["impl"]) == (t["collective"], t["impl"])])
+               == 2 for t in doc["tables"])  # --quick -e 64: 8 and 64 B, once each: the medians, not every round
+    (ratios,) = [ln for ln in lines if ln.startswith("# gpucomm / torch.distributed busbw: ")]
+    assert ratios.count("allreduce out-of-place") == 2 and ratios.count("broadcast in-place") == 2
 
 
 def check_collectives(r: Run, doc: dict) -> None:
@@ -446,6 +461,7 @@ def check_powersgd_accuracy(r: Run, doc: dict) -> None:
 CHECKS: dict[str, Callable[[Run, Any], None]] = {
     "compression_memory": check_compression_memory, "powersgd_accuracy": check_powersgd_accuracy,
     "collectives-1": check_collectives, "collectives-2": check_collectives, "train": check_train,
+    "collectives-rounds": check_collectives_rounds,
     "optimizer_vs_ddp": check_optimizer_vs_ddp, "control_plane": check_control_plane, "autotune": check_autotune,
     "finite_check": check_finite_check,
     "cpu_allreduce": check_cpu_allreduce, "overhead-1": check_overhead, "overhead-2": check_overhead,
