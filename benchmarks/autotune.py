@@ -195,8 +195,7 @@ def report(args: argparse.Namespace, job: dict, trial: list[dict], explanation: 
     for row in trial:
         print(f"  trial: {row['candidate']:18s} {row['buckets']:>3s} buckets, measured {row['measured_step_ms']} ms, "
               f"predicted backward+communication {row['predicted_backward_comm_ms']} ms{'  <- kept' if row['chosen'] == '1' else ''}")
-    stats = hvd.stats()  # the transport that carried the job's CPU collectives (the fit's samples among them)
-    transport = "MPI" if stats["mpi_collectives"] > stats["gloo_collectives"] else "Gloo"
+    transport = "MPI" if hvd.mpi_enabled() else "Gloo"  # what carried the job's CPU collectives, the fit's included
     if explanation:
         p = explanation["profile"]
         print(f"model of the step (one rank alone: forward {p['forward_ms']:.1f} ms, backward {p['backward_ms']:.1f} "

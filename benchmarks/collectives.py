@@ -84,7 +84,7 @@ import gpucomm.torch as hvd
 from gpucomm.backends.nccl import nccl_module, version_text
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, also when imported by path
 from torch_group import init_torch_group  # noqa: E402
-from bench_stats import NA as NOT_AVAILABLE, fmt, write_json as write_strict_json  # noqa: E402
+from bench_stats import NA as NOT_AVAILABLE, fmt, median, write_json as write_strict_json  # noqa: E402
 
 COLLECTIVES = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
 REDUCING = frozenset({"allreduce", "reducescatter"})
@@ -806,9 +806,7 @@ def _median_result(results: Sequence[Result | None]) -> Result | None:
     kept = [r for r in results if r is not None and math.isfinite(r.time_us) and r.time_us > 0]
     if not kept:
         return results[0]
-    times = sorted(r.time_us for r in kept)
-    mid = len(times) // 2
-    t = times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
+    t = median([r.time_us for r in kept])
     scale = kept[0].time_us / t  # bandwidth is bytes / time: rescale one round's to the median time
     wrongs = [r.wrong for r in kept if r.wrong is not None]
     return Result(t, kept[0].algbw * scale, kept[0].busbw * scale, max(wrongs) if wrongs else None)

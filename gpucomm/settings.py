@@ -9,9 +9,9 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
 def env_number(env: Mapping[str, str], names: tuple[str, ...], default: float | None, *,
-               allow_zero: bool = False) -> float | None:
+               allow_zero: bool = False, maximum: float | None = None) -> float | None:
     """The first of ``names`` set in ``env`` as a positive (or, with ``allow_zero``, non-negative)
-    number, else ``default``."""
+    number, at most ``maximum`` when given, else ``default``. NaN is never a setting."""
     for name in names:
         value = env.get(name, "").strip()
         if not value:
@@ -20,8 +20,10 @@ def env_number(env: Mapping[str, str], names: tuple[str, ...], default: float | 
             number = float(value)
         except ValueError:
             raise ValueError(f"{name}={value!r} is not a number") from None
-        if number < 0 or (number == 0 and not allow_zero):
+        if number != number or number < 0 or (number == 0 and not allow_zero):
             raise ValueError(f"{name}={value!r} must be {'non-negative' if allow_zero else 'positive'}")
+        if maximum is not None and number > maximum:
+            raise ValueError(f"{name}={value!r} must be at most {maximum:g}")
         return number
     return default
 

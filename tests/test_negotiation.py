@@ -693,7 +693,8 @@ def test_stall_check_disable(flag):
 
 
 @pytest.mark.parametrize("env", [{"GPUCOMM_STALL_CHECK_TIME_SECONDS": "soon"}, {"GPUCOMM_STALL_CHECK_TIME_SECONDS": "0"},
-                                 {"GPUCOMM_CACHE_CAPACITY": "-1"}, {"GPUCOMM_CYCLE_TIME": "-2"}])
+                                 {"GPUCOMM_CACHE_CAPACITY": "-1"}, {"GPUCOMM_CYCLE_TIME": "-2"},
+                                 {"GPUCOMM_CYCLE_TIME": "nan"}])
 def test_bad_numbers_are_rejected(env):
     with pytest.raises(ValueError, match=next(iter(env))):
         ControlConfig.from_env(env, 1.0)

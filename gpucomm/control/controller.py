@@ -206,14 +206,16 @@ class Controller:
     # ------------------------------------------------------------------ progress (caller holds self._lock)
 
     def _step(self, until: Handle | None, deadline: float) -> None:
-        """Send what is queued, execute what has arrived; with ``until``, keep going until it is ready."""
+        """Send what is queued, execute what has arrived; with ``until``, keep going until it is ready
+        (polling for at most ``config.spin`` of the whole wait, then sleeping in ``select``)."""
+        spin_until = time.perf_counter() + self.config.spin
         while True:
             self._flush()
             if until is not None and until.agreed():
                 return
             wait = 0.0 if until is None else min(deadline - time.monotonic(), self._stall_tick())
             ready = channel.readable(self._sockets() + [self._waker.fd], max(0.0, wait),
-                                     spin=self.config.spin if until is not None else 0.0)
+                                     spin=max(0.0, spin_until - time.perf_counter()))  # no wait (until None): no poll
             for sock in ready:
                 if sock == self._waker.fd:
                     self._waker.drain()

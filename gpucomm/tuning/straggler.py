@@ -76,6 +76,8 @@ class Stragglers:
         """Seconds the step waits for its slowest rank, ``step_s`` being one device's step."""
         if not (math.isfinite(step_s) and step_s >= 0):
             raise ValueError(f"Stragglers.delay_s: step_s={step_s!r} must be finite seconds >= 0.")
+        if self.cv == 0:
+            return 0.0
         return self.cv * step_s * expected_max_normal(ranks)
 
 
