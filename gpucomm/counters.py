@@ -28,6 +28,15 @@ class Counters:
     elastic_resets: int = 0  # times hvd.elastic.run left a job and joined the launcher's next round
     kernel_fallbacks: int = 0  # times this process gave up the fusion kernels for torch ops (at most once; see gpucomm.kernels.status())
     cuda_events_created: int = 0  # CUDA events made because the pool had none free (steady state: 0 per step)
+    cuda_event_records: int = 0  # CUDA events the data plane recorded (a step: one per bucket launch, one at its end)
+    cuda_stream_waits: int = 0  # CUDA stream waits on an event the data plane enqueued
+    cuda_event_queries: int = 0  # CUDA event queries (the watchdog's, poll(), the pool's reclaim)
+    grad_bucket_views: int = 0  # gradient buckets launched with every gradient already in the buffer (no copy)
+    grad_bucket_packs: int = 0  # gradient buckets packed into their fusion buffer at launch (a copy)
+    grad_bucket_unpacks: int = 0  # gradient buckets unpacked out of their fusion buffer (a copy)
+    sync_fast_ops: int = 0  # synchronous CUDA ops launched on the caller's own stream (no comm stream, no event round trip)
+    local_ops: int = 0  # collectives of a one-rank job computed in place or as a copy (no backend call)
+    warmup_steps: int = 0  # zero-filled passes of an optimizer's layout at a collective point (NCCL connects lazily)
     issue_deferred: int = 0  # agreed CUDA collectives that waited for an optimizer step's launches (one order per device)
     nccl_aborts: int = 0  # NCCL communicators aborted (the job failed)
     nccl_destroys: int = 0  # NCCL communicators destroyed (a healthy job's shutdown, an optimizer's close)
@@ -36,6 +45,7 @@ class Counters:
     autotune_trials: int = 0  # bucket plans the autotuner tried (besides the plan in use)
     autotune_recuts: int = 0  # re-cuts of an optimizer's buckets by the autotuner (trials and the final choice)
     autotune_done: int = 0  # autotune trials finished (each ends with the fastest plan measured kept)
+    spin_skipped_backward: int = 0  # control-round waits that did not poll, or stopped, as a gradient-hook backward ran
 
 
 COUNTERS = Counters()

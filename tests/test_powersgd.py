@@ -25,7 +25,7 @@ def test_exact_at_full_rank_and_identical_on_every_rank(size):
         assert out["bf16_model"] <= 2e-2, out
         assert out["identical"], "ranks' parameters differ after some step"
         assert out["control_rounds"] == 0, out  # steady state: the fixed schedule only
-        assert out["kinds"] == ["DirectBucket", "PowerSGDBucket"], out
+        assert out["kinds"] == ["PowerSGDBucket", "ViewBucket"], out
     assert all(out["bytes_per_step"] == results[0]["bytes_per_step"] for out in results)
     # per step: every bucket once, plus a second allreduce (Q) per PowerSGD bucket
     buckets = results[0]["buckets"]

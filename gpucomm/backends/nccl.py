@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -70,35 +71,148 @@ def _tables(nccl):
     return dtypes, ops
 
 
+# -- does NCCL connect a new communicator's peers lazily? -----------------------------------------
+# Since 2.22 NCCL connects an algorithm's peers (ring, tree, PAT, NVLS, CollNet) inside the first
+# collective that selects it, and that host call blocks until the peers reach it, unless
+# NCCL_RUNTIME_CONNECT reads 0 or cuMem is off. gpucomm never writes the variable (it is process
+# wide: torch's communicators and every other library's would change with it); where NCCL connects
+# lazily, the optimizer runs one zero-filled pass of a layout's collectives at a collective point
+# instead. The facts below are NCCL's (src/misc/param.cc ncclLoadParam, src/init.cc, 2.22-2.30).
+
+LAZY_CONNECT_SINCE = 22200  # NCCL 2.22: NCCL_RUNTIME_CONNECT, default 1 (lazy)
+ENV_PLUGIN_SINCE = 22807  # NCCL 2.28.7: settings are read through an env plugin (NCCL_ENV_PLUGIN)
+HOME_FROM_ENV_SINCE = 23000  # NCCL 2.30: ~/.nccl.conf is found through $HOME (before: the passwd entry)
 RUNTIME_CONNECT_ENV = "NCCL_RUNTIME_CONNECT"
-_connect_warned = False
+CUMEM_ENABLE_ENV = "NCCL_CUMEM_ENABLE"
+CUMEM_AUTO = -2  # NCCL_CUMEM_ENABLE's default: use cuMem where the driver and the GPU support it
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+C_SPACE = " \t\n\v\f\r"  # isspace() in the C locale
+DIGITS = {8: "01234567", 10: "0123456789", 16: "0123456789abcdefABCDEF"}
 
 
-def connect_at_init(environ: Any = os.environ) -> bool:
-    """Make NCCL connect every peer while the communicator is created (``NCCL_RUNTIME_CONNECT=0``)
-    unless the user chose otherwise; True when connections are made at init.
+def c_strtoll(text: str) -> tuple[int, bool]:
+    """``strtoll(text, NULL, 0)`` as glibc computes it: (value, overflowed). Leading C whitespace
+    and one sign are skipped; ``0x``/``0X`` before a hex digit means hex, another leading ``0``
+    octal; digits are read as far as they go and the rest is ignored (``"1abc"`` is 1, ``"abc"``
+    and ``" "`` are 0, ``"09"`` is 0); out of range clamps and sets ERANGE (``overflowed``).
+    Binary ``0b`` is not a prefix: NCCL links the pre-C23 ``strtoll``."""
+    i, n = 0, len(text)
+    while i < n and text[i] in C_SPACE:
+        i += 1
+    sign = 1
+    if i < n and text[i] in "+-":
+        sign, i = (-1 if text[i] == "-" else 1), i + 1
+    base = 10
+    if text.startswith(("0x", "0X"), i) and i + 2 < n and text[i + 2] in DIGITS[16]:
+        base, i = 16, i + 2
+    elif text.startswith("0", i):
+        base = 8
+    j = i
+    while j < n and text[j] in DIGITS[base]:
+        j += 1
+    value = sign * int(text[i:j], base) if j > i else 0
+    if value > INT64_MAX:
+        return INT64_MAX, True
+    if value < INT64_MIN:
+        return INT64_MIN, True
+    return value, False
 
-    Why: since NCCL 2.22 a communicator connects lazily, inside its first collective of each kind,
-    and that host call blocks until the peers reach the same collective. gpucomm's schedules launch
-    a bucket from a backward hook as soon as its gradients are ready, and a bucket holding a
-    parameter unused on some rank is launched there only at ``synchronize()``; with lazy
-    connections the first rank then blocks inside backward (seen on an H100 with NCCL 2.28.9: rank
-    0 stuck in ncclAllReduce, rank 1 waiting for rank 0's next collective). Creating a communicator
-    is a collective point on every rank, so connecting there never waits on the training loop.
-    NCCL reads the variable when the process creates its first communicator."""
-    global _connect_warned
-    value = environ.get(RUNTIME_CONNECT_ENV, "").strip()
-    if not value:  # unset, or set empty (NCCL ignores an empty value and keeps its lazy default)
-        environ[RUNTIME_CONNECT_ENV] = value = "0"
-    if value == "0":
-        return True
-    if not _connect_warned:
-        _connect_warned = True
-        log.warning("%s=%s: NCCL connects peers inside their first collective, which blocks until every peer "
-                    "reaches it; a bucket launched inside backward on one rank and only at synchronize() on "
-                    "another (a parameter unused on some ranks) can then hang the job. Unset it (gpucomm sets 0).",
-                    RUNTIME_CONNECT_ENV, value)
-    return False
+
+def nccl_int_setting(raw: str | None, default: int) -> int:
+    """The value NCCL gives an integer setting whose string is ``raw`` (``ncclLoadParam``): unset
+    or empty is the default; otherwise ``strtoll(raw, NULL, 0)`` (see ``c_strtoll``: no error for
+    trailing text or no digits at all), and the default again only when that overflows."""
+    if not raw:
+        return default
+    value, overflowed = c_strtoll(raw)
+    return default if overflowed else value
+
+
+def nccl_conf_files(environ: Mapping[str, str], version: int) -> list[str]:
+    """The files NCCL reads settings from, in its order: ``NCCL_CONF_FILE`` if set and not empty,
+    else ``~/.nccl.conf``; then ``/etc/nccl.conf``. A file's line counts only where neither the
+    environment nor an earlier line or file set the name (NCCL calls ``setenv(..., 0)``)."""
+    user = environ.get("NCCL_CONF_FILE")
+    if user:
+        return [user, "/etc/nccl.conf"]
+    home = environ.get("HOME") if version >= HOME_FROM_ENV_SINCE else passwd_home()
+    return ([f"{home}/.nccl.conf"] if home is not None else []) + ["/etc/nccl.conf"]
+
+
+def passwd_home() -> str | None:
+    """This user's home directory from the passwd database (what NCCL < 2.30 uses, not $HOME)."""
+    try:
+        return pwd.getpwuid(os.getuid()).pw_dir
+    except (KeyError, OSError):
+        return None
+
+
+def conf_file_setting(path: str, name: str, version: int) -> str | None:
+    """``name``'s value in the NCCL configuration file ``path`` (None: not there, or no such file).
+    NCCL's format: ``NAME=value`` lines, nothing trimmed but the newline (and, since 2.30, a
+    carriage return before it), ``#`` first for a comment, the first line naming it wins."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8", "surrogateescape")
+    except OSError:
+        return None
+    for line in text.split("\n"):
+        if version >= HOME_FROM_ENV_SINCE and line.endswith("\r"):
+            line = line[:-1]
+        key, sep, value = line.partition("=")
+        if sep and not line.startswith("#") and key[:1023] == name:
+            return value[:1023]
+    return None
+
+
+def nccl_env_value(name: str, environ: Mapping[str, str], conf_files: Sequence[str], version: int) -> str | None:
+    """The string NCCL reads for ``name``: the environment's, else the first configuration file's."""
+    if name in environ:
+        return environ[name]
+    for path in conf_files:
+        value = conf_file_setting(path, name, version)
+        if value is not None:
+            return value
+    return None
+
+
+def cumem_may_be_on(param: int) -> bool:
+    """Whether NCCL's ``ncclCuMemEnable()`` may be true for ``NCCL_CUMEM_ENABLE`` = ``param``: it
+    truncates the value to a C int, then >= 0 is the answer itself and -2 (the default) asks the
+    driver (CUDA >= 12.0 and the GPU's virtual memory management), which Python cannot see without
+    loading CUDA: assumed on (the safe answer). Any other negative value is off."""
+    value = (param + (1 << 31)) % (1 << 32) - (1 << 31)
+    return value != 0 if value >= 0 else value == CUMEM_AUTO
+
+
+def connects_lazily(environ: Mapping[str, str] = os.environ, version: int | None = None, *,
+                    conf_files: Sequence[str] | None = None) -> bool:
+    """True when a communicator this process creates through NCCL ``version`` (default: the one
+    CuPy loads; 0 when none) may connect its peers inside its first collective rather than at
+    creation, given ``environ`` and NCCL's configuration files (``conf_files``: default NCCL's own).
+
+    Why it matters: that first call blocks the host until every peer reaches it, so a caller must
+    then run the collectives a training step will run once, at a point every rank reaches (the
+    optimizer's zero-filled pass after its layout is agreed). NCCL connects one algorithm at a time,
+    every channel and protocol of it, when a collective first selects it; the algorithm depends on
+    the collective, dtype, op and element count and on how calls are grouped. So the pass must run,
+    on each communicator, the step's own calls: same kinds, dtypes, ops and counts, grouped alike.
+
+    NCCL's rule (src/init.cc): lazy iff ``NCCL_RUNTIME_CONNECT`` (default 1) is non-zero and cuMem is
+    on for every rank. Where the answer cannot be known here it is True (a needless pass costs one
+    step's collectives; a missing one can hang): cuMem auto-detection, another rank's settings, an
+    external env plugin (``NCCL_ENV_PLUGIN``, NCCL >= 2.28.7). Not seen: a ``libnccl-env.so`` NCCL
+    finds by itself, and a value changed after the process's first communicator (NCCL reads it once)."""
+    code = nccl_version() if version is None else version
+    if code < LAZY_CONNECT_SINCE:
+        return False
+    files = nccl_conf_files(environ, code) if conf_files is None else list(conf_files)
+    plugin = nccl_env_value("NCCL_ENV_PLUGIN", environ, files, code) if code >= ENV_PLUGIN_SINCE else None
+    if plugin and plugin.lower() != "none":
+        return True  # the plugin answers NCCL's reads: its value of the variable is not ours to see
+    if nccl_int_setting(nccl_env_value(RUNTIME_CONNECT_ENV, environ, files, code), 1) == 0:
+        return False
+    return cumem_may_be_on(nccl_int_setting(nccl_env_value(CUMEM_ENABLE_ENV, environ, files, code), CUMEM_AUTO))
 
 
 def unique_id_bytes(uid: Any) -> bytes:
@@ -157,7 +271,6 @@ class NcclBackend:
             # select, never ``with Device(...)``: leaving that block would select the device that was
             # current before, and in a thread that had selected none that is GPU 0 (a new context there)
             cupy.cuda.Device(device_ordinal).use()
-            connect_at_init()
             try:
                 self.comm = nccl.NcclCommunicator(size, unique_id_for_cupy(unique_id, cupy_major()), rank)
             except OverflowError:  # CuPy < 14 where C char is unsigned (aarch64): the tuple takes 0..255

@@ -23,6 +23,8 @@ from typing import Callable, Mapping
 
 from ..bootstrap.framing import HELLO_BYTES, MAGIC, NONCE_BYTES, VERSION, FrameError, FramedChannel as Channel, recv_exact
 from ..bootstrap.arrival import duplicate_claim
+from ..counters import COUNTERS
+from ..dataplane.activity import backward_running
 from ..errors import ControlError
 
 log = logging.getLogger("gpucomm.control")
@@ -50,25 +52,42 @@ def readable(socks: list[socket.socket | int], timeout: float, spin: float = 0.0
     ``select`` on a shared machine pays tens of microseconds before it runs again (measured here:
     a 4 KiB ping-pong takes ~100 us blocking, ~17 us polling), which is most of a small
     synchronous collective's round; a caller about to block on an answer that is due within
-    microseconds polls first (see ``ControlConfig.spin``)."""
+    microseconds polls first (see ``ControlConfig.spin``). No polling while a gradient-hook
+    backward runs (``backward_running()``): every poll takes the GIL back from autograd's hook
+    threads, so a poll is skipped, or stopped as soon as a backward begins, and counted."""
     if not socks:
         if timeout > 0:
             time.sleep(timeout)
         return []
     timeout = max(0.0, timeout)
     if spin > 0.0 and timeout > 0.0:
-        start = time.perf_counter()
-        end = start + min(spin, timeout)
-        while True:
-            ready, _, _ = select.select(socks, [], [], 0.0)
+        if backward_running():
+            COUNTERS.spin_skipped_backward += 1
+        else:
+            ready, timeout = poll(socks, timeout, min(spin, timeout))
             if ready:
                 return ready
-            now = time.perf_counter()
-            if now >= end:
-                break
-        timeout = max(0.0, timeout - (now - start))  # the time really spent (a poller may be descheduled)
     ready, _, _ = select.select(socks, [], [], timeout)
     return ready
+
+
+def poll(socks: list[socket.socket | int], timeout: float, spin: float) -> tuple[list[socket.socket | int], float]:
+    """Poll ``socks`` without sleeping for up to ``spin`` s, or until a gradient-hook backward
+    begins: (the readable ones, what is left of ``timeout`` after the time really spent, since a
+    poller may be descheduled)."""
+    start = time.perf_counter()
+    end = start + spin
+    while True:
+        ready, _, _ = select.select(socks, [], [], 0.0)
+        if ready:
+            return ready, 0.0
+        now = time.perf_counter()
+        if now >= end:
+            break
+        if backward_running():
+            COUNTERS.spin_skipped_backward += 1
+            break
+    return [], max(0.0, timeout - (now - start))
 
 
 class Waker:

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from . import channel
 from ..counters import COUNTERS
+from ..dataplane.activity import backward_running
 from ..dataplane.handles import Handle, Issued
 from ..dataplane.inline import inline_result, payload_of
 from ..dataplane.requests import Request
@@ -207,15 +208,19 @@ class Controller:
 
     def _step(self, until: Handle | None, deadline: float) -> None:
         """Send what is queued, execute what has arrived; with ``until``, keep going until it is ready
-        (polling for at most ``config.spin`` of the whole wait, then sleeping in ``select``)."""
-        spin_until = time.perf_counter() + self.config.spin
+        (polling for at most ``config.spin`` of the whole wait, then sleeping in ``select``; not at
+        all while a gradient-hook backward runs, whose hook threads need the GIL a poll takes)."""
+        spin_until = time.perf_counter() + self._spin_budget()
         while True:
             self._flush()
             if until is not None and until.agreed():
                 return
             wait = 0.0 if until is None else min(deadline - time.monotonic(), self._stall_tick())
+            spin = max(0.0, spin_until - time.perf_counter())
             ready = channel.readable(self._sockets() + [self._waker.fd], max(0.0, wait),
-                                     spin=max(0.0, spin_until - time.perf_counter()))  # no wait (until None): no poll
+                                     spin=spin)  # no wait (until None): no poll
+            if spin > 0.0 and backward_running():
+                spin_until = 0.0  # a backward began during this wait (the poll stopped): sleep from now on
             for sock in ready:
                 if sock == self._waker.fd:
                     self._waker.drain()
@@ -224,6 +229,14 @@ class Controller:
             self._housekeeping()
             if until is None or until.agreed() or time.monotonic() >= deadline:
                 return
+
+    def _spin_budget(self) -> float:
+        """Seconds a wait starting now may poll: ``config.spin``, or 0 while a gradient-hook
+        backward runs (counted in ``spin_skipped_backward``)."""
+        if self.config.spin > 0.0 and backward_running():
+            COUNTERS.spin_skipped_backward += 1
+            return 0.0
+        return self.config.spin
 
     def _sockets(self) -> list:
         if self._link is not None:

@@ -1,9 +1,9 @@
 """Agreement in a one-rank job: there is nothing to agree on, so collectives run inline.
 
-A data collective goes straight from the caller to the executor (no negotiation, no background
-thread, no control round); the first dimensions and splits a multi-rank coordinator would send
-are this rank's own. Control operations (barrier, join, process-set changes) go through the same
-pure ``Coordinator`` as in a larger job, synchronously, so they keep their checks and errors.
+A data collective is computed on the caller's thread where its data lies (``dataplane.local``: no
+negotiation, no background thread, no backend, no NCCL: a copy, or nothing in place). Control
+operations (barrier, join, process-set changes) go through the same pure ``Coordinator`` as in a
+larger job, synchronously, so they keep their checks and errors.
 """
 
 from __future__ import annotations
@@ -11,20 +11,19 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..dataplane.handles import Handle, Issued
+from ..dataplane.local import local_result
 from ..dataplane.requests import Request
 from ..errors import CollectiveError, ShutdownError
 from .coordinator import Coordinator
 from .negotiation import CONTROL_KINDS, descriptor_of
 
-Execute = Callable[[Request, dict], Issued]
-
 
 class OneRankPlane:
     """The handle owner of a one-rank job; runs each request on the caller's thread."""
 
-    def __init__(self, execute: Execute, timeout: float, *, on_done: Callable[[str, str, Any], None],
-                 process_sets=()) -> None:
-        self._execute = execute
+    has_peers = False  # no other rank's failure can be why a collective failed
+
+    def __init__(self, timeout: float, *, on_done: Callable[[str, str, Any], None], process_sets=()) -> None:
         self.timeout = timeout
         self._on_done = on_done
         self._coordinator = Coordinator(1, cache_capacity=0, process_sets=process_sets)
@@ -35,13 +34,18 @@ class OneRankPlane:
             raise ShutdownError(f"{request.describe()} was submitted after gpucomm shut down; call hvd.init() first.")
         if request.kind in CONTROL_KINDS:
             return self._control(request)
+        handle = Handle(request, self)
         try:
-            issued = self._execute(request, _own_meta(request) if request.kind in _META_KINDS else _NO_META)
+            handle.complete(local_result(request))
         except BaseException as e:  # noqa: BLE001 - raised to whoever waits, as in a larger job
-            handle = Handle(request, self)
             handle.settle(error=e)
-            return handle
-        return Handle(request, self, issued)
+        return handle
+
+    def run_now(self, request: Request) -> Any:
+        """A data collective's result at once (the synchronous forms): one rank's own data, scaled."""
+        if self._closed:
+            raise ShutdownError(f"{request.describe()} was submitted after gpucomm shut down; call hvd.init() first.")
+        return local_result(request)
 
     def _control(self, request: Request) -> Handle:
         key_set, name = request.set_id, request.name
@@ -66,19 +70,6 @@ class OneRankPlane:
 
     def close(self) -> None:
         self._closed = True
-
-
-_META_KINDS, _NO_META = ("allgather", "alltoall"), {}
-
-
-def _own_meta(request: Request) -> dict:
-    """The coordinator's additions for one rank: its own first dimensions and splits."""
-    if request.kind == "allgather":
-        return {"rows": [[t.shape[0] if t.dim() else 1] for t in request.tensors]}
-    if request.kind == "alltoall":
-        rows = request.tensors[0].shape[0]
-        return {"splits": [list(request.splits) if request.splits is not None else [rows]]}
-    return {}
 
 
 __all__ = ["OneRankPlane"]

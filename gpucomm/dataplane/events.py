@@ -3,7 +3,8 @@ CUDA event per collective.
 
 An event may go back to the pool as soon as every wait on it has been *enqueued*: CUDA captures
 the event's state when ``cudaStreamWaitEvent`` is called, so recording it again later does not
-disturb a wait already queued.
+disturb a wait already queued. Events are raw handles made and recorded through
+``cuda_calls`` (counted there).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import threading
 from typing import Any, Callable
 
 from ..counters import COUNTERS
+from . import cuda_calls
 
 
 class EventPool:
@@ -23,6 +25,7 @@ class EventPool:
 
     def __init__(self) -> None:
         self._free: dict[int, list[Any]] = {}
+        self._made: list[int] = []  # every event made, destroyed at ``close``
         self._lock = threading.Lock()  # hooks on different autograd threads may record at once
         self.reclaim: Callable[[], None] = lambda: None
 
@@ -31,23 +34,38 @@ class EventPool:
             free = self._free.get(device_index)
             return free.pop() if free else None
 
-    def record(self, stream: Any) -> Any:
-        import torch  # noqa: PLC0415 - only CUDA paths get here
-
-        event = self._take(stream.device_index)
+    def record(self, stream: int, device_index: int) -> int:
+        """A pooled event recorded on raw stream ``stream`` of GPU ``device_index``."""
+        with self._lock:
+            free = self._free.get(device_index)
+            event = free.pop() if free else None
         if event is None:
             self.reclaim()
-            event = self._take(stream.device_index)
+            event = self._take(device_index)
+        calls = cuda_calls.calls()
         if event is None:
-            event = torch.cuda.Event()
+            event = calls.new_event(device_index)
             COUNTERS.cuda_events_created += 1
-        event.record(stream)
+            with self._lock:
+                self._made.append(event)
+        calls.record(event, stream, device_index)
         return event
 
     def release(self, event: Any, device_index: int) -> None:
         """Return ``event``; the caller has enqueued every wait on it."""
         with self._lock:
             self._free.setdefault(device_index, []).append(event)
+
+    def close(self) -> None:
+        """Destroy every event made (the job is ending; nothing waits on them any more)."""
+        with self._lock:
+            made, self._made, self._free = self._made, [], {}
+        calls = cuda_calls.calls()
+        for event in made:
+            try:
+                calls.destroy_event(event)
+            except Exception:  # noqa: BLE001 - a failed job's context may be gone: nothing to free then
+                pass
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._free.values())

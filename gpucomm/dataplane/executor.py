@@ -18,6 +18,8 @@ import torch
 from ..backends.base import BackendOp
 from ..counters import COUNTERS
 from ..reduce_op import ReduceOp
+from . import cuda_calls
+from .completion import StreamCompletion
 from .events import EventPool
 from .handles import Issued
 from .requests import Request, reducescatter_rows, scale_
@@ -82,17 +84,25 @@ class Executor:
     it, its Gloo and NCCL backends); ``meta`` is what the coordinator added: the other ranks' first
     dimensions for allgather and the matrix of splits for alltoall, so no extra exchange is needed.
     ``events`` takes back each request's ready event once the communication stream waits on it and
-    gives the done events; ``watch(done_event, device, request)`` hands a CUDA collective to the
-    data plane's watchdog, which returns the done event to ``events`` once it is finished and waited
-    for (the returned callable is what the waiter calls)."""
+    gives the done events; ``watch(done_event, device, request, stream)`` hands a CUDA collective
+    to the data plane's watchdog, which returns the done event to ``events`` once it is finished and
+    waited for (the returned callable is what the waiter calls).
+
+    On a GPU a request runs in one of three ways: a synchronous prepared one (one-tensor allreduce,
+    broadcast, waited for at once) on the caller's own stream, with no communication stream and no
+    ready event (one done event for the watchdog, which its waiter does not wait on); a fixed
+    schedule's launch (``per_step``) on the executor's communication stream, completed by its step's
+    one done event (``completion``); any other on the communication stream with a ready and a done
+    event of its own."""
 
     def __init__(self, groups: Callable[[int], Any], tracer: Callable[[], Any] = lambda: None, *,
-                 events: EventPool, watch: Callable[[Any, int, Request], Callable[[], None]]) -> None:
+                 events: EventPool, watch: Callable[..., Callable[[], None]]) -> None:
         self._groups = groups
         self._tracer = tracer  # the timeline's tracer while one is recording (rank 0), else None
         self._events = events
         self._watch = watch
-        self._streams: dict[int, Any] = {}
+        self._streams: dict[int, int] = {}  # device index -> this executor's communication stream (raw)
+        self._completions: dict[int, StreamCompletion] = {}
 
     def __call__(self, req: Request, meta: dict) -> Issued:
         group = self._groups(req.set_id)
@@ -102,7 +112,7 @@ class Executor:
             nbytes += t.numel() * t.element_size()
         COUNTERS.collectives += 1
         COUNTERS.bytes += nbytes
-        if req.device.type == "cpu":
+        if req.device.type not in cuda_calls.calls().gpu_types:
             backend = group.gloo()
             name = backend.name
             if name == "gloo":
@@ -113,36 +123,71 @@ class Executor:
             if tracer is not None:
                 tracer.cpu_op(req.name, req.kind, req.tensors, works, transport=name)
             return Issued(works, None, after)
+        if req.waited_at_once and req.send is not None and req.ready_event is None and tracer is None:
+            return self._on_caller_stream(req, meta, group)
         return self._cuda(req, meta, group, tracer)
+
+    def _on_caller_stream(self, req: Request, meta: dict, group) -> Issued:
+        """A synchronous prepared request: launched on the stream its caller waits on."""
+        COUNTERS.sync_fast_ops += 1
+        stream, index = req.stream, req.index
+        works, after = self._plan(req, meta, group, group.nccl(), stream)
+        done = self._events.record(stream, index)  # for the watchdog only: the caller's stream is ordered already
+        return Issued(works, done, after, done_stream=stream, release_done=self._watch(done, index, req, stream))
+
+    def comm_stream(self, index: int) -> int:
+        """This executor's communication stream on GPU ``index`` (made at first use), raw."""
+        stream = self._streams.get(index)
+        if stream is None:
+            stream = self._streams[index] = cuda_calls.calls().new_stream(index)
+        return stream
 
     def _cuda(self, req: Request, meta: dict, group, tracer) -> Issued:
         backend = group.nccl()
-        index = req.stream.device_index
-        comm = self._streams.get(index)
-        if comm is None:
-            comm = self._streams[index] = torch.cuda.Stream(device=index)
-        trace = tracer.gpu_op(req.name, req.kind, comm) if tracer is not None else None
-        comm.wait_event(req.ready_event)
-        self._events.release(req.ready_event, index)
+        calls = cuda_calls.calls()
+        index = req.index
+        comm = self.comm_stream(index)
+        trace = tracer.gpu_op(req.name, req.kind, calls.torch_stream(index, comm)) if tracer is not None else None
+        ready = req.ready_event
+        if ready is None:  # submitted without one (a synchronous op while a timeline records): record it now,
+            ready = self._events.record(req.stream, index)  # the caller waits, so its stream has nothing newer
+        calls.wait(comm, ready, index)
+        self._events.release(ready, index)
         if trace is not None:
-            trace.step("QUEUE", comm)
+            trace.step("QUEUE", calls.torch_stream(index, comm))
         if req.send is not None:  # prepared on the caller's stream: launch only
-            works, after = self._plan(req, meta, group, backend, comm.cuda_stream)
+            works, after = self._plan(req, meta, group, backend, comm)
             on_comm = False
         else:
-            with torch.cuda.stream(comm):
-                works, after = self._plan(req, meta, group, backend, comm.cuda_stream)
+            with calls.stream_context(index, comm):
+                works, after = self._plan(req, meta, group, backend, comm)
                 result = after()
             after, on_comm = (lambda: result), True
         if trace is not None:
-            trace.step(f"NCCL_{req.kind.upper()}", comm)
+            trace.step(f"NCCL_{req.kind.upper()}", calls.torch_stream(index, comm))
             trace.submit(req.tensors[0].dtype if req.tensors else None,
                          req.tensors[0].shape if len(req.tensors) == 1 else f"[{len(req.tensors)} tensors]")
-        done = self._events.record(comm)
+        if req.per_step:  # a fixed schedule's launch: its step's one done event completes it
+            completion = self._completions.get(index)
+            if completion is None:
+                completion = self._completions[index] = StreamCompletion(self._events, self._watch, index, comm)
+            return Issued(works, None, after, results_on_comm=on_comm, covered=completion.launched(req))
+        done = self._events.record(comm, index)
         if on_comm:
             for t in req.tensors:
-                t.record_stream(comm)  # the caching allocator must not reuse them while NCCL reads them
-        return Issued(works, done, after, results_on_comm=on_comm, release_done=self._watch(done, index, req))
+                calls.keep_alive(t, index, comm)  # the caching allocator must not reuse them while NCCL reads them
+        return Issued(works, done, after, results_on_comm=on_comm, done_stream=comm,
+                      release_done=self._watch(done, index, req, comm))
+
+    def seal_step(self) -> None:
+        """A fixed schedule's step has issued its launches: its one done event per stream now."""
+        for completion in self._completions.values():
+            completion.seal(completion.last_request)
+
+    def close(self) -> None:
+        """Hand the last done events back (the executor's schedule or job ends)."""
+        for completion in self._completions.values():
+            completion.close()
 
     def _plan(self, req: Request, meta: dict, group, backend, stream: int | None) -> Plan:
         return getattr(self, "_" + req.kind)(req, meta, group, backend, stream)
@@ -171,6 +216,17 @@ class Executor:
                 return outs
 
             return ([work] if work is not None else []), after_one
+        if len(req.tensors) == 1 and req.outputs is not None and req.outputs[0] is req.tensors[0]:
+            t = req.tensors[0]  # one tensor in place with a prescale: reduced where it lies, no staging copy
+            op, post = self._backend_op(req, group, backend, t.dtype)
+            scale_(t, req.prescale)
+            work = backend.allreduce(t, t, op=op, stream=stream)
+
+            def after_in_place():
+                scale_(t, post)
+                return req.tensors
+
+            return ([work] if work is not None else []), after_in_place
         outs = req.outputs if req.outputs is not None else [torch.empty_like(t) for t in req.tensors]
         # Grouped: one fused buffer per dtype, one backend call each.
         works, fused = [], []

@@ -1,6 +1,6 @@
 """Which of a bucket's pieces holds an Inf or NaN: the finite check's path where the checked pack
 kernels do not run (CPU buffers, the torch-ops fallback on a GPU, a user compressor's tensors). The
-result is written into a 1-element tensor, in the slot encoding of ``gpucomm.torch.finite_check``:
+result is written into a 1-element tensor, in the slot encoding of ``FiniteSlots`` (the front's ``finite_check``):
 0 if all finite, else 1 + the first such piece's index (capped).
 
 * CPU: one sum over the data (a vectorised pass, the cheapest reduction torch has there; Inf and
@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["FirstNonFinite"]
+__all__ = ["FiniteSlots", "FirstNonFinite", "exact_limit"]
 
 
 class FirstNonFinite:
@@ -67,3 +67,34 @@ def _first_bad_on_host(pieces: Sequence[torch.Tensor], limit: int, whole: torch.
 
 def _sum(t: torch.Tensor) -> torch.Tensor:
     return t.sum(dtype=torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else t.sum()
+
+
+def exact_limit(dtype: torch.dtype) -> int:
+    """The largest integer ``dtype`` holds exactly with all smaller ones (the slot values' ceiling)."""
+    if dtype == torch.bfloat16:
+        return 256
+    if dtype == torch.float16:
+        return 2048
+    if dtype.is_floating_point:
+        return 1 << 24 if dtype == torch.float32 else 1 << 53
+    return torch.iinfo(dtype).max
+
+
+class FiniteSlots:
+    """The finite check as a DistributedOptimizer's buckets run it: this rank's index ``rank`` among
+    the ``size`` ranks of the set (its slot in every bucket's tail), and the search used where the
+    checked pack kernels do not run (CPU view buckets, torch ops, a user compressor). ``mode``: the
+    front's ("raise" or "warn"), carried for its report."""
+
+    def __init__(self, mode: str, rank: int, size: int) -> None:
+        self.mode, self.rank, self.size = mode, rank, size
+        self._search = FirstNonFinite()
+
+    def search(self, pieces: Sequence[torch.Tensor], out: torch.Tensor, whole: torch.Tensor | None = None) -> None:
+        """``out`` := this rank's slot value for a bucket made of ``pieces`` (``whole``: their data as
+        one tensor, when consecutive; see ``FirstNonFinite``)."""
+        self._search(pieces, out, self.limit(out.dtype), whole)
+
+    @staticmethod
+    def limit(dtype: torch.dtype) -> int:
+        return exact_limit(dtype)

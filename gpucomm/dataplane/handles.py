@@ -14,7 +14,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import torch
+
 from ..errors import CollectiveError
+from . import cuda_calls
 
 CAUSE_GRACE = 2.0  # seconds a broken collective waits for the control plane to name why (a peer's death)
 
@@ -23,11 +26,13 @@ CAUSE_GRACE = 2.0  # seconds a broken collective waits for the control plane to 
 class Issued:
     """What the backend has in flight for one request, and how to turn it into the result."""
 
-    works: Sequence[Any] = ()  # host-completed backend works (Gloo)
-    done_event: Any = None  # stream-ordered completion (a CUDA event), or None
+    works: Sequence[Any] = ()  # host-completed backend works (Gloo, MPI)
+    done_event: Any = None  # stream-ordered completion (a raw CUDA event), or None
     finalize: Callable[[], Any] = lambda: None  # runs once, after completion, on the waiting thread
     results_on_comm: bool = False  # CUDA results allocated on the communication stream
     release_done: Callable[[], None] | None = None  # the waiter has enqueued its wait on ``done_event``
+    done_stream: int = 0  # the raw stream ``done_event`` is recorded on (a waiter on it needs no wait)
+    covered: Any = None  # a fixed schedule's launch: its step's one done event completes it (``completion``)
 
 
 class Handle:
@@ -56,6 +61,10 @@ class Handle:
         else:
             self._issued = issued
         self._queued = None
+
+    def complete(self, result: Any) -> None:
+        """The owner did the work at once (a one-rank job): ``wait`` returns ``result``."""
+        self._result, self._finished = result, True
 
     def queue(self, order: Any) -> None:
         """Agreed, but issued later by ``order`` (its device's issue order) at a rank-consistent point."""
@@ -86,7 +95,10 @@ class Handle:
         issued = self._issued
         if issued is None:
             return self._error is not None
-        if issued.done_event is not None and not issued.done_event.query():
+        if issued.covered is not None:
+            if not issued.covered.done():
+                return False
+        elif issued.done_event is not None and not cuda_calls.calls().query(issued.done_event):
             return False
         return all(w.done() for w in issued.works)
 
@@ -108,50 +120,67 @@ class Handle:
         try:
             for w in issued.works:
                 w.wait(self._owner.timeout, self._owner.failure)
-            if issued.done_event is not None:
-                stream = self._waiting_stream()
-                stream.wait_event(issued.done_event)
-                if issued.release_done is not None:
-                    issued.release_done()
-                self._result = issued.finalize()
-                if issued.results_on_comm or stream is not self.request.stream:
-                    _used_on(self._result, stream)
+        except Exception as e:  # the transport failed: a peer's failure may be why
+            raise self._failed(e, CAUSE_GRACE if getattr(self._owner, "has_peers", True) else 0.0) from e
+        try:
+            if issued.covered is not None or issued.done_event is not None:
+                self._result = self._finish_on_stream(issued)
             else:
                 self._result = issued.finalize()
-        except Exception as e:
-            cause = _first_cause(self._owner)
-            if cause is not None:  # another rank's failure broke this collective: name that first cause
-                raise CollectiveError(f"{_describe(self.request)} failed because {cause}") from e
-            if isinstance(e, CollectiveError):
-                raise
-            raise CollectiveError(f"{_describe(self.request)} failed: {e}") from e
+        except Exception as e:  # local work (a stream wait, the result's scaling): no peer to wait for
+            raise self._failed(e, 0.0) from e
         self._finished = True
         self._issued = None  # drop the backend's references
         return self._result
 
-    def _waiting_stream(self) -> Any:
-        """The stream the result must be ready on: the caller's current one. A synchronous op is
+    def _finish_on_stream(self, issued: Issued) -> Any:
+        """CUDA: make the caller's stream wait for the collective (nothing when it ran there), then
+        produce the result; results made on another stream are marked used on the caller's."""
+        request = self.request
+        stream = self._waiting_stream()
+        if issued.covered is not None:
+            issued.covered.wait(stream)
+        else:
+            if stream != issued.done_stream:
+                cuda_calls.calls().wait(stream, issued.done_event, request.index)
+            if issued.release_done is not None:
+                issued.release_done()
+        result = issued.finalize()
+        if issued.results_on_comm or stream != request.stream:
+            _used_on(result, request.index, stream)
+        return result
+
+    def _failed(self, error: Exception, grace: float) -> CollectiveError:
+        """The error ``wait`` raises: the job's failure as the control plane names it when there is
+        one (waiting up to ``grace`` seconds for it to be named: only a transport failure in a job
+        with peers may be caused by another rank), else ``error`` as a ``CollectiveError``."""
+        cause = _first_cause(self._owner, grace)
+        if cause is not None:  # another rank's failure broke this collective: name that first cause
+            return CollectiveError(f"{_describe(self.request)} failed because {cause}")
+        if isinstance(error, CollectiveError):
+            return error
+        return CollectiveError(f"{_describe(self.request)} failed: {error}")
+
+    def _waiting_stream(self) -> int:
+        """The raw stream the result must be ready on: the caller's current one. A synchronous op is
         waited on by its submitter right away, so that is the stream it was submitted on (no second
         lookup); an asynchronous one may be waited on from another stream."""
         request = self.request
         if request.waited_at_once:
             return request.stream
-        import torch  # noqa: PLC0415 - CUDA handles only
-
-        current = torch.cuda.current_stream(request.stream.device)
-        return request.stream if current.cuda_stream == request.stream.cuda_stream else current
+        return cuda_calls.calls().current_stream(request.device)
 
 
-def _used_on(result: Any, stream: Any) -> None:
+def _used_on(result: Any, index: int, stream: int) -> None:
     """Mark CUDA results as used on the caller's ``stream``. They were allocated on another stream
     (the communication stream, or the stream the op was submitted on), so without this the caching
     allocator could hand their memory to a new allocation on that stream as soon as the caller
     frees them, while kernels the caller queued on its own stream still read them."""
     if isinstance(result, (list, tuple)):
         for item in result:
-            _used_on(item, stream)
-    elif getattr(result, "is_cuda", False):
-        result.record_stream(stream)
+            _used_on(item, index, stream)
+    elif isinstance(result, torch.Tensor) and cuda_calls.is_gpu(result.device):
+        cuda_calls.calls().keep_alive(result, index, stream)
 
 
 def _describe(request: Any) -> str:
@@ -159,13 +188,14 @@ def _describe(request: Any) -> str:
     return describe() if callable(describe) else repr(request)
 
 
-def _first_cause(owner: Any) -> CollectiveError | None:
-    """The job's failure as the control plane names it, waiting up to ``CAUSE_GRACE`` for it: when a
-    peer dies, its data connection (a Gloo reset) and its control connection close together, and
+def _first_cause(owner: Any, grace: float) -> CollectiveError | None:
+    """The job's failure as the control plane names it, waiting up to ``grace`` seconds for it: when
+    a peer dies, its data connection (a Gloo reset) and its control connection close together, and
     the collective's error can reach the waiter before the control thread has read the closed link.
     The named cause ("the control connection to rank 0 closed: rank 0 exited or failed") says what
-    happened; the transport's ("Connection reset by peer") does not. Only a failed wait pays this."""
-    deadline = time.monotonic() + CAUSE_GRACE
+    happened; the transport's ("Connection reset by peer") does not. Only a transport failure in a
+    job with peers waits (``grace`` > 0); a local error asks once."""
+    deadline = time.monotonic() + grace
     while True:
         cause = owner.failure()
         if cause is not None or time.monotonic() >= deadline:

@@ -22,6 +22,7 @@ import torch
 
 from ..backends.nccl import nccl_module, nccl_version
 from ..errors import CollectiveError, ShutdownError
+from . import cuda_calls
 from .events import EventPool
 from .executor import Executor
 from .groups import Group
@@ -68,7 +69,7 @@ class DataPlane:
     def order(self, device: torch.device) -> IssueOrder | None:
         """The issue order of ``device`` (None: its collectives are issued as they come, CPU ones
         unless GPUCOMM_ISSUE_ORDER=all)."""
-        if device.type != "cuda" and not self.orders_cpu:
+        if not cuda_calls.is_gpu(device) and not self.orders_cpu:
             return None
         key = (device.type, device.index)
         order = self._orders.get(key)
@@ -90,7 +91,7 @@ class DataPlane:
     def run(self, handle: Handle, meta: dict, execute: Executor) -> None:
         """``handle``'s request is agreed (``meta``: the coordinator's additions): issue it through
         ``execute`` now, or in its device's order, and settle the handle."""
-        if handle.request.device.type != "cuda" and not self.orders_cpu:  # the CPU hot path: no order
+        if not self.orders_cpu and not cuda_calls.is_gpu(handle.request.device):  # the CPU hot path: no order
             try:
                 issued = execute(handle.request, meta)
             except BaseException as e:  # noqa: BLE001 - the error belongs to whoever waits on the handle
@@ -200,6 +201,8 @@ class DataPlane:
             order.fail(ShutdownError("gpucomm was shut down while this collective waited for its turn on the GPU"))
         for group in groups:
             group.close(abort=failed or self._failure is not None)
+        if not failed and self._failure is None:
+            self.events.close()  # a failed job's events may still be waited on by aborted work: left to the process
 
 
 def _abort_together(groups: list[Group], select_device: Callable[[], None]) -> None:

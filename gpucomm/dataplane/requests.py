@@ -38,6 +38,8 @@ class Request:
     stream: Any = None  # CUDA: the caller's stream at submission (its results are ready on it)
     send: torch.Tensor | None = None  # prepared kinds: what this rank sends (``executor.prepare``)
     waited_at_once: bool = False  # the submitter waits right away, on the stream it submitted on
+    index: int = -1  # CUDA: the device's ordinal (looked up once, at submission)
+    per_step: bool = False  # a fixed schedule's launch: completed by its step's one done event
     set_id: int = 0  # the process set it runs on (0: every rank)
     ranks: tuple[int, ...] | None = None  # add_process_set: the new set's ranks
 

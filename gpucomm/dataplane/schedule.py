@@ -19,6 +19,7 @@ from ..errors import CollectiveError
 from .groups import Group
 from .handles import Handle
 from .requests import Request
+from . import cuda_calls
 from .executor import prepare
 
 
@@ -42,7 +43,7 @@ class Schedule:
         at the same point), so the first step does not pay for it inside backward."""
         if device not in self._devices:
             self._devices.append(device)
-        if device.type == "cuda":
+        if cuda_calls.is_gpu(device):
             self.group.nccl()
         else:
             self.group.gloo()
@@ -67,7 +68,9 @@ class Schedule:
         self._epochs = epochs
 
     def end_step(self) -> None:
-        """Close the step: negotiated work that waited for it is issued."""
+        """Close the step: its launches' done event is recorded (watched from now), and negotiated
+        work that waited for the step is issued."""
+        self._executor.seal_step()
         epochs, self._epochs = self._epochs, None
         for order, token in epochs or ():
             order.close_epoch(token)
@@ -76,16 +79,21 @@ class Schedule:
     def in_step(self) -> bool:
         return self._epochs is not None
 
-    def launch(self, request: Request, meta: dict | None = None) -> Handle:
+    def launch(self, request: Request, meta: dict | None = None, *, per_step: bool = False) -> Handle:
         """Issue ``request`` now, on the caller's thread (``meta``: what a coordinator would add,
-        e.g. the ranks' first dimensions of an allgather)."""
+        e.g. the ranks' first dimensions of an allgather). ``per_step``: a CUDA launch is completed
+        by the step's one done event (a backward bucket, waited for in order by ``synchronize``),
+        else by one of its own (a launch waited for on its own, e.g. ZeRO's parameter allgathers)."""
         failure = self._plane.failure()
         if failure is not None:  # its communicators were aborted: say why, not NCCL's "invalid argument"
             raise failure
-        if request.device.type == "cuda":
-            request.stream = torch.cuda.current_stream(request.device)
+        calls = cuda_calls.calls()
+        if request.device.type in calls.gpu_types:
+            request.index = calls.index(request.device)
+            request.stream = calls.current_stream(request.device)
+            request.per_step = per_step
             prepare(request)  # before the ready event: the communication stream must see its work
-            request.ready_event = self._plane.events.record(request.stream)
+            request.ready_event = self._plane.events.record(request.stream, request.index)
         else:
             prepare(request)
         return Handle(request, self, self._executor(request, meta or {}))
@@ -98,9 +106,15 @@ class Schedule:
     def failure(self) -> CollectiveError | None:
         return self._plane.failure()
 
+    @property
+    def has_peers(self) -> bool:
+        """Whether another rank takes part (a failed transfer may then be another rank's failure)."""
+        return self.group.size > 1
+
     def close(self) -> None:
         """Release the schedule's communicators (a collective point: every member calls it)."""
         self.end_step()
+        self._executor.close()
         self._plane.release(self.group)
 
 

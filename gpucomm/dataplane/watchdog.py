@@ -1,9 +1,14 @@
 """The NCCL watchdog and the retirement of done events, on a thread of the data plane.
 
 Every CUDA collective issued anywhere in the job (negotiated, on a fixed schedule, a join stand-in)
-is watched from issue until its done event has completed: NCCL's asynchronous errors and a
-collective overdue by the timeout are reported as the job's failure (the data plane then aborts
-its communicators, so no stream waits forever on a peer that will never arrive).
+is watched from issue until a done event recorded after it has completed: NCCL's asynchronous
+errors and a collective overdue by the timeout are reported as the job's failure (the data plane
+then aborts its communicators, so no stream waits forever on a peer that will never arrive).
+
+Work on one stream completes in order, so the watched events are kept in one queue per stream
+and each queue is retired from its head: a finished collective on one stream is never held back
+by an unfinished one on another. A query that fails (CUDA reports the error of an earlier
+kernel) is the job's failure too, reported once; the collective being watched stays watched.
 
 Done events come from the job's ``EventPool`` and go back to it once two things happened: the GPU
 finished the collective (seen here), and its waiter enqueued its wait on the event (the handle
@@ -20,6 +25,7 @@ import time
 from typing import Any, Callable
 
 from ..backends.nccl import NCCL_HINT
+from . import cuda_calls
 from .events import EventPool
 
 log = logging.getLogger("gpucomm.nccl")
@@ -50,34 +56,38 @@ class NcclWatchdog:
         self.rank, self.timeout = rank, timeout
         self._events = events
         self._health, self._fail, self._select_device = health, fail, select_device
-        self._inflight: collections.deque = collections.deque()
+        self._queues: dict[tuple[int, int], collections.deque] = {}  # (device, stream) -> entries in issue order
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._query_error: str | None = None  # a failed query, to report outside the lock
         self.failed = False  # a failure was found (then nothing counts as drained)
         self.retired = 0  # done events returned to the pool
         events.reclaim = self.reclaim
 
-    def watch(self, done_event: Any, device: int, request: Any) -> Callable[[], None]:
-        """Watch a collective whose completion is ``done_event`` (on GPU ``device``); returns what its
-        waiter calls once it has enqueued its wait."""
+    def watch(self, done_event: Any, device: int, request: Any, stream: int = 0) -> Callable[[], None]:
+        """Watch a collective whose completion is ``done_event`` (recorded on raw ``stream`` of GPU
+        ``device``); returns what its waiter calls once it has enqueued its wait."""
         entry = _InFlight(self, done_event, device, request)
         with self._lock:
-            self._retire_finished()  # what finished since: its events back to the pool before a new one is taken
-            self._inflight.append(entry)
+            queue = self._queues.get((device, stream))
+            if queue is None:
+                queue = self._queues[(device, stream)] = collections.deque()
+            queue.append(entry)  # no query here: the pool reclaims before it makes an event, the thread ticks
             if self._thread is None and not self._stop.is_set():
                 self._thread = threading.Thread(target=self._run, name="gpucomm-nccl-watchdog", daemon=True)
                 self._thread.start()
         return entry.release
 
     def __len__(self) -> int:
-        return len(self._inflight)
+        return sum(len(q) for q in self._queues.values())
 
     def reclaim(self) -> None:
         """Return the events of the collectives finished so far to the pool (the pool asks before it
         makes a new event)."""
         with self._lock:
             self._retire_finished()
+        self._report_query_error()
 
     def _waited(self, entry: _InFlight) -> None:
         with self._lock:
@@ -93,21 +103,54 @@ class NcclWatchdog:
             self.retired += 1
 
     def _retire_finished(self) -> bool:
-        """(holding the lock) Retire the collectives finished in issue order; True if none is left."""
-        inflight = self._inflight
-        while inflight and inflight[0].event.query():
-            entry = inflight.popleft()
-            entry.finished = True
-            if entry.waited:
-                self._retire(entry)
-        return not inflight
+        """(holding the lock) Retire each stream's finished collectives, from the head of its queue;
+        True if none is left. A query that raises is kept in ``_query_error`` for the caller to
+        report after letting go of the lock."""
+        query = cuda_calls.calls().query
+        for key in list(self._queues):
+            queue = self._queues[key]
+            while queue:
+                entry = queue[0]
+                try:
+                    done = query(entry.event)
+                except Exception as e:  # noqa: BLE001 - CUDA's error: the job's failure, reported once
+                    if self._query_error is None:
+                        self._query_error = (f"CUDA reported an error while {entry.request.describe()} was in flight "
+                                             f"on rank {self.rank} (GPU {entry.device}): {e}")
+                    return False
+                if not done:
+                    break
+                queue.popleft()
+                entry.finished = True
+                if entry.waited:
+                    self._retire(entry)
+            if not queue:
+                del self._queues[key]
+        return not self._queues
+
+    def _report_query_error(self) -> None:
+        """Report a failed query as the job's failure (once), after the lock is let go."""
+        with self._lock:
+            text, self._query_error = self._query_error, None
+            if text is None or self.failed:
+                return
+            self.failed = True  # nothing counts as drained from now on
+        self._stop.set()
+        self._fail(text + ". The NCCL communicators were aborted. " + NCCL_HINT)
+
+    def _oldest(self) -> _InFlight | None:
+        """(holding the lock) The unfinished collective issued first, over every stream."""
+        heads = [q[0] for q in self._queues.values() if q]
+        return min(heads, key=lambda e: e.started) if heads else None
 
     def check(self) -> None:
         """Retire finished collectives; report the oldest unfinished one if NCCL failed or it is overdue."""
         with self._lock:
-            if self._retire_finished():
-                return
-            oldest = self._inflight[0]
+            empty = self._retire_finished()
+            oldest = None if empty else self._oldest()
+        self._report_query_error()
+        if oldest is None or self.failed:
+            return
         error = self._health(oldest.request.set_id)
         if error is None and (time.monotonic() - oldest.started <= self.timeout or self._finished_since(oldest)):
             return  # in time, or it finished meanwhile
@@ -121,7 +164,7 @@ class NcclWatchdog:
                    f"hangs before this collective, or cannot reach this one")
         with self._lock:
             self.failed = True  # before clearing: a drain after this never reports "all finished"
-            self._inflight.clear()
+            self._queues.clear()
         self._stop.set()
         self._fail(why + ". The NCCL communicators were aborted. " + NCCL_HINT)
 
@@ -130,17 +173,25 @@ class NcclWatchdog:
         ``watch`` on another thread, whose event may already be recorded anew, so its query would
         say False) or its event says so now."""
         with self._lock:
-            return entry.finished or entry.event.query()
+            if entry.finished:
+                return True
+            try:
+                return cuda_calls.calls().query(entry.event)
+            except Exception:  # noqa: BLE001 - reported by the next retirement
+                return False
 
     def drain(self, grace: float) -> bool:
         """Wait up to ``grace`` seconds for every watched collective to finish; True if they did."""
         deadline = time.monotonic() + grace
         while True:
             with self._lock:
-                if self.failed:
-                    return False
-                if self._retire_finished():
-                    return True
+                done = not self.failed and self._retire_finished()
+                failed = self.failed or self._query_error is not None
+            self._report_query_error()
+            if failed:
+                return False
+            if done:
+                return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.01)
@@ -152,7 +203,7 @@ class NcclWatchdog:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5)
         with self._lock:
-            self._inflight.clear()
+            self._queues.clear()
 
     def _run(self) -> None:
         try:

@@ -14,7 +14,6 @@ from ..backends.cpu_operations import CpuOperations, explain_cpu_operations
 from ..backends.gloo import gloo_group, gloo_iface
 from ..backends.local import SelfBackend
 from ..backends.mpi import mpi_world
-from ..backends.nccl import connect_at_init
 from ..bootstrap import devices
 from ..bootstrap.arrival import (BIND_VAR, REQUIRE_SECRET_VAR, arrive, claim_arrival, conflict_key, cross_placement,
                                 open_store, watch_conflicts)
@@ -144,8 +143,6 @@ def _pin_gpu(client: RendezvousClient, server, prefix: str, world: World, record
         pinned = devices.pin_local_gpu(world.local_rank, world.local_size, single_gpu_test=single_gpu,
                                        hostname=world.hostname)
         record["bus_id"] = pinned.gpu.pci_bus_id if pinned else None
-        if pinned:
-            connect_at_init()  # before any NCCL communicator of this process, torch's own included
         return pinned
     except Exception as e:
         _publish_failure(client, server, prefix, world, record, e, start_timeout)

@@ -29,8 +29,10 @@ from ..bootstrap.rendezvous import RendezvousClient, RendezvousError, Rendezvous
 from ..bootstrap.world import World
 from ..control.controller import ControlConfig, Controller, ControlLinks, Send
 from ..control.coordinator import Coordinator
+from ..control.negotiation import CONTROL_KINDS
 from ..control.one_rank import OneRankPlane
 from ..control.standins import StandIns
+from ..dataplane import cuda_calls
 from ..dataplane.executor import prepare, release_results
 from ..dataplane.groups import Group
 from ..dataplane.handles import Handle
@@ -96,7 +98,7 @@ class Job:
                                 else None)
         self._execute = self.data.executor(self.group)
         if size == 1:
-            self.plane = OneRankPlane(self._execute, self.timeout, on_done=self._on_done, process_sets=self.static_sets)
+            self.plane = OneRankPlane(self.timeout, on_done=self._on_done, process_sets=self.static_sets)
             return
         if rank == 0:
             self._coordinator = Coordinator(size, cache_capacity=self.control.cache_capacity,
@@ -151,17 +153,30 @@ class Job:
         """Run ``request``: inline in a one-rank job, else after negotiation (``Send`` says when
         its request leaves). CUDA requests record a ready event on the caller's stream, looked up
         once here."""
-        if request.device.type == "cuda":
-            request.stream = torch.cuda.current_stream(request.device)
+        gpu = cuda_calls.is_gpu(request.device)
+        if gpu and self._negotiated:
+            calls = cuda_calls.calls()
+            request.index = calls.index(request.device)
+            request.stream = calls.current_stream(request.device)
             request.waited_at_once = send is Send.ON_WAIT
             prepare(request)
-            request.ready_event = self.data.events.record(request.stream)
-        elif request.kind in ("allreduce", "broadcast"):
+            if not (request.waited_at_once and request.send is not None and self.tracer is None):
+                # launched on a communication stream: it waits for this point of the caller's stream
+                request.ready_event = self.data.events.record(request.stream, request.index)
+            # else launched on the caller's own stream when agreed (the caller waits meanwhile): no event
+        elif request.kind in ("allreduce", "broadcast") and self._negotiated:
             prepare(request)
         handle = self.plane.submit(request, send=send)
-        if self._negotiated and (request.device.type == "cuda" or self.data.orders_cpu) and request.tensors:
+        if self._negotiated and (gpu or self.data.orders_cpu) and request.tensors:
             self.data.submitted(handle)  # its device's next optimizer step waits for its agreement
         return handle
+
+    def execute(self, request: Request) -> Any:
+        """Run ``request`` and return its result (the synchronous forms): in a one-rank job computed
+        at once where its data lies, else submitted to leave at once and waited for."""
+        if self._negotiated or request.kind in CONTROL_KINDS:
+            return self.submit(request, send=Send.ON_WAIT).wait()
+        return self.plane.run_now(request)
 
     def failure(self) -> CollectiveError | None:
         """Why the job's collectives stopped (a rank failed, a stall shutdown, the NCCL watchdog), if they did."""

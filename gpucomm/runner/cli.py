@@ -205,10 +205,6 @@ def tunables_env(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str
         out["GPUCOMM_CACHE_CAPACITY"] = out["HOROVOD_CACHE_CAPACITY"] = "0"
     if getattr(args, "tcp", False):
         out["NCCL_IB_DISABLE"] = "1"
-    if not env.get("NCCL_RUNTIME_CONNECT", "").strip():
-        # NCCL connects every peer when a communicator is created, before any script code can make a
-        # communicator of its own (torch's included) and fix the lazy default for the whole process
-        out["NCCL_RUNTIME_CONNECT"] = "0"
     if args.timeline_filename:
         out["GPUCOMM_TIMELINE"] = out["HOROVOD_TIMELINE"] = os.path.abspath(args.timeline_filename)
     if args.timeline_mark_cycles:

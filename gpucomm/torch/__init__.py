@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 
-from .. import job as _jobs
 from ..lazy import lazy_names
 from ..counters import stats
 from ..errors import CollectiveError as HorovodInternalError
@@ -23,6 +22,7 @@ from .collectives import (Adasum, Average, Max, Min, Product, Sum, add_process_s
                           grouped_allreduce_async_, grouped_reducescatter_async, join, poll, reducescatter_async,
                           remove_process_set, synchronize)
 from ..process_sets import ProcessSet, global_process_set
+from .submission import current_job, init_job, job_initialized, shutdown_job
 
 _LAZY = {"DistributedOptimizer": "optimizer", "ZeroRedundancyOptimizer": "optimizer", "save_checkpoint": "checkpoint", "allgather_object": "functions",
          "broadcast_object": "functions", "broadcast_optimizer_state": "functions",
@@ -51,10 +51,10 @@ def init(comm=None, process_sets=None) -> None:
     for ps in sets:
         if not isinstance(ps, ProcessSet):
             raise ValueError(f"init(process_sets=...) takes hvd.ProcessSet objects, got {type(ps).__name__}.")
-    if _jobs.is_initialized():
-        _jobs.init()
+    if job_initialized():
+        init_job()
         return
-    job = _jobs.init(process_sets)
+    job = init_job(process_sets)
     global_process_set.register(0, range(job.world.size), job.world.rank)
     for set_id, ps in enumerate(sets, start=1):
         ps.register(set_id, ps.ranks, job.world.rank)
@@ -72,16 +72,16 @@ def stop_timeline() -> None:
 
 def shutdown() -> None:
     """Leave the job; outstanding operations fail. ``init()`` may be called again afterwards."""
-    _jobs.shutdown()
+    shutdown_job()
 
 
 def is_initialized() -> bool:
-    return _jobs.is_initialized()
+    return job_initialized()
 
 
 def _job():
     """The initialized job (the world, hosts and timeline live there)."""
-    return _jobs.current()  # NotInitializedError is a ValueError, as Horovod raises
+    return current_job()  # NotInitializedError is a ValueError, as Horovod raises
 
 
 def size() -> int:
@@ -141,13 +141,13 @@ def mpi_built() -> bool:
 
 def gloo_enabled() -> bool:
     """Whether this job's CPU collectives run on Gloo (every initialized job but one on MPI)."""
-    return _jobs.is_initialized() and not _jobs.current().on_mpi
+    return job_initialized() and not current_job().on_mpi
 
 
 def mpi_enabled() -> bool:
     """Whether this job's CPU collectives run on MPI (an MPI launcher with mpi4py, or
     ``GPUCOMM_CPU_OPERATIONS=mpi``); GPU tensors use NCCL either way."""
-    return _jobs.is_initialized() and _jobs.current().on_mpi
+    return job_initialized() and current_job().on_mpi
 
 
 def cuda_built() -> bool:

@@ -30,11 +30,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .. import job as jobs
-from ..control.config import Send
-from ..dataplane.requests import check_tensors
 from ..process_sets import ProcessSet, global_process_set
 from . import submission
+from .submission import Send, check_tensors, current_job
 from .functions import allgather_object
 from .parameters import (TWICE_ERROR, ZERO_GRAD_ERROR, check_passes, check_same_parameters, parameter_names,
                          shared_steps)
@@ -74,7 +72,7 @@ def check_adasum(tensors: Sequence[torch.Tensor], process_set: ProcessSet | None
     and floating-point tensors."""
     if process_set is not None and process_set != global_process_set:
         raise NotImplementedError(NON_GLOBAL_ERROR)
-    size = jobs.current().world.size
+    size = current_job().world.size
     if size & (size - 1):
         raise NotImplementedError(
             f"Running Adasum with non-power of 2 ranks is not supported yet. This job has {size} ranks; Adasum "
@@ -98,7 +96,7 @@ def _as_allgather(tensors: Sequence[torch.Tensor], name: str | None, in_place: b
     if in_place:
         submission.mark_written("allreduce", tensors)
     rows = [t.detach().unsqueeze(0) for t in tensors]  # one row per rank; a shape mismatch names the user's shapes
-    size = jobs.current().world.size
+    size = current_job().world.size
 
     def finish(gathered: Any) -> list:
         outs = []
@@ -126,7 +124,7 @@ def start(tensors: Sequence[torch.Tensor], name: str | None, convert: Callable[[
     the allgather's handle, and what turns its result into the reduced tensors (``tensors``
     themselves when in place), then ``convert``'s form (None: as they are)."""
     rows, gather_name, finish = _as_allgather(tensors, name, in_place, prescale, postscale, process_set)
-    job = jobs.current()
+    job = current_job()
     handle = submission.submit_request(job, submission.build_request(job, "allgather", rows, gather_name), send)
     if convert is None:
         return handle, finish

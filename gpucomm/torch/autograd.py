@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from .. import job as jobs
-from ..dataplane.requests import check_tensor_arg, check_tensor_list, reduce_op_of
 from ..process_sets import ProcessSet, global_process_set
 from .compression import Compression, NoneCompressor
 from .collectives import alltoall_now
-from .submission import Average, Sum, check_root, execute, handle_average_backwards_compatibility, reduction, set_id
+from .submission import (Average, Sum, check_root, check_tensor_arg, check_tensor_list, current_job, execute,
+                         handle_average_backwards_compatibility, reduce_op_of, reduction, set_id)
 
 
 def _group(process_set: ProcessSet):
-    return jobs.current().group(set_id(process_set))
+    return current_job().group(set_id(process_set))
 
 
 def _allreduce_now(tensor, op, pre, post, name, process_set):
@@ -113,7 +112,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         reduced = _allreduce_now(grad.contiguous(), Average, 1.0, 1.0, None, ctx.process_set)
-        if jobs.current().world.rank != ctx.root:
+        if current_job().world.rank != ctx.root:
             reduced = reduced * 0
         return reduced, None, None, None
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .. import job as jobs
+from .submission import current_job, job_initialized
 
 
 def save_checkpoint(obj: Any, path: str | os.PathLike, *, root_rank: int = 0) -> bool:
@@ -25,7 +25,7 @@ def save_checkpoint(obj: Any, path: str | os.PathLike, *, root_rank: int = 0) ->
 
     The bytes go to a temporary file in the same directory, are flushed to disk, and replace
     ``path`` with one atomic rename, so readers see the old checkpoint or the new one, never half."""
-    rank = jobs.current().world.rank if jobs.is_initialized() else 0
+    rank = current_job().world.rank if job_initialized() else 0
     if rank != root_rank:
         return False
     path = Path(path)

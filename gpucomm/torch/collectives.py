@@ -15,11 +15,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import job as jobs
-from ..control.config import Send
-from ..dataplane.requests import Request, equal_splits
 from ..process_sets import ProcessSet, check_members, global_process_set
-from .submission import (Adasum, Average, Max, Min, Product, Sum, build_request, check_name, check_root, control,
+from .submission import (Adasum, Average, Max, Min, Product, Request, Send, Sum, build_request, check_name, check_root,
+                         control, current_job, equal_splits,
                          execute, first, handle_average_backwards_compatibility, poll, reduction, set_id, set_size,
                          submit, submit_request, synchronize)
 
@@ -186,7 +184,7 @@ def join(device: int = -1) -> int:
     last (the same on every rank).
 
     ``device``: the GPU index for the zero tensors of CUDA collectives (-1: this rank's GPU)."""
-    job = jobs.current()
+    job = current_job()
     if device >= 0:
         job.join_device = device
     # the join leaves for the coordinator before the stand-ins start: a rank still training can only
@@ -232,7 +230,7 @@ class _StandIn:
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """Register a new process set; every rank must call this, in the same order, with the same ranks.
     Needs ``hvd.init(process_sets="dynamic")`` (or GPUCOMM_DYNAMIC_PROCESS_SETS=1)."""
-    job = jobs.current()
+    job = current_job()
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     if not job.dynamic_sets:
         raise ValueError("add_process_set needs dynamic process sets: call hvd.init(process_sets='dynamic') or set "
@@ -248,7 +246,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister ``process_set`` (every rank, same order). False if it was not registered."""
-    job = jobs.current()
+    job = current_job()
     if not job.dynamic_sets:
         raise ValueError("remove_process_set needs dynamic process sets: call hvd.init(process_sets='dynamic') or "
                          "set GPUCOMM_DYNAMIC_PROCESS_SETS=1 on every rank.")
@@ -280,7 +278,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: int,
                          f"hvd.{rop.name.title()}: it gathers every rank's entries and sums those at the same index. "
                          f"For another op, densify and use hvd.allreduce(tensor.to_dense(), op=...).")
     check_name("sparse_allreduce_async", name)
-    job = jobs.current()
+    job = current_job()
     t = tensor.detach().coalesce()
     indices = t.indices().t().contiguous()  # [nnz, sparse_dim]: allgather concatenates along dim 0
     request = build_request(job, "allgather", [indices, t.values().contiguous()],

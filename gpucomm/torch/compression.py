@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -103,6 +103,30 @@ class PowerSGD(Compressor):
 
     def __repr__(self) -> str:
         return "Compression.powersgd(" + ", ".join(f"{k}={v!r}" for k, v in self.describe().items()) + ")"
+
+
+def wire_of(compression: Any) -> Callable[[torch.dtype], "torch.dtype | None"]:
+    """How a DistributedOptimizer's buckets send gradients with ``compression``: a function from a
+    gradient's dtype to the dtype it travels in (its own uncompressed; the cast compressor's for
+    floating gradients; PowerSGD's ``wire`` for what it leaves uncompressed), or None: a user
+    compressor, whose tensors the pack kernels cannot produce (each gradient is compressed)."""
+    if isinstance(compression, PowerSGD):
+        return wire_of(compression.wire)
+    if compression in (None, NoneCompressor):
+        return _same
+    for builtin in (FP16Compressor, BF16Compressor):
+        if compression is builtin or isinstance(compression, builtin):
+            wire = builtin.wire_dtype
+            return lambda dtype: wire if dtype.is_floating_point else dtype
+    return _user
+
+
+def _same(dtype: torch.dtype) -> torch.dtype:
+    return dtype
+
+
+def _user(dtype: torch.dtype) -> None:
+    return None
 
 
 class Compression:

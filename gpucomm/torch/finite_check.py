@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..dataplane.finite import FirstNonFinite
+from .submission import FiniteSlots, exact_limit
 
 log = logging.getLogger("gpucomm")
 
@@ -53,36 +53,6 @@ def resolve_mode(check_finite: Any) -> str | None:
         raise ValueError(f"{source} is not a mode of the finite check: use 'raise' (stop every rank, naming the rank "
                          f"and parameter), 'warn' (report and continue), or off (False / 0).")
     return value
-
-
-def exact_limit(dtype: torch.dtype) -> int:
-    """The largest integer ``dtype`` holds exactly with all smaller ones (the slot values' ceiling)."""
-    if dtype == torch.bfloat16:
-        return 256
-    if dtype == torch.float16:
-        return 2048
-    if dtype.is_floating_point:
-        return 1 << 24 if dtype == torch.float32 else 1 << 53
-    return torch.iinfo(dtype).max
-
-
-class FiniteSlots:
-    """The check as a DistributedOptimizer's buckets run it: this rank's index ``rank`` among the
-    ``size`` ranks of the set (its slot in every bucket's tail), and the search used where the
-    checked pack kernels do not run (direct CPU buckets, torch ops, a user compressor)."""
-
-    def __init__(self, mode: str, rank: int, size: int) -> None:
-        self.mode, self.rank, self.size = mode, rank, size
-        self._search = FirstNonFinite()
-
-    def search(self, pieces: Sequence[torch.Tensor], out: torch.Tensor, whole: torch.Tensor | None = None) -> None:
-        """``out`` := this rank's slot value for a bucket made of ``pieces`` (``whole``: their data as
-        one tensor, when consecutive; see ``gpucomm.dataplane.finite``)."""
-        self._search(pieces, out, self.limit(out.dtype), whole)
-
-    @staticmethod
-    def limit(dtype: torch.dtype) -> int:
-        return exact_limit(dtype)
 
 
 @dataclass(frozen=True)
@@ -124,4 +94,4 @@ def describe(step: int, findings: Sequence[Finding]) -> str:
             f"(GPUCOMM_CHECK_FINITE=warn) reports and continues.")
 
 
-__all__ = ["ENV", "Finding", "FiniteSlots", "MODES", "active_grad_scaler", "describe", "exact_limit", "resolve_mode"]
+__all__ = ["ENV", "Finding", "FiniteSlots", "MODES", "active_grad_scaler", "describe", "exact_limit", "resolve_mode"]  # FiniteSlots, exact_limit: the data plane's

@@ -8,10 +8,9 @@ from typing import Any
 
 import torch
 
-from .. import job as jobs
 from ..process_sets import ProcessSet, global_process_set
 from .collectives import broadcast_, broadcast_async_
-from .submission import execute, set_id, synchronize
+from .submission import current_job, execute, set_id, synchronize
 
 try:  # cloudpickle handles lambdas and local classes, as Horovod's helpers do
     import cloudpickle as _pickler
@@ -49,7 +48,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Root's ``obj`` on every rank of ``process_set`` (pickled, two broadcasts: size then bytes)."""
     name = name or type(obj).__name__
-    rank = jobs.current().world.rank
+    rank = current_job().world.rank
     if rank == root_rank:
         data = _to_bytes_tensor(obj)
         size = torch.tensor([data.numel()], dtype=torch.int64)
@@ -97,7 +96,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state: its state holds closures' history that does "
                          "not transfer between processes; broadcast the model and start LBFGS fresh on every rank.")
-    rt = jobs.current()
+    rt = current_job()
     if is_sharded(optimizer):
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         groups = broadcast_object(groups, root_rank, name="broadcast_optimizer_state.groups")

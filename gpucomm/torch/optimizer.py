@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 import warnings
@@ -35,23 +36,21 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from .. import job as jobs
 from ..counters import COUNTERS
-from ..dataplane import fusion
 from ..process_sets import ProcessSet, global_process_set
 from ..tuning.plans import to_fusion_buckets
 from .autotune import Autotuner, AutotuneSettings
-from .buckets import GradientBuckets, MakeBuckets, wire_dtype
 from . import finite_check
 from .adasum import adasum_optimizer
-from .compression import Compression, PowerSGD
+from .compression import Compression, PowerSGD, wire_of
 from .powersgd import PowerSGDState, powersgd_buckets
 from .zero import ZeroSettings, check_elementwise, sharded_steps
 from ..errors import CollectiveError as HorovodInternalError, NonFiniteGradientError
-from ..settings import env_flag_default_on
+from ..settings import env_flag, env_flag_default_on
 from .functions import allgather_object, broadcast_object
 from .collectives import barrier
-from .submission import Adasum, Average, Sum, set_id
+from .submission import (Adasum, Average, BucketSettings, FiniteSlots, GradientBuckets, MakeBuckets, Sum, active_job,
+                         current_job, fused_wire, plan_buckets, plan_by_readiness, plan_groups, set_id, views_wanted)
 from .parameters import (STEP_AFTER_SYNC_WARNING, TWICE_ERROR, ZERO_GRAD_ERROR, check_passes,  # noqa: F401
                          check_same_parameters, parameter_names, shared_steps)
 from .sparse_grads import SparseGradients
@@ -65,6 +64,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     ``_bucket_maker``, ``_settle_parameters`` and ``_tunable`` are the points it changes)."""
 
     _tunable = True  # autotune may re-cut the buckets
+    _reduces_at_one_rank = True  # GPUCOMM_ONE_RANK_REDUCER may run the schedule at size 1
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, groups, sparse_as_dense, process_set, check_finite=None):
@@ -94,7 +94,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._backward_cv = threading.Condition()
         self._hooked = False  # a gradient hook fired since the last synchronize
         self._prepare()
-        self._bind(jobs.current())
+        self._bind(current_job())
 
     def _prepare(self) -> None:
         """What a merged class sets up before the layout is first agreed (DistributedOptimizer: nothing)."""
@@ -111,19 +111,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._set_id = set_id(self._process_set)
         group = job.group(self._set_id)
         self._size, self._ranks = group.size, group.ranks
-        self._finite = (finite_check.FiniteSlots(self._check_mode, group.rank, self._size)
-                        if self._check_mode is not None and self._size > 1 else None)
+        # a one-rank job runs no reducer, unless GPUCOMM_ONE_RANK_REDUCER asks for its full schedule (as
+        # DDP runs its reducer at size 1): what the reducer itself costs is then measured on one GPU
+        self._reducing = self._size > 1 or (self._reduces_at_one_rank and one_rank_reducer())
+        self._finite = (FiniteSlots(self._check_mode, group.rank, self._size)
+                        if self._check_mode is not None and self._reducing else None)
         # Average: 1/f before the sum (packed in), f/size after (unpacked out), Horovod's predivide rule
         self._prescale = 1.0 / self._predivide if self._op == Average else 1.0
         self._postscale = self._predivide / self._size if self._op == Average else 1.0
         self._fired: set[torch.Tensor] = set()
         self._backward_span: tuple[float, float] | None = None  # first and last gradient of this step (timeline)
         self._tracer: Any = None  # the timeline's tracer, looked up once per step (at its first gradient)
-        self._schedule = job.new_schedule(self._set_id) if self._size > 1 else None
+        self._schedule = job.new_schedule(self._set_id) if self._reducing else None
         self._layouts = 0
         self._ready_us: list[float | None] | None = None  # when each gradient arrived in the watched step
         self._planned: list[list[int]] | None = None  # autotune's buckets (indices into the dense gradients)
-        if self._size == 1:
+        if not self._reducing:
             for hook in self._hooks.values():
                 hook.remove()
             self._hooks.clear()
@@ -147,6 +150,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # every device it may launch on, in parameter order (building a backend is a collective)
             for device in dict.fromkeys(p.device for p in self._params):
                 self._schedule.open(device)
+            self._buckets.warm_up()  # a collective point: NCCL connects here, never inside a backward hook
             job.add_join_party(self)
         # no finalizer releases the schedule: garbage collection runs at a different moment on every
         # rank, and a communicator is released only at a collective point (``close()``, or shutdown)
@@ -155,7 +159,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Elastic training re-formed the job (``hvd.elastic.run``): attach to the new one. Every
         rank of the new job calls this at the same point (``TorchState.sync()`` does, or the first
         gradient hook or ``synchronize()`` after the re-form)."""
-        job = jobs.current()
+        job = current_job()
         if self._job_ref is not None and self._job_ref() is job:
             return
         self._bind(job)
@@ -170,20 +174,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         trainable = [p for p in self._params if p.requires_grad]
         dense = self._sparse.split(trainable)  # the agreed sparse ones are reduced on their own
         if self._groups is not None:
-            plans = fusion.plan_groups(dense, _trainable_groups(self._groups, dense))
+            plans = plan_groups(dense, _trainable_groups(self._groups, dense))
         elif self._planned is not None and sorted(i for b in self._planned for i in b) == list(range(len(dense))):
             plans = to_fusion_buckets(dense, self._planned)
         elif self._ready_us is not None:
             index = {p: i for i, p in enumerate(self._params)}
-            plans = fusion.plan_by_readiness(dense, [self._ready_us[index[p]] for p in dense])
+            plans = plan_by_readiness(dense, [self._ready_us[index[p]] for p in dense])
         else:
-            plans = fusion.plan_buckets(dense)
-        buckets = GradientBuckets(self._schedule, dense, plans, self._compression, self._prescale,
-                                  self._postscale, self._set_id, self._flush_step, self._finite,
-                                  make=self._bucket_maker())
+            plans = plan_buckets(dense)
+        settings = BucketSettings(self._compression, self._prescale, self._postscale, self._set_id, self._finite,
+                                  average=self._op == Average, predivide=self._predivide,
+                                  wire_of=wire_of(self._compression), views=views_wanted())
+        buckets = GradientBuckets(self._schedule, dense, plans, settings, self._flush_step, make=self._bucket_maker())
         self._layouts += 1
-        if self._size > 1:
+        if self._reducing:
             self._verify_everywhere(buckets)
+            if self._layouts > 1:  # a new layout, agreed at a collective point: NCCL connects for it here
+                buckets.warm_up()
             hooked = set(trainable)
             for p in list(self._hooks):
                 if p not in hooked:
@@ -244,9 +251,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._tuner = None
         self._planned = None
         before = set(self._trainable)
-        self._buckets = self._agree_on_layout(jobs.current())
+        self._buckets = self._agree_on_layout(current_job())
         added = [p for p in self._trainable if p not in before]
-        if added and self._size > 1:
+        if added and self._reducing:
             self._buckets.reduce_once(added, f"DistributedOptimizer.added.{self._layouts}")
 
     # ------------------------------------------------------------------ hooks and launching
@@ -254,7 +261,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _hook(self, p: torch.Tensor) -> None:
         if self._local_only:
             return
-        if self._job_ref() is not jobs.active():
+        if not self._hooked and self._job_ref() is not active_job():  # once per step: the job is the same
             self.rebind()
         with self._lock:
             delay = self._delay.get(p)
@@ -268,7 +275,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 # launch: a bucket missing a gradient on one rank would otherwise open it later there than
                 # elsewhere), and the tracer is looked up once for the step
                 self._schedule.begin_step(self._flush_step)
-                self._tracer = self._buckets.tracer = jobs.current().tracer
+                self._tracer = self._buckets.tracer = current_job().tracer
                 self._mark_backward()
             tracer = self._tracer
             if tracer is not None:  # the backward pass, as seen from its gradients (timeline)
@@ -300,9 +307,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._closed:
             raise ValueError("this DistributedOptimizer was closed (optimizer.close()): it averages no more gradients "
                              "and has released its communicator. Build a new DistributedOptimizer to keep training.")
-        if self._job_ref() is not jobs.active():
+        if self._job_ref() is not active_job():
             self.rebind()
-        if self._size == 1:
+        if not self._reducing:
             self._synchronized = True
             if self._powersgd is not None:
                 self._powersgd.step_done()
@@ -321,7 +328,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.last_nonfinite = self._findings(reports) if reports else []
         self._synchronized = True
         span, self._backward_span = self._backward_span, None
-        tracer = jobs.current().tracer
+        tracer = current_job().tracer
         if tracer is not None and span is not None:
             tracer.span("DistributedOptimizer.backward", "BACKWARD", span[0], span[1])
         return True
@@ -369,7 +376,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         if self._check_mode == "raise":
             raise NonFiniteGradientError(text, self._steps, findings)
-        if self._ranks[0] == jobs.current().world.rank:
+        if self._ranks[0] == current_job().world.rank:
             warnings.warn(text, RuntimeWarning, stacklevel=3)
         else:
             log.debug("%s", text)
@@ -382,7 +389,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         watched, self._watch = self._watch, None
         start = min(watched.values(), default=0.0)
         mine = [None if p not in watched else (watched[p] - start) * 1e6 for p in self._params]
-        root = jobs.current().group(self._set_id).ranks[0]
+        root = current_job().group(self._set_id).ranks[0]
         try:
             self._ready_us = broadcast_object(mine, root_rank=root, name=f"DistributedOptimizer.ready.{self._schedule.number}",
                                               process_set=self._process_set)
@@ -414,9 +421,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         len(kinds), ", ".join(f"{d} on {v}" for d, v in sorted(kinds, key=str)) or "none")
             return None
         dtype, device = next(iter(kinds))
-        wire = wire_dtype(self._compression, dtype) or dtype
+        wire = fused_wire(dtype, wire_of(self._compression)(dtype)) or dtype
         sizes = [p.numel() * wire.itemsize for p in dense]
-        job = jobs.current()
+        job = current_job()
         probes = iter(range(1 << 30))
 
         def time_allreduce(nbytes: int) -> float:
@@ -450,7 +457,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _recut(self, plan: list[list[int]]) -> None:
         """Adopt the autotuner's ``plan`` (agreed across ranks like every layout)."""
         self._planned = plan
-        self._buckets = self._agree_on_layout(jobs.current())
+        self._buckets = self._agree_on_layout(current_job())
         COUNTERS.autotune_recuts += 1
 
     def _launch_step(self) -> None:
@@ -477,12 +484,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _mark_backward(self) -> None:
         """(the step's first gradient hook) This step's backward runs until autograd's final callback."""
         self._in_backward = True
+        self._buckets.begin_backward()
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
         except RuntimeError:  # a hook run outside a backward pass (by hand): nothing runs on
             self._in_backward = False
+            self._buckets.end_backward()
 
     def _backward_ended(self) -> None:
+        self._buckets.end_backward()
         with self._backward_cv:
             self._in_backward = False
             self._backward_cv.notify_all()
@@ -493,7 +503,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         when the optimizer is garbage-collected, which happens at a different moment on every rank."""
         self._settle_parameters()
         job = self._job_ref() if self._job_ref is not None else None
-        if self._schedule is not None and job is not None and job is jobs.active():
+        if self._schedule is not None and job is not None and job is active_job():
             # a collective point: no member may still be building the communicator this releases
             barrier(self._process_set)
         schedule, self._schedule = self._schedule, None
@@ -535,10 +545,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._local_only = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Horovod's guard, then the gradients cleared. Gradients that live in their buckets (bound
+        views of the fusion buffers) are zeroed where they live, one op per bucket, whatever
+        ``set_to_none`` says: backward then accumulates into the buffer again, with no copy (DDP's
+        ``gradient_as_bucket_view``, whose gradients a plain ``zero_grad`` would unbind instead).
+        The others are set to None (or zeroed) as the wrapped optimizer does."""
         if self._hooked or self._buckets.in_flight or self._sparse.in_flight:
             raise AssertionError(ZERO_GRAD_ERROR)
         self._settle_parameters()
-        result = super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+        kept = self._buckets.zero_views()
+        if not kept:
+            result = super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+        else:
+            result = _zero_others(self.param_groups, kept, set_to_none)
         self._buckets.release()
         return result
 
@@ -566,6 +585,34 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 # ---------------------------------------------------------------------------------------------
 # construction
+
+
+def one_rank_reducer(environ: Any = None) -> bool:
+    """Whether a one-rank job runs the reducer's full schedule (``GPUCOMM_ONE_RANK_REDUCER=1``): hooks,
+    buckets and a one-rank communicator, as DDP runs its reducer at size 1, so that the reducer's
+    own cost can be measured on one GPU. Off by default: a one-rank job has nothing to average."""
+    return env_flag(os.environ if environ is None else environ, (ONE_RANK_REDUCER_ENV,))
+
+
+ONE_RANK_REDUCER_ENV = "GPUCOMM_ONE_RANK_REDUCER"
+
+
+def _zero_others(param_groups: list[dict], kept: set, set_to_none: bool) -> None:
+    """``Optimizer.zero_grad`` for the parameters outside ``kept`` (torch's rule for each)."""
+    with torch.no_grad():
+        for group in param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None or p in kept:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                    continue
+                if g.grad_fn is not None:
+                    g.detach_()
+                else:
+                    g.requires_grad_(False)
+                g.zero_()
 
 
 def _trainable_groups(groups: Any, trainable: list[torch.Tensor]) -> Any:
@@ -627,7 +674,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
         if finite_check.resolve_mode(check_finite) is not None:
             raise NotImplementedError("check_finite is not supported with op=hvd.Adasum (its delta optimizer "
                                       "reduces weight changes, not gradients); use op=hvd.Average or hvd.Sum.")
-        if jobs.current().world.size > 1:
+        if current_job().world.size > 1:
             return adasum_optimizer(optimizer, named_parameters, compression, backward_passes_per_step,
                                     gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set)
         if gradient_predivide_factor != 1.0:

@@ -37,10 +37,10 @@ from typing import Sequence
 
 import torch
 
-from ..dataplane import fusion
-from .buckets import (Bucket, BucketSettings, MakeBuckets, gradient_targets, gradient_to_send, standard_bucket,
-                      sub_plan)
+from ..dataplane.bucket_kinds import Bucket  # the bucket class PowerSGD's buckets extend
 from .compression import NoneCompressor, PowerSGD
+from .submission import (BucketSettings, MakeBuckets, PlannedBucket, gradient_targets, gradient_to_send,
+                         standard_bucket, sub_plan)
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -135,7 +135,7 @@ class PowerSGDBucket(Bucket):
     the module doc); during the first ``start_iter`` steps, the gradients themselves in one phase.
     ``wire``: the dtype P and Q travel in; ``size``: the ranks the gradients are averaged over."""
 
-    def __init__(self, plan: fusion.Bucket, params: list[torch.Tensor], wire: torch.dtype, settings: BucketSettings,
+    def __init__(self, plan: PlannedBucket, params: list[torch.Tensor], wire: torch.dtype, settings: BucketSettings,
                  state: PowerSGDState, size: int) -> None:
         super().__init__(plan, params, wire, settings)
         self.state, self.size = state, size
@@ -282,7 +282,7 @@ def powersgd_buckets(state: PowerSGDState, size: int) -> MakeBuckets:
     ``PowerSGDBucket``), numbered in that order."""
     wire = state.settings.wire
 
-    def make(plans: Sequence[fusion.Bucket], trainable: Sequence[torch.Tensor],
+    def make(plans: Sequence[PlannedBucket], trainable: Sequence[torch.Tensor],
              settings: BucketSettings) -> list[Bucket]:
         buckets: list[Bucket] = []
         for plan in plans:
@@ -290,7 +290,7 @@ def powersgd_buckets(state: PowerSGDState, size: int) -> MakeBuckets:
             plain = [i for i in plan.param_indices if state.matrix(trainable[i]) is None]
             if plain:
                 sub = sub_plan(len(buckets), trainable, plain)
-                buckets.append(standard_bucket(sub, [trainable[i] for i in plain], wire, settings))
+                buckets.append(standard_bucket(sub, [trainable[i] for i in plain], settings))
             if low:
                 sub = sub_plan(len(buckets), trainable, low)
                 factors = plan.dtype if wire is NoneCompressor else wire.wire_dtype

@@ -25,11 +25,11 @@ from typing import Any, Sequence
 
 import torch
 
-from ..dataplane.requests import Request
 from ..errors import CollectiveError
 from ..process_sets import ProcessSet
 from ..reduce_op import ReduceOp
 from .functions import allgather_object
+from .submission import Request
 
 
 class SparseGradients:

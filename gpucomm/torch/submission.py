@@ -2,7 +2,17 @@
 Horovod's integer handles, or synchronous), the handle table, process-set ids, and the checks every
 collective shares. ``collectives.py`` (Horovod's functions), ``autograd.py``, ``functions.py``,
 ``sync_batch_norm.py``, the optimizer and Adasum all go through it; nothing of the front reaches
-the job another way. An Adasum allreduce starts in one place, ``_start_adasum``.
+the job, the control plane or the data plane another way (the bucket classes ZeRO and PowerSGD
+extend excepted). An Adasum allreduce starts in one place, ``_start_adasum``.
+
+The names below the functions are what the front uses of the layers under it, named once here:
+the job's lifecycle (``current_job`` ...), the request checks, and the reducer the optimizer
+builds (``GradientBuckets`` and its planning), which lives in the data plane.
+
+A synchronous collective (``execute``) keeps a validated plan per call shape (kind, dtypes,
+shapes, op, scaling, process set, in place or not): a repeated call skips the argument checks
+and request defaults and only fills in the tensors; in a one-rank job it then runs where its data
+lies (``dataplane.local``: a copy, or nothing in place), with no NCCL at all.
 """
 
 from __future__ import annotations
@@ -15,9 +25,23 @@ import torch
 
 from .. import job as jobs
 from ..control.config import Send
-from ..dataplane.requests import Request, check_op, check_tensors, reduce_op_of
+from ..dataplane import fusion
+from ..dataplane.bucket_kinds import (BucketSettings, fused_wire, standard_bucket, standard_buckets, sub_plan,
+                                      views_wanted)
+from ..dataplane.finite import FiniteSlots, exact_limit
+from ..dataplane.grad_layout import gradient_targets, gradient_to_send, layout_of, send_view, view_in_order
+from ..dataplane.reducer import GradientBuckets, MakeBuckets
+from ..dataplane.requests import (Request, check_op, check_tensor_arg, check_tensor_list, check_tensors, equal_splits,
+                                  reduce_op_of)
 from ..process_sets import ProcessSet, global_process_set
 from ..reduce_op import ReduceOp
+
+# the job's lifecycle, as the front calls it
+current_job, active_job, job_initialized = jobs.current, jobs.active, jobs.is_initialized
+init_job, shutdown_job = jobs.init, jobs.shutdown
+# the reducer's planning (``dataplane.fusion``)
+PlannedBucket, plan_buckets, plan_by_readiness, plan_groups = (fusion.Bucket, fusion.plan_buckets,
+                                                               fusion.plan_by_readiness, fusion.plan_groups)
 
 Average, Sum, Adasum, Min, Max, Product = (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM, ReduceOp.MIN,
                                            ReduceOp.MAX, ReduceOp.PRODUCT)
@@ -70,17 +94,38 @@ def set_size(sid: int) -> int:
 def build_request(job: Any, kind: str, tensors: Sequence[torch.Tensor], name: str | None, *, in_place: bool = False,
                   reducing: bool = False, process_set: ProcessSet | None = None, **fields: Any) -> Request:
     """Validate the arguments (on the caller's thread, so bad input raises here) and build the request.
-    Unnamed requests are numbered per job, so every rank names them alike."""
-    check_name(kind, name)
-    device = check_tensors(kind, tensors, reducing=reducing)
-    if "op" in fields:
-        check_op(kind, fields["op"])
-    sid = set_id(process_set)
+    Unnamed requests are numbered per job, so every rank names them alike. A call shaped like an
+    earlier one (kind, dtypes, shapes, devices, layouts, op and scaling, on the global set) reuses
+    that call's validation (``_validated``)."""
+    if name is not None:
+        check_name(kind, name)
+    cacheable = (process_set is None or process_set is global_process_set) and "splits" not in fields
+    key = device = None
+    if cacheable:
+        try:
+            key = (kind, reducing, *fields.values(), *[(t.dtype, t.shape, t.device, t.layout, t.is_contiguous())
+                                                        for t in tensors])
+            device = _validated.get(key)
+        except (AttributeError, TypeError):  # not tensors, or an unhashable field: the full check says what
+            key = None
+    if device is None:
+        device = check_tensors(kind, tensors, reducing=reducing)
+        if "op" in fields:
+            check_op(kind, fields["op"])
+        if key is not None:
+            if len(_validated) >= _VALIDATED_KEPT:
+                _validated.clear()
+            _validated[key] = device
+    sid = 0 if cacheable else set_id(process_set)
     if in_place:
         mark_written(kind, tensors)
     detached = [t.detach() if t.requires_grad else t for t in tensors]
     return Request(kind, f"{kind}.{name}" if name else job.unnamed_name(kind, sid), detached,
                    outputs=detached if in_place else None, device=device, set_id=sid, **fields)
+
+
+_validated: dict[tuple, torch.device] = {}  # a validated call shape -> its device
+_VALIDATED_KEPT = 1024  # call shapes kept; beyond that the table starts again
 
 
 def check_name(kind: str, name: object) -> None:
@@ -103,15 +148,23 @@ def mark_written(kind: str, tensors: Sequence[torch.Tensor]) -> None:
     grad is refused while grad mode is on (torch's rule and message), and every tensor's version
     counter is bumped, so autograd raises if one was saved for backward."""
     grad_mode = torch.is_grad_enabled()
+    tracked = False
     for t in tensors:
-        if grad_mode and t.requires_grad and t.is_leaf:
-            raise RuntimeError(
-                f"a leaf Variable that requires grad is being used in an in-place operation. ({kind}_ writes its "
-                f"result into the tensor.) Fix: use the out-of-place hvd.{kind}(), or write under torch.no_grad() "
-                f"(or into p.data) when changing parameters on purpose, as broadcast_parameters does.")
-    with torch.no_grad():
+        if t.requires_grad:
+            tracked = True
+            if grad_mode and t.is_leaf:
+                raise RuntimeError(
+                    f"a leaf Variable that requires grad is being used in an in-place operation. ({kind}_ writes "
+                    f"its result into the tensor.) Fix: use the out-of-place hvd.{kind}(), or write under "
+                    f"torch.no_grad() (or into p.data) when changing parameters on purpose, as broadcast_parameters "
+                    f"does.")
+    if not tracked:  # no autograd in the way: the common case, without a grad-mode context
         for t in tensors:
             t.as_strided_(t.size(), t.stride(), t.storage_offset())  # no data touched: bumps _version
+        return
+    with torch.no_grad():
+        for t in tensors:
+            t.as_strided_(t.size(), t.stride(), t.storage_offset())
 
 
 def submit(kind: str, tensors: Sequence[torch.Tensor], name: str | None, convert: Callable[[Any], Any],
@@ -136,7 +189,7 @@ def execute(kind: str, tensors: Sequence[torch.Tensor], name: str | None, **opti
         result = handle.wait()
         return result if convert is None else convert(result)
     job = jobs.current()
-    return submit_request(job, build_request(job, kind, tensors, name, **options), Send.ON_WAIT).wait()
+    return job.execute(build_request(job, kind, tensors, name, **options))
 
 
 def submit_request(job: Any, request: Request, send: Send) -> Any:
@@ -193,7 +246,10 @@ def first(outs: list) -> torch.Tensor:
 def reduction(op: ReduceOp | int | None, average: bool | None, prescale_factor: float, postscale_factor: float,
                process_set: ProcessSet | None) -> dict:
     """The request fields of a reduction (``op`` may already be resolved to a ``ReduceOp``)."""
-    resolved = op if op.__class__ is ReduceOp and average is None else handle_average_backwards_compatibility(op, average)
+    if average is None and (op is None or op.__class__ is ReduceOp):
+        resolved = Average if op is None else op
+    else:
+        resolved = handle_average_backwards_compatibility(op, average)
     return {"reducing": True, "op": resolved,
             "prescale": float(prescale_factor), "postscale": float(postscale_factor), "process_set": process_set}
 

@@ -3,8 +3,8 @@
 Each rank keeps the optimizer state of 1/N of the parameters only (Rajbhandari et al., SC 2020,
 stage 1; torch's ``ZeroRedundancyOptimizer`` does the same over DDP). A training step:
 
-1. backward: each bucket's gradients are copied, averaged, into its fusion buffer as their hooks
-   fire, and the bucket is *reduce-scattered* on the optimizer's schedule as soon as it is complete
+1. backward: when a bucket is complete (its gradients' hooks fired), its gradients are copied,
+   averaged, into its fusion buffer and the bucket is *reduce-scattered* on the optimizer's schedule
    (overlapping backward, as the allreduce of ``DistributedOptimizer`` does): every rank receives
    the averaged gradients of its own part of the bucket only;
 2. ``step()``: the wrapped optimizer class steps this rank's part of the parameters (its *shard*),
@@ -44,12 +44,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .. import job as jobs
-from ..dataplane import fusion
+from ..dataplane.bucket_kinds import Bucket  # the bucket class ZeRO's reduce-scattered buckets extend
 from ..errors import CollectiveError
-from ..dataplane.requests import Request
 from ..reduce_op import ReduceOp
-from .buckets import Bucket, BucketSettings, MakeBuckets, layout_of, send_view, standard_buckets, view_in_order
+from .submission import (BucketSettings, MakeBuckets, PlannedBucket, Request, current_job, layout_of, send_view,
+                         standard_buckets, view_in_order)
 from .functions import allgather_object
 from .parameters import STEP_AFTER_SYNC_WARNING
 
@@ -113,7 +112,7 @@ class BucketShard:
     (the last padded); the reduce-scattered buffer holds, per rank, its part then ``tail`` elements
     (bucket 0's training flag, the finite check's slots)."""
 
-    plan: fusion.Bucket
+    plan: PlannedBucket
     params: list[torch.Tensor]
     size: int
     rank: int
@@ -203,49 +202,35 @@ class BucketShard:
 
 
 class ShardedBucket(Bucket):
-    """A bucket reduce-scattered instead of allreduced: each gradient is copied, averaged, into its
-    place in every rank's part as its hook fires (as ``DirectBucket`` does), and each rank receives
-    the averaged gradients of its own part, which become its segments' gradients. Every part carries
-    the tail (bucket 0's training flag; the finite check's slots, each rank's value written into every
-    part), so every rank reads the same flag and the same findings."""
+    """A bucket reduce-scattered instead of allreduced: at launch each gradient is copied, averaged,
+    into its place in every rank's part, and each rank receives the averaged gradients of its own
+    part, which become its segments' gradients. Every part carries the tail (bucket 0's training
+    flag; the finite check's slots, each rank's value written into every part), so every rank reads
+    the same flag and the same findings."""
 
-    def __init__(self, plan: fusion.Bucket, params: list[torch.Tensor], wire: torch.dtype, settings: BucketSettings,
+    def __init__(self, plan: PlannedBucket, params: list[torch.Tensor], wire: torch.dtype, settings: BucketSettings,
                  shard: BucketShard) -> None:
         super().__init__(plan, params, wire, settings)
         self.shard = shard
-        self.position = {p: j for j, p in enumerate(params)}
         self.full: torch.Tensor | None = None
-        self.copied: set = set()
 
     def request(self, tensors: list[torch.Tensor]) -> Request:
         return Request("reducescatter", self.name, tensors, op=ReduceOp.SUM, device=self.plan.device,
                        set_id=self.settings.set_id)
 
-    def gradient_ready(self, p: torch.Tensor) -> None:
-        self._copy_in(p)
-        self.pending -= 1
-
-    def _copy_in(self, p: torch.Tensor) -> None:
-        if self.full is None:
-            shard = self.shard
-            self.full = self.settings.buffers.get(self.plan.device, self.wire_dtype, shard.size * shard.chunk,
-                                                  slot=self.plan.index)
-        settings = self.settings
-        scale = settings.prescale * settings.postscale
-        j = self.position[p]
-        g = send_view(p, settings.strides[p])
-        with torch.no_grad():
-            for at, start, n in self.shard.spans(self.plan.offsets[j], self.plan.numels[j]):
-                torch.mul(g[start : start + n], scale, out=self.full[at : at + n])
-        self.copied.add(p)
-
     def fill(self) -> list[torch.Tensor]:
-        for p in self.params:
-            if p not in self.copied:
-                self._copy_in(p)
-        shard, full, check = self.shard, self.full, self.settings.check
+        shard, check, settings = self.shard, self.settings.check, self.settings
+        if self.full is None:
+            self.full = settings.buffers.get(self.plan.device, self.wire_dtype, shard.size * shard.chunk,
+                                             slot=self.plan.index)
+        full = self.full
+        scale = settings.prescale * settings.postscale
         data = self.plan.numel
         with torch.no_grad():
+            for p, offset, n in zip(self.params, self.plan.offsets, self.plan.numels):
+                g = send_view(p, settings.strides[p])
+                for at, start, length in shard.spans(offset, n):
+                    torch.mul(g[start : start + length], scale, out=full[at : at + length])
             for k in range(shard.size):
                 base = k * shard.chunk
                 used = min(max(data - k * shard.per_rank, 0), shard.per_rank)
@@ -276,10 +261,6 @@ class ShardedBucket(Bucket):
     def training_flag(self, result: list[torch.Tensor]) -> torch.Tensor:
         return result[0][self.shard.per_rank]
 
-    def reset(self) -> None:
-        super().reset()
-        self.copied.clear()
-
     def release(self) -> None:
         if self.handle is None:
             for segment in self.shard.segments:
@@ -297,7 +278,7 @@ class Shards:
     parameter, by index); ``size == 1``: no shards, the wrapped optimizer steps the parameters."""
 
     def __init__(self, settings: ZeroSettings, params: Sequence[torch.Tensor], param_groups: Sequence[dict],
-                 plans: Sequence[fusion.Bucket], trainable: Sequence[torch.Tensor], size: int, rank: int,
+                 plans: Sequence[PlannedBucket], trainable: Sequence[torch.Tensor], size: int, rank: int,
                  tails: Sequence[int]) -> None:
         self.params = list(params)
         self.index = {p: i for i, p in enumerate(self.params)}
@@ -452,6 +433,7 @@ class ShardedSteps:
     is the full one."""
 
     _tunable = False  # autotune times allreduces; ZeRO's buckets are reduce-scattered
+    _reduces_at_one_rank = False  # one rank: the wrapped optimizer steps the parameters, nothing is sharded
 
     def _prepare(self) -> None:
         self._shards: Shards | None = None
@@ -471,12 +453,12 @@ class ShardedSteps:
     def _bucket_maker(self) -> MakeBuckets:
         return self._make_sharded
 
-    def _make_sharded(self, plans: Sequence[fusion.Bucket], trainable: Sequence[torch.Tensor],
+    def _make_sharded(self, plans: Sequence[PlannedBucket], trainable: Sequence[torch.Tensor],
                       settings: BucketSettings) -> list[Bucket]:
         """Cut this layout's shards, moving the optimizer state over: from the shards of the last layout
         when they were cut in this job (a gather: every rank agrees on the layout at the same point),
         from a full state loaded since, or none (a re-formed elastic job gets it from its sync)."""
-        job = jobs.current()
+        job = current_job()
         self._wait_parameters()
         full = None
         if self._pending is not None:
@@ -639,7 +621,7 @@ class ShardedSteps:
         step, ``state_dict()`` on that rank returns it (torch's ``ZeroRedundancyOptimizer`` contract)."""
         full = self._gather()
         self._consolidated_to = to
-        self._consolidated = self._full_state_dict(full) if jobs.current().world.rank == to else None
+        self._consolidated = self._full_state_dict(full) if current_job().world.rank == to else None
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a full state dict (from any world size, or from the plain optimizer class): the

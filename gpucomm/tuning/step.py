@@ -4,7 +4,7 @@ Inputs: when each gradient becomes ready in backward (seconds from the start of 
 size in bytes, the buckets (lists of gradient indices), a collective cost curve ``cost(nbytes)``
 (``costs.AlphaBeta`` or ``nccl.NcclModel.cost()``) and the fixed per-bucket costs (``Overheads``).
 
-The schedule is gpucomm's (``gpucomm/torch/buckets.py``): buckets launch strictly in index order,
+The schedule is gpucomm's (``gpucomm/dataplane/reducer.py``): buckets launch strictly in index order,
 each once all its gradients are ready, one at a time on one communication stream, so bucket k
 starts at ``max(ready_k, end_{k-1})`` and holds the stream for its pack, launch, collective and
 unpack. Backward does not wait for communication; the step waits at its end (``synchronize``) for

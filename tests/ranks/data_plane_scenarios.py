@@ -503,9 +503,9 @@ def sparse_without_gradients_on_one_rank(steps: int = 3) -> dict:
     seen = []
     real_launch = opt._schedule.launch
 
-    def launch(request, meta=None):
+    def launch(request, meta=None, **kw):
         seen.append(opt._schedule.in_step)
-        return real_launch(request, meta)
+        return real_launch(request, meta, **kw)
 
     opt._schedule.launch = launch
     for s in range(steps):

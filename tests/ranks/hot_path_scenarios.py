@@ -97,17 +97,21 @@ def one_rank_inline() -> dict:
     return {"delta": delta, "threads": threads, "no_controller": no_controller}
 
 
-def python_calls_per_cached_op() -> dict:
-    """Python function calls (sys.setprofile 'call' events) of one cached op in a one-rank job."""
-    hvd.init()
-    x = torch.ones(1024)
-    forms = {
+def cached_op_forms(x: torch.Tensor) -> dict:
+    """One named (so cached after the first call) op of each form on ``x``."""
+    return {
         "allreduce": lambda: hvd.allreduce(x, name="c.ar"),
         "allreduce_": lambda: hvd.allreduce_(x, name="c.ar_"),
         "allreduce_async": lambda: hvd.synchronize(hvd.allreduce_async(x, name="c.ara")),
         "broadcast": lambda: hvd.broadcast(x, 0, name="c.bc"),
         "allgather": lambda: hvd.allgather(x, name="c.ag"),
     }
+
+
+def python_calls_per_cached_op() -> dict:
+    """Python function calls (sys.setprofile 'call' events) of one cached op in a one-rank job."""
+    hvd.init()
+    forms = cached_op_forms(torch.ones(1024))
     from overhead import python_calls  # benchmarks/overhead.py: the same count the benchmark prints
 
     calls = {}

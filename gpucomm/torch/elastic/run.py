@@ -18,11 +18,11 @@ import logging
 import time
 from typing import Any, Callable, TypeVar
 
-from ... import job as jobs
 from ...bootstrap import rounds
 from ...counters import COUNTERS
 from ...errors import CollectiveError, GpucommError, HostsUpdatedInterrupt, WorkerRemoved
 from .. import init  # gpucomm.torch.init: it also binds the global process set
+from ..submission import current_job, shutdown_job
 
 log = logging.getLogger("gpucomm")
 
@@ -58,7 +58,7 @@ def run(func: F) -> F:
 
 def _mark(key_of: Callable[[str, str], str]) -> None:
     if rounds.elastic_mode():
-        jobs.current().tell_launcher(key_of)
+        current_job().tell_launcher(key_of)
 
 
 def _reform(state, skip_sync: bool) -> bool:
@@ -68,13 +68,13 @@ def _reform(state, skip_sync: bool) -> bool:
     t0 = time.monotonic()
     for attempt in range(MAX_REFORM_ATTEMPTS):
         try:
-            jobs.shutdown()
+            shutdown_job()
         except Exception as e:  # noqa: BLE001 - the old job is left either way; its teardown must not end this worker
             log.warning("gpucomm elastic: leaving the old job raised %s: %s; joining the next round anyway",
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         try:
             init()
-            job = jobs.current()
+            job = current_job()
             skip_sync = skip_sync and not job.new_workers_joined
             state.on_reset()
             COUNTERS.elastic_resets += 1

@@ -20,15 +20,15 @@ from collections.abc import Iterator, Sized
 
 import torch.utils.data
 
-from ... import job as jobs
+from ..submission import current_job, job_initialized
 
 
 def _rank_and_size() -> tuple[int, int]:
     """(rank, size) of the current job; (0, 1) when gpucomm is not initialized (one process, as
     ``init()`` without a launcher would make it). Read at every re-partition."""
-    if not jobs.is_initialized():
+    if not job_initialized():
         return 0, 1
-    world = jobs.current().world
+    world = current_job().world
     return world.rank, world.size
 
 

@@ -23,10 +23,10 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ... import job as jobs
 from ...bootstrap.rounds import elastic_mode
 from ...errors import HostsUpdatedInterrupt
 from ..functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters, is_sharded
+from ..submission import current_job
 from .sampler import ElasticSampler
 
 
@@ -66,7 +66,7 @@ class State:
         hands it to every rank with the state's own ``bcast_object``, so every rank decides alike."""
         if not elastic_mode():
             return
-        job = jobs.current()
+        job = current_job()
         seen = job.newest_round() if self._rank() == 0 else None
         newest, hosts_added = self._bcast_object(seen)
         if newest > job.elastic_round:
@@ -176,7 +176,7 @@ class TorchState(ObjectState):
 
 
 def _rank() -> int:
-    return jobs.current().world.rank
+    return current_job().world.rank
 
 
 # ---------------------------------------------------------------------------------------------

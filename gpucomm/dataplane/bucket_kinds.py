@@ -1,0 +1,426 @@
+"""The kinds of gradient bucket: how one bucket's gradients reach the wire and come back.
+
+A bucket is one of three kinds behind one interface (``Bucket``: ``fill``, ``request``,
+``write_gradients``, ``zeros``, ``training_flag``), chosen once per bucket when the layout is
+built (an optimizer may build its own kinds through ``GradientBuckets(make=...)``: PowerSGD's
+two-phase buckets and ZeRO's reduce-scattered ones subclass ``Bucket``):
+
+- ``ViewBucket``: the gradients *live* in the bucket's fusion buffer. Once bound, ``p.grad`` is a
+  view of the parameter's slot (DDP's ``gradient_as_bucket_view``): backward accumulates straight
+  into the buffer, nothing is packed or unpacked, and the buffer is reduced in place (averaged by
+  NCCL's ``AVG`` on a GPU; on the CPU scaled in place first, as Gloo only sums). Until the views
+  are bound (the first step, or after a gradient was replaced, e.g. set to None by
+  ``model.zero_grad()``), the gradients are packed in at launch (one kernel launch on a GPU) and
+  the views bound after the reduction. ``zero_views`` zeroes the buffer in place of freeing the
+  gradients. The kind for float gradients sent uncompressed (on a GPU, without the finite check,
+  whose search the pack kernel does in the same pass).
+- ``FusedBucket``: one pack into the fusion buffer at launch and one unpack after (the Numba
+  kernels on a GPU, ``bucket_copy``), with a cast for an fp16/bf16 wire and the finite check
+  fused into the pack.
+- ``CompressedBucket``: a user compressor the kernels cannot fuse: each gradient is compressed
+  and the bucket is reduced as one grouped call.
+
+Bucket 0 carries one extra element after its gradients, the *training flag* (see
+``reducer.py``: ``hvd.join``), and with the finite check every bucket carries one slot per rank
+(``finite.FiniteSlots``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..counters import COUNTERS
+from ..kernels.rules import CASTS
+from ..reduce_op import ReduceOp
+from . import cuda_calls, fusion
+from .bucket_copy import BucketCopy
+from .buffers import FusionBuffers
+from .finite import FiniteSlots
+from .grad_layout import gradient_targets, gradient_to_send, send_view, slot_view, view_in_order
+from .handles import Handle
+from .requests import Request
+
+__all__ = ["Bucket", "BucketSettings", "CompressedBucket", "FusedBucket", "VIEWS_ENV", "ViewBucket", "bucket_kind",
+           "fused_wire", "standard_bucket", "standard_buckets", "sub_plan", "views_wanted"]
+
+VIEWS_ENV = "GPUCOMM_GRADIENT_VIEWS"  # "0": gradients are packed into and unpacked out of the buckets every step
+
+WireOf = Callable[[torch.dtype], "torch.dtype | None"]  # a gradient dtype -> the dtype it travels in (None: compress)
+
+
+def views_wanted(environ: Any = os.environ) -> bool:
+    """Whether float gradients sent uncompressed live in their buckets (default), per ``GPUCOMM_GRADIENT_VIEWS``."""
+    return environ.get(VIEWS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def fused_wire(dtype: torch.dtype, wire: torch.dtype | None) -> torch.dtype | None:
+    """The dtype a bucket of ``dtype`` gradients travels in when the compressor asks for ``wire``
+    (None: a compressor the kernels cannot fuse), or None when the pack kernels cannot cast to it."""
+    if wire is None or wire == dtype or not dtype.is_floating_point:
+        return dtype if wire is not None else None
+    return wire if (dtype, wire) in CASTS else None
+
+
+@dataclass(eq=False)
+class BucketSettings:
+    """What every bucket of one layout shares: the factors packed in and unpacked out, how the
+    optimizer averages (``average``: over the set's ranks, with Horovod's ``predivide`` factor),
+    the compressor and the dtype each gradient dtype travels in with it (``wire_of``), the process
+    set, the finite check, the fusion buffers, the layout each gradient travels in, and the
+    timeline's tracer for the current step (None: no timeline)."""
+
+    compression: Any
+    prescale: float
+    postscale: float
+    set_id: int
+    check: FiniteSlots | None
+    average: bool = False
+    predivide: float = 1.0
+    wire_of: WireOf = lambda dtype: dtype
+    views: bool = True  # float gradients sent uncompressed live in their buckets (``GPUCOMM_GRADIENT_VIEWS``)
+    buffers: FusionBuffers = field(default_factory=FusionBuffers)
+    strides: dict = field(default_factory=dict)  # parameter -> the strides its gradient travels in
+    tracer: Any = None
+
+
+class Bucket:
+    """One planned bucket and what happened to it this step; the kinds below say how its gradients
+    reach the wire (``fill``) and come back (``write_gradients``)."""
+
+    def __init__(self, plan: fusion.Bucket, params: list[torch.Tensor], wire: torch.dtype | None,
+                 settings: BucketSettings) -> None:
+        self.plan, self.params, self.wire_dtype, self.settings = plan, params, wire, settings
+        self.name = f"DistributedOptimizer.bucket.{plan.index}"
+        self.first = plan.index == 0  # bucket 0 carries the training flag
+        self.handle: Handle | None = None
+        self.in_flight: list[torch.Tensor] = []  # gradients read by the launch, kept alive
+        self.checks: torch.Tensor | None = None  # finite check: one slot per rank, reduced with the bucket
+
+    # -- the interface ---------------------------------------------------------------------------
+    def fill(self) -> list[torch.Tensor]:
+        """This rank's part of the bucket's allreduce this step (gradients, training flag, finite slots)."""
+        raise NotImplementedError
+
+    def write_gradients(self, result: list[torch.Tensor]) -> None:
+        """After the last phase (``result``: what its collective returned): the averaged gradients
+        into ``p.grad``."""
+        raise NotImplementedError
+
+    def second_phase(self, result: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """After the first phase (``result``): this rank's part of a second collective, or None when
+        this bucket has one phase this step (every kind here; PowerSGD's has two)."""
+        return None
+
+    def second_zeros(self) -> list[torch.Tensor] | None:
+        """A joined rank's part in the second phase (None when there is none this step)."""
+        return None
+
+    def stood_in(self, result: list[torch.Tensor]) -> None:
+        """A joined rank's step ended with ``result`` (its last phase): keep what every rank must
+        keep alike (PowerSGD's warm-start Q)."""
+
+    def zeros(self) -> list[torch.Tensor]:
+        """A joined rank's part in the bucket: zeros everywhere (training flag 0, finite slots 0)."""
+        return [torch.zeros(self.plan.numel + self.tail(), dtype=self.wire_dtype, device=self.plan.device)]
+
+    def training_flag(self, result: list[torch.Tensor]) -> torch.Tensor:
+        """Bucket 0's reduced training flag (non-zero when some rank trained) in its first phase's
+        ``result``."""
+        return result[0][self.plan.numel]
+
+    def zero_views(self) -> list[torch.Tensor]:
+        """``zero_grad``: the parameters whose gradients this bucket zeroed where they live (none
+        but a bound ``ViewBucket``'s); the others are left to the optimizer's own ``zero_grad``."""
+        return []
+
+    def reset(self) -> None:
+        """Ready for the next step."""
+        self.handle = None
+        self.checks = None
+        self.in_flight = []
+
+    def release(self) -> None:
+        """Drop the gradients the last step sent (``zero_grad``)."""
+        if self.handle is None:
+            self.in_flight = []
+
+    # -- shared by the fused kinds ---------------------------------------------------------------
+    def request(self, tensors: list[torch.Tensor]) -> Request:
+        return Request("allreduce", self.name, tensors, outputs=tensors, op=ReduceOp.SUM, device=self.plan.device,
+                       set_id=self.settings.set_id)
+
+    def tail(self) -> int:
+        """Elements after a fused bucket's gradients: bucket 0's training flag, then (finite check)
+        one slot per rank."""
+        check = self.settings.check
+        return self.first + (check.size if check is not None else 0)
+
+    def buffer(self) -> torch.Tensor:
+        """The bucket's fusion buffer (its slot of the shared grow-only buffers)."""
+        return self.settings.buffers.get(self.plan.device, self.wire_dtype, self.plan.numel + self.tail(),
+                                         slot=self.plan.index)
+
+    def check_slots(self, full: torch.Tensor) -> torch.Tensor | None:
+        """The finite check's slots in ``full`` (zeroed; this rank's is written by the pack), or None."""
+        check = self.settings.check
+        if check is None:
+            return None
+        at = self.plan.numel + self.first
+        slots = full[at : at + check.size]
+        slots.zero_()
+        self.checks = slots
+        return slots[check.rank : check.rank + 1]
+
+    def trace(self, label: str, start: float) -> None:
+        """A CPU copy's span on the timeline (GPU copies are timed by CUDA events)."""
+        tracer = self.settings.tracer
+        if tracer is not None and not cuda_calls.is_gpu(self.plan.device):
+            tracer.span(self.name, label, start, tracer.now_us())
+
+    def now_us(self) -> float:
+        tracer = self.settings.tracer
+        return tracer.now_us() if tracer is not None else 0.0
+
+
+class ViewBucket(Bucket):
+    """Float gradients sent uncompressed that live in the bucket's fusion buffer (see the module
+    doc). A view is overwritten by the next step's backward, so a gradient kept across steps must
+    be cloned (as with DDP's ``gradient_as_bucket_view``)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        settings = self.settings
+        gpu = cuda_calls.is_gpu(self.plan.device)
+        # a GPU reduces with NCCL's AVG (or a fused prescale); Gloo only sums: the CPU scales in place first
+        self.by_op = gpu and settings.average and settings.check is None
+        self.scale = 1.0 if self.by_op else settings.prescale * settings.postscale
+        self.copy = BucketCopy(pack_scale=self.scale)
+        self.copy.prepare(self.plan.dtype, self.wire_dtype, self.plan.device)  # compiled now, not in backward
+        self.full: torch.Tensor | None = None  # the fusion buffer (numel, + the tail)
+        self.views: list[torch.Tensor] = []  # each parameter's slot, in its shape and layout
+        self.pieces: list[torch.Tensor] = []  # each gradient's slot, flat (the finite check's search)
+        self.bound = False  # this step's gradients were already their views (no copy)
+
+    def _bind_buffer(self) -> None:
+        """The buffer and its slot views (stable: the buffer never changes size)."""
+        plan, strides = self.plan, self.settings.strides
+        self.full = self.buffer()
+        self.pieces = [self.full[offset : offset + n] for offset, n in zip(plan.offsets, plan.numels)]
+        self.views = [slot_view(piece, p, strides[p]) for piece, p in zip(self.pieces, self.params)]
+
+    def _all_bound(self) -> bool:
+        """Every parameter trains and its gradient is its view (autograd accumulated into the buffer)."""
+        for p, view in zip(self.params, self.views):
+            if p.grad is not view or not p.requires_grad:
+                return False
+        return True
+
+    def fill(self) -> list[torch.Tensor]:
+        # no grad-mode context needed: neither the buffer nor a gradient requires grad
+        if self.full is None:
+            self._bind_buffer()
+        full, numel, settings = self.full, self.plan.numel, self.settings
+        tracer = settings.tracer
+        start = tracer.now_us() if tracer is not None else 0.0
+        self.bound = self._all_bound()
+        if self.bound:
+            COUNTERS.grad_bucket_views += 1
+            if self.scale != 1.0:
+                full[:numel].mul_(self.scale)
+        else:  # the steps before the views are bound: one pack (zeros for a missing gradient)
+            COUNTERS.grad_bucket_packs += 1
+            strides = settings.strides
+            grads = [send_view(p, strides[p]) for p in self.params]
+            with torch.no_grad():
+                self.copy.pack(grads, full[:numel])
+            self.in_flight = grads
+        if self.first:
+            full[numel : numel + 1].fill_(1)  # the training flag
+        if settings.check is not None:
+            settings.check.search(self.pieces, self.check_slots(full), whole=full[:numel])
+        if tracer is not None:
+            self.trace("MEMCPY_IN_FUSION_BUFFER", start)
+        return [full]
+
+    def request(self, tensors: list[torch.Tensor]) -> Request:
+        if not self.by_op:
+            return super().request(tensors)
+        settings = self.settings  # averaged by the reduction itself: NCCL's AVG when no factor is left over
+        return Request("allreduce", self.name, tensors, outputs=tensors, op=ReduceOp.AVERAGE,
+                       prescale=1.0 / settings.predivide, postscale=settings.predivide, device=self.plan.device,
+                       set_id=settings.set_id)
+
+    def write_gradients(self, result: list[torch.Tensor]) -> None:
+        if self.full is None:
+            self._bind_buffer()
+        with torch.no_grad():
+            if result[0] is not self.full:  # a joined rank's stand-in result: into the buffer, then bound
+                self.full[: self.plan.numel].copy_(result[0][: self.plan.numel])
+                self.bound = False
+            if self.bound:
+                return  # reduced where the gradients live: nothing to write
+            for p, view in zip(self.params, self.views):  # each gradient becomes its slot, averaged already
+                if p.requires_grad and p.grad is not view:
+                    p.grad = view
+        self.bound = True
+
+    def zero_views(self) -> list[torch.Tensor]:
+        if not self.settings.views or self.full is None or not self._all_bound():
+            return []
+        with torch.no_grad():
+            self.full[: self.plan.numel].zero_()
+        return self.params
+
+
+class FusedBucket(Bucket):
+    """Packed into the fusion buffer at launch and unpacked after, each in one pass (``BucketCopy``:
+    one kernel launch each way on a GPU), cast for the built-in compressors."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        settings = self.settings
+        self.copy = BucketCopy(pack_scale=settings.prescale, unpack_scale=settings.postscale,
+                               check_finite=settings.check is not None)
+        # compiled now, when the optimizer is built, not inside the first backward
+        self.copy.prepare(self.plan.dtype, self.wire_dtype, self.plan.device)
+        self.full: torch.Tensor | None = None  # this step's buffer
+
+    def fill(self) -> list[torch.Tensor]:
+        settings = self.settings
+        grads = [send_view(p, settings.strides[p]) for p in self.params]
+        numel = self.plan.numel
+        full = self.buffer()
+        start = self.now_us()
+        COUNTERS.grad_bucket_packs += 1
+        with torch.no_grad():
+            mine = self.check_slots(full)
+            if mine is None:
+                self.copy.pack(grads, full[:numel])
+            else:
+                self.copy.pack(grads, full[:numel], check_out=mine, check_limit=settings.check.limit(full.dtype))
+            if self.first:
+                full[numel : numel + 1].fill_(1)  # the training flag
+        self.trace("MEMCPY_IN_FUSION_BUFFER", start)
+        self.in_flight, self.full = grads, full
+        return [full]
+
+    def write_gradients(self, result: list[torch.Tensor]) -> None:
+        strides = self.settings.strides
+        targets = gradient_targets(self.params)
+        start = self.now_us()
+        COUNTERS.grad_bucket_unpacks += 1
+        with torch.no_grad():
+            views = [view_in_order(t, p, strides[p]) for t, p in zip(targets, self.params)]
+            dests = [v if v is not None else torch.empty(p.numel(), dtype=p.dtype, device=p.device)
+                     for v, p in zip(views, self.params)]
+            self.copy.unpack(self.full[: self.plan.numel], dests)
+            for t, v, d, p in zip(targets, views, dests, self.params):
+                if t is not None and v is None:  # a gradient in another layout: one copy back
+                    t.copy_(d.as_strided(p.shape, strides[p]))
+        self.trace("MEMCPY_OUT_FUSION_BUFFER", start)
+
+    def reset(self) -> None:
+        super().reset()
+        self.full = None
+
+
+class CompressedBucket(Bucket):
+    """A user compressor the kernels cannot fuse: each gradient is compressed on its own and the
+    bucket is reduced as one grouped call; the training flag and the finite slots travel as tensors
+    of their own at the end."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.reduced: list[torch.Tensor] = []  # the compressed gradients (+ flag, + finite slots)
+        self.contexts: list[Any] = []  # the compressor's contexts
+
+    def fill(self) -> list[torch.Tensor]:
+        settings = self.settings
+        grads = [gradient_to_send(p) for p in self.params]
+        self.reduced, self.contexts = [], []
+        COUNTERS.grad_bucket_packs += 1
+        for g in grads:
+            c, ctx = settings.compression.compress(g.mul(settings.prescale) if settings.prescale != 1.0 else g)
+            self.reduced.append(c.contiguous())
+            self.contexts.append(ctx)
+        if self.first:
+            self.reduced.append(torch.ones(1, dtype=self.reduced[0].dtype, device=self.plan.device))
+        check = settings.check
+        if check is not None:
+            checks = torch.zeros(check.size, dtype=torch.float32, device=self.plan.device)
+            check.search(grads, checks[check.rank : check.rank + 1])
+            self.checks = checks
+            self.reduced.append(checks)
+        self.in_flight = grads
+        return self.reduced
+
+    def write_gradients(self, result: list[torch.Tensor]) -> None:
+        settings = self.settings
+        COUNTERS.grad_bucket_unpacks += 1
+        with torch.no_grad():
+            for t, r, ctx in zip(gradient_targets(self.params), self.reduced, self.contexts):
+                if t is not None:
+                    averaged = settings.compression.decompress(r, ctx)
+                    t.copy_(averaged.mul(settings.postscale) if settings.postscale != 1.0 else averaged)
+
+    def zeros(self) -> list[torch.Tensor]:
+        device, compression = self.plan.device, self.settings.compression
+        tensors = [compression.compress(torch.zeros(p.shape, dtype=p.dtype, device=device))[0].contiguous()
+                   for p in self.params]
+        if self.first:
+            tensors.append(torch.zeros(1, dtype=tensors[0].dtype, device=device))
+        if self.settings.check is not None:
+            tensors.append(torch.zeros(self.settings.check.size, dtype=torch.float32, device=device))
+        return tensors
+
+    def training_flag(self, result: list[torch.Tensor]) -> torch.Tensor:
+        return result[-2 if self.settings.check is not None else -1].reshape(-1)[-1]
+
+    def reset(self) -> None:
+        super().reset()
+        self.reduced, self.contexts = [], []
+
+
+VIEW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def bucket_kind(plan: fusion.Bucket, wire: torch.dtype | None, settings: BucketSettings) -> type[Bucket]:
+    """Which kind a planned bucket is: its gradients live in the buffer (``ViewBucket``) when they
+    are floats sent uncompressed: on a GPU when views are wanted (``GPUCOMM_GRADIENT_VIEWS``) and the
+    finite check is off (the pack kernel finds non-finite values in the same pass); on the CPU for
+    float32/float64 always (with views off, ``zero_grad`` frees them and each step copies them in,
+    as a pack would). Fused when the kernels can fuse the compressor; compressed otherwise."""
+    if wire is None:
+        return CompressedBucket
+    if wire == plan.dtype:
+        if cuda_calls.is_gpu(plan.device):
+            if settings.views and settings.check is None and plan.dtype in VIEW_DTYPES:
+                return ViewBucket
+        elif plan.dtype in (torch.float32, torch.float64):
+            return ViewBucket
+    return FusedBucket
+
+
+def standard_bucket(plan: fusion.Bucket, params: list[torch.Tensor], settings: BucketSettings) -> Bucket:
+    """A bucket of the kind ``bucket_kind`` picks for ``plan`` with the settings' compressor."""
+    wire = fused_wire(plan.dtype, settings.wire_of(plan.dtype))
+    return bucket_kind(plan, wire, settings)(plan, params, wire, settings)
+
+
+def standard_buckets(plans: Sequence[fusion.Bucket], trainable: Sequence[torch.Tensor],
+                     settings: BucketSettings) -> list[Bucket]:
+    """The buckets of ``plans`` as ``DistributedOptimizer`` builds them by default."""
+    return [standard_bucket(plan, [trainable[i] for i in plan.param_indices], settings) for plan in plans]
+
+
+def sub_plan(index: int, trainable: Sequence[torch.Tensor], ids: Sequence[int]) -> fusion.Bucket:
+    """A bucket record numbered ``index`` for the parameters ``ids`` (indices into ``trainable``,
+    one dtype and device), packed in that order."""
+    numels = tuple(trainable[i].numel() for i in ids)
+    offsets = tuple(sum(numels[:k]) for k in range(len(numels)))
+    first = trainable[ids[0]]
+    return fusion.Bucket(index, tuple(ids), offsets, numels, sum(numels), first.dtype, first.device)

@@ -1,0 +1,257 @@
+"""The reducer: a DistributedOptimizer's gradient buckets on their fixed schedule.
+
+A gradient hook does index work only (``gradient_ready``: one count down); when a bucket is
+complete and every earlier bucket has been launched, the bucket's allreduce is launched on the
+optimizer's own ``Schedule``, strictly in bucket order: its gradients are already in its fusion
+buffer when they live there (``bucket_kinds.ViewBucket``), else packed in one pass (scaled, and
+cast for compression). ``finish`` waits for the buckets in order (on a GPU: one done event and one
+wait of the caller's stream for the whole step, ``completion.py``) and hands each bucket its
+result (a view bucket has nothing to write; the others unpack, applying the average in the same
+pass). No control-plane message is sent: every rank verified the same layout when the optimizer
+was built.
+
+The bucket kinds are ``bucket_kinds.py``'s; an optimizer may build its own through
+``GradientBuckets(make=...)`` (PowerSGD's two-phase buckets, ZeRO's reduce-scattered ones). A
+training step is a *step* of the schedule (``Schedule.begin_step``/``end_step``): it places the
+step's NCCL calls among the negotiated ones the same way on every rank (``order.py``).
+
+Joined ranks (``hvd.join``): bucket 0 carries one extra element, a *training flag*: 1 from a rank
+that trains this step, 0 from a rank that stands in with zeros. A joined rank runs the schedule
+with zeros and reads the reduced flag of bucket 0: when it is 0, no rank trained, so every rank has
+joined and the stand-in stops (DDP's join reduces the same count, in a collective of its own).
+
+Two phases: a bucket may need a second collective that depends on the first one's result
+(PowerSGD: P = M Q is reduced, orthogonalised, then Q = M^T P is reduced). The first phases are
+launched as today (in bucket order, while backward runs); ``finish`` then waits for them in order
+and launches each bucket's second phase as soon as its first is back, in one more step of the
+schedule, and waits for the second phases in order. Both orders depend only on the agreed layout,
+so every rank issues the same collectives in the same order; a joined rank stands in for both.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+
+from ..backends.nccl import connects_lazily
+from ..counters import COUNTERS
+from ..reduce_op import ReduceOp
+from . import activity, cuda_calls, fusion
+from .bucket_kinds import Bucket, BucketSettings, standard_buckets
+from .grad_layout import gradient_to_send, layout_of, significant_strides
+from .handles import Handle
+from .requests import Request
+
+if TYPE_CHECKING:  # the optimizer hands its schedule in; the reducer never builds one
+    from .schedule import Schedule
+
+__all__ = ["GradientBuckets", "MakeBuckets"]
+
+MakeBuckets = Callable[[Sequence[fusion.Bucket], Sequence[torch.Tensor], BucketSettings], list[Bucket]]
+
+
+class GradientBuckets:
+    """The buckets of one layout, launched in order on ``schedule``.
+
+    ``settings``: what the buckets share (``bucket_kinds.BucketSettings``); ``flush()``: finishes
+    the step's launches when a caller outside backward needs the GPU's issue order (the
+    optimizer's); ``make`` builds the buckets of the plans (default ``standard_buckets``); their
+    indices must run 0, 1, ... in launch order."""
+
+    def __init__(self, schedule: "Schedule", trainable: Sequence[torch.Tensor], plans: Sequence[fusion.Bucket],
+                 settings: BucketSettings, flush: Callable[[], None] = lambda: None,
+                 make: MakeBuckets | None = None) -> None:
+        self._schedule = schedule
+        self._flush = flush
+        self.settings = settings
+        # the order each gradient travels in, known before the buckets bind their views
+        settings.strides.update({p: layout_of(p) for plan in plans for p in (trainable[i] for i in plan.param_indices)})
+        self.buckets: list[Bucket] = (make or standard_buckets)(plans, trainable, settings)
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._index_of = {p: k for k, b in enumerate(self.buckets) for p in b.params}
+        self._sizes = [len(b.params) for b in self.buckets]
+        self._pending = list(self._sizes)  # gradients each bucket still waits for this step
+        self._next = 0
+        self._in_backward = False
+
+    @property
+    def tracer(self) -> Any:
+        return self.settings.tracer
+
+    @tracer.setter
+    def tracer(self, tracer: Any) -> None:
+        self.settings.tracer = tracer
+
+    @property
+    def in_flight(self) -> bool:
+        return any(b.handle is not None for b in self.buckets)
+
+    # -- a training step -----------------------------------------------------------------------
+    def gradient_ready(self, p: torch.Tensor) -> None:
+        """``p``'s gradient is final for this step (its hook fired): index work only. A bucket is
+        ready to send when its last gradient arrives (DDP's order); then every complete bucket whose
+        predecessors are launched is launched."""
+        k = self._index_of[p]
+        pending = self._pending
+        pending[k] -= 1
+        if k == self._next and not pending[k]:
+            self.launch_ready()
+
+    def launch_ready(self) -> None:
+        """Launch every complete bucket whose predecessors are launched (hooks call this)."""
+        buckets, pending = self.buckets, self._pending
+        while self._next < len(buckets) and not pending[self._next]:
+            self._launch(buckets[self._next])
+            self._next += 1
+
+    def launch_rest(self) -> None:
+        """Launch the buckets still waiting for gradients (missing ones count as zeros)."""
+        for bucket in self.buckets[self._next:]:
+            self._launch(bucket)
+        self._next = len(self.buckets)
+
+    def _launch(self, bucket: Bucket) -> None:
+        self._schedule.begin_step(self._flush)  # the step's first launch opens it (then a no-op)
+        bucket.handle = self._schedule.launch(bucket.request(bucket.fill()), per_step=True)
+
+    def begin_backward(self) -> None:
+        """(the step's first gradient hook) A backward with this reducer's hooks runs: a caller
+        blocked on a control round meanwhile does not poll (it would hold the GIL the hooks need)."""
+        if not self._in_backward:
+            self._in_backward = True
+            activity.backward_started()
+
+    def end_backward(self) -> None:
+        """(autograd's final callback, or the step's reset) The backward has ended."""
+        if self._in_backward:
+            self._in_backward = False
+            activity.backward_ended()
+
+    def finish(self) -> list[tuple[int, int, int]]:
+        """Wait for every bucket in order and write the averaged gradients into ``p.grad`` (a
+        two-phase bucket's second phase is launched as soon as its first is back, in one more step
+        of the schedule, and waited for in order after). With the finite check, returns what the
+        ranks reported: ``(index in the set, bucket, slot value)`` for each non-zero slot (one read
+        of every bucket's slots: a host sync on a GPU)."""
+        second: list[tuple[Bucket, Handle]] = []
+        try:
+            for bucket in self.buckets:
+                assert bucket.handle is not None
+                result = bucket.handle.wait()
+                more = bucket.second_phase(result)
+                if more is None:
+                    bucket.write_gradients(result)
+                    continue
+                if not second:
+                    self._schedule.begin_step(lambda: None)
+                second.append((bucket, self._schedule.launch(bucket.request(more), per_step=True)))
+        finally:
+            if second:
+                self._schedule.end_step()
+        for bucket, handle in second:
+            bucket.write_gradients(handle.wait())
+        check = self.settings.check
+        if check is None:
+            return []
+        checked = [b for b in self.buckets if b.checks is not None]
+        if not checked:
+            return []
+        values = torch.cat([b.checks.float() for b in checked]).tolist()
+        size = check.size
+        return [(i % size, checked[i // size].plan.index, int(v)) for i, v in enumerate(values) if v != 0]
+
+    def stride_of(self, p: torch.Tensor) -> tuple[int, ...]:
+        """The strides ``p``'s gradient travels in (``layout_of``; those of size-1 dimensions as 0,
+        since they say nothing): verified alike across ranks."""
+        return significant_strides(self.settings.strides[p], p.shape)
+
+    def reset(self) -> None:
+        self.tracer = None
+        for bucket in self.buckets:
+            bucket.reset()
+        self._pending[:] = self._sizes
+        self._next = 0
+        self.end_backward()
+
+    def release(self) -> None:
+        """Drop the gradients the last step sent (``zero_grad`` calls this)."""
+        for bucket in self.buckets:
+            bucket.release()
+
+    def zero_views(self) -> set:
+        """``zero_grad``: zero the gradients that live in their buckets, where they live (one op per
+        bucket); returns those parameters (their ``p.grad`` stays bound to the buffer)."""
+        kept: set = set()
+        for bucket in self.buckets:
+            kept.update(bucket.zero_views())
+        return kept
+
+    # -- beyond the steady state ----------------------------------------------------------------
+    def reduce_once(self, params: Sequence[torch.Tensor], name: str) -> None:
+        """Average ``params``' gradients now, on the schedule (every rank calls this at the same point)."""
+        settings = self.settings
+        grads = [gradient_to_send(p) for p in params]
+        self.allreduce_now(grads, name, settings.prescale, settings.postscale)
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                if p.grad is None:
+                    p.grad = g
+                elif p.grad is not g:
+                    p.grad.copy_(g)
+
+    def allreduce_now(self, tensors: list[torch.Tensor], name: str, prescale: float = 1.0,
+                      postscale: float = 1.0) -> None:
+        """Sum ``tensors`` in place across the set now, on the schedule, in a step of its own (every
+        rank calls this at the same point): placed among negotiated work alike."""
+        request = Request("allreduce", name, tensors, outputs=tensors, op=ReduceOp.SUM, prescale=prescale,
+                          postscale=postscale, device=tensors[0].device, set_id=self.settings.set_id)
+        self.launch_now([(request, None)])[0].wait()
+
+    def launch_now(self, requests: Sequence[tuple[Request, dict | None]]) -> list[Handle]:
+        """Launch ``requests`` (each with the metadata a coordinator would add, or None) in this order
+        on the schedule, in a step of their own, and return their handles (every rank calls this at
+        the same point with the same requests). Each completes on its own (it may be waited for
+        alone, e.g. a layer's parameter allgather before its forward)."""
+        self._schedule.begin_step(lambda: None)
+        try:
+            return [self._schedule.launch(request, meta) for request, meta in requests]
+        finally:
+            self._schedule.end_step()
+
+    def warm_up(self) -> None:
+        """One zero-filled pass of the layout's first phases, now, at a collective point (every rank
+        calls this right after agreeing on the layout): a communicator that connects its peers
+        lazily (NCCL >= 2.22 unless ``NCCL_RUNTIME_CONNECT=0``) connects them here, for the
+        collectives and sizes the steps will run, instead of blocking a backward hook on one rank
+        until the others reach the same bucket."""
+        if not any(cuda_calls.is_gpu(b.plan.device) for b in self.buckets) or not connects_lazily():
+            return
+        handles = self.launch_now([(bucket.request(bucket.zeros()), None) for bucket in self.buckets])
+        for handle in handles:
+            handle.wait()
+        COUNTERS.warmup_steps += 1
+
+    def stand_in_step(self, write: bool = False) -> bool:
+        """One step of zeros on the schedule, for a rank that joined; False when no rank trained in
+        it (every rank has joined), True when the others still train. Two-phase buckets stand in for
+        both phases, as the training ranks run them. ``write``: when some rank trained, hand each
+        bucket its result as a training step would (``write_gradients``; ZeRO's shards step on it)."""
+        if not self.buckets:  # nothing dense to stand in for (sparse reductions cannot be stood in for)
+            return False
+        # every bucket's zeros go out inside a step, and nothing waits inside it: a joined rank's
+        # stand-ins for negotiated collectives wait for the step's end, which must come
+        launched = self.launch_now([(bucket.request(bucket.zeros()), None) for bucket in self.buckets])
+        results = [handle.wait() for handle in launched]
+        trained = float(self.buckets[0].training_flag(results[0])) != 0.0
+        seconds = [(bucket, bucket.second_zeros()) for bucket in self.buckets]
+        seconds = [(bucket, zeros) for bucket, zeros in seconds if zeros is not None]
+        if seconds:
+            handles = self.launch_now([(bucket.request(zeros), None) for bucket, zeros in seconds])
+            last = dict(zip((id(b) for b, _ in seconds), (h.wait() for h in handles)))
+            results = [last.get(id(b), r) for b, r in zip(self.buckets, results)]
+        for bucket, result in zip(self.buckets, results):
+            bucket.stood_in(result)
+            if write and trained:
+                bucket.write_gradients(result)
+        return trained

@@ -1,0 +1,318 @@
+"""Rank-side bodies of the CUDA-path tests on a machine without a GPU: the data plane's CUDA calls are
+counting stand-ins (``tests.cuda_standins``) that let CPU tensors take the CUDA path, and NCCL is a
+stand-in over the job's Gloo transport, so a real job runs every line of the CUDA path between the
+front and the backend call, with real results, and the counters say what it cost."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+import gpucomm.torch as hvd
+from gpucomm.backends.gloo import gloo_group
+from gpucomm.backends.local import SelfBackend
+from gpucomm.dataplane import cuda_calls
+from gpucomm.job import state as job_state
+from tests.cuda_standins import NcclOverCpu, StandInCuda
+from tests.ranks.hot_path_scenarios import cached_op_forms
+from tests.ranks.optimizer_scenarios import batch, half, make_model, max_rel_diff
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"))
+from overhead import python_calls  # noqa: E402  benchmarks/overhead.py: the count the benchmark prints
+
+
+def _nccl_over_cpu(client, key: str, rank: int, size: int, device_ordinal: int, timeout: float) -> NcclOverCpu:
+    """``create_nccl``'s stand-in: a communicator of ``size`` ranks over Gloo on the same store keys."""
+    cpu = SelfBackend() if size == 1 else gloo_group(client, key + "/standin/", rank, size, timeout=timeout,
+                                                     one_host=True, iface=None)
+    return NcclOverCpu(cpu, size)
+
+
+@contextlib.contextmanager
+def cuda_path() -> Iterator[StandInCuda]:
+    """Inside: CPU tensors take the data plane's CUDA path with stand-in CUDA calls and NCCL (undone
+    after, for the harness's pooled processes)."""
+    stand_in = StandInCuda(cpu_is_gpu=True)
+    previous = cuda_calls.install(stand_in)
+    create, device = job_state.create_nccl, job_state.Job._cuda_device
+    job_state.create_nccl = _nccl_over_cpu
+    job_state.Job._cuda_device = lambda self: torch.device("cpu")
+    try:
+        yield stand_in
+    finally:
+        job_state.create_nccl, job_state.Job._cuda_device = create, device
+        cuda_calls.install(previous)
+
+
+def _delta(before: dict, after: dict) -> dict:
+    return {k: after[k] - before[k] for k in after}
+
+
+def _twins() -> tuple:
+    """A model wrapped in a DistributedOptimizer and its copy with plain SGD (one process, full batch)."""
+    model, ref = make_model(), make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters())
+    return model, opt, ref, torch.optim.SGD(ref.parameters(), lr=0.05)
+
+
+def _reference_step(ref: nn.Module, ref_opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, n: int) -> None:
+    """The step the ranks' equal parts of the batch make together, in one process."""
+    ref_opt.zero_grad()
+    used = n * (x.shape[0] // n)
+    nn.functional.mse_loss(ref(x[:used]), y[:used]).backward()
+    ref_opt.step()
+
+
+def one_rank_calls() -> dict:
+    """Python calls per cached synchronous op of a one-rank job on the CUDA path (no NCCL at all)."""
+    with cuda_path():
+        hvd.init()
+        x = torch.ones(1024)
+        forms = cached_op_forms(x)
+        forms["broadcast_"] = lambda: hvd.broadcast_(x, 0, name="c.bc_")
+        calls = {}
+        before = hvd.stats()
+        for form, fn in forms.items():
+            for _ in range(3):
+                fn()
+            calls[form] = python_calls(fn)
+        delta = _delta(before, hvd.stats())
+        hvd.shutdown()
+    return {"calls": calls, "delta": delta}
+
+
+def sync_op_on_callers_stream(ops: int = 20) -> dict:
+    """A 2-rank job's synchronous allreduces on the CUDA path: each on the caller's own stream (no
+    ready event, no stream wait, one done event for the watchdog); an async one keeps its handle
+    and its comm-stream round trip. Python calls of the data plane's part (agreed -> result)."""
+    with cuda_path() as stand_in:
+        hvd.init()
+        r = hvd.rank()
+        x = torch.full((4096,), float(r + 1))
+        for _ in range(3):
+            hvd.allreduce(x, name="sync.ar", op=hvd.Sum)
+        before = hvd.stats()
+        for _ in range(ops):
+            out = hvd.allreduce(x, name="sync.ar", op=hvd.Sum)
+        sync = _delta(before, hvd.stats())
+        before = hvd.stats()
+        for _ in range(ops):
+            out_async = hvd.synchronize(hvd.allreduce_async(x, name="async.ar", op=hvd.Sum))
+        asynchronous = _delta(before, hvd.stats())
+        calls = python_calls(lambda: hvd.allreduce(x, name="sync.ar", op=hvd.Sum))
+        value, value_async = float(out[0]), float(out_async[0])
+        hvd.shutdown()
+        waits = list(stand_in.waits)
+    return {"sync": sync, "async": asynchronous, "calls": calls, "value": value, "value_async": value_async,
+            "waits": len(waits)}
+
+
+class _Calls:
+    """Python calls attributed to the innermost of some wrapped methods (a hook's own work, apart
+    from the bucket launches it triggers), counted over one step."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.entries: dict[str, int] = {}
+        self._stack: list[str] = []
+
+    def wrap(self, owner: object, name: str) -> None:
+        real = getattr(owner, name)
+        self.calls[name] = self.entries[name] = 0
+
+        def counted(*args, **kwargs):
+            self.entries[name] += 1
+            self._stack.append(name)
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self._stack.pop()
+
+        setattr(owner, name, counted)
+
+    def profile(self, frame, event, arg) -> None:
+        if event == "call" and self._stack and frame.f_code.co_name != "counted":
+            self.calls[self._stack[-1]] += 1
+
+    def per_entry(self, name: str) -> float:
+        return self.calls[name] / max(1, self.entries[name])
+
+
+def training_steps(steps: int = 6, views: str = "1") -> dict:
+    """A 2-rank DistributedOptimizer on the CUDA path (stand-ins), several buckets: the counters of
+    each step (copies, event records, stream waits), the Python calls of a hook and of a bucket
+    launch, and the result against one process on the full batch."""
+    os.environ["GPUCOMM_GRADIENT_VIEWS"] = views
+    try:
+        with cuda_path() as stand_in:
+            hvd.init()
+            r, n = hvd.rank(), hvd.size()
+            model, opt, ref, ref_opt = _twins()
+            buckets = opt._buckets
+            kinds = sorted({type(b).__name__ for b in buckets.buckets})
+            counting = _Calls()
+            per_step = []
+            for s in range(steps):
+                last = s == steps - 1
+                if last:  # the last step: Python calls of each hook and of each bucket launch
+                    counting.wrap(opt._buckets, "gradient_ready")
+                    counting.wrap(opt._buckets, "_launch")
+                before = hvd.stats()
+                x, y = batch(s)
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(model(half(x, r, n)), half(y, r, n))
+                if last:
+                    sys.setprofile(counting.profile)
+                try:
+                    loss.backward()
+                finally:
+                    sys.setprofile(None)
+                opt.step()
+                d = _delta(before, hvd.stats())
+                per_step.append({k: d[k] for k in ("grad_bucket_views", "grad_bucket_packs", "grad_bucket_unpacks",
+                                                   "cuda_event_records", "cuda_stream_waits", "cuda_events_created",
+                                                   "collectives", "control_rounds")})
+                _reference_step(ref, ref_opt, x, y, n)
+            grads_are_views = all(p.grad is v for b in opt._buckets.buckets for p, v in zip(b.params, b.views)) \
+                if kinds == ["ViewBucket"] else None
+            diff = max_rel_diff(model, ref)
+            result = {"kinds": kinds, "buckets": len(opt._buckets.buckets), "per_step": per_step, "diff": diff,
+                      "hook_calls": counting.per_entry("gradient_ready"), "hooks": counting.entries["gradient_ready"],
+                      "launch_calls": counting.per_entry("_launch"), "launches": counting.entries["_launch"],
+                      "grads_are_views": grads_are_views}
+            hvd.shutdown()
+            result["stand_in_calls"] = dict(stand_in.calls)
+            return result
+    finally:
+        os.environ.pop("GPUCOMM_GRADIENT_VIEWS", None)
+
+
+def replaced_gradients_are_rebound(steps: int = 4) -> dict:
+    """Views bound, then ``model.zero_grad()`` (set_to_none) replaces every gradient: the next step
+    packs them once (one copy per bucket) and binds the views again; ``opt.zero_grad()`` keeps them."""
+    with cuda_path():
+        hvd.init()
+        r, n = hvd.rank(), hvd.size()
+        model, opt, ref, ref_opt = _twins()
+        packs = []
+        for s in range(steps):
+            x, y = batch(s)
+            if s == 2:
+                model.zero_grad()  # torch's: every p.grad becomes None
+            else:
+                opt.zero_grad()
+            before = hvd.stats()
+            nn.functional.mse_loss(model(half(x, r, n)), half(y, r, n)).backward()
+            opt.step()
+            packs.append(hvd.stats()["grad_bucket_packs"] - before["grad_bucket_packs"])
+            _reference_step(ref, ref_opt, x, y, n)
+        bound = all(p.grad is v for b in opt._buckets.buckets for p, v in zip(b.params, b.views))
+        opt.zero_grad()
+        zeroed = all(float(p.grad.abs().sum()) == 0.0 for p in model.parameters())
+        still_bound = all(p.grad is v for b in opt._buckets.buckets for p, v in zip(b.params, b.views))
+        diff = max_rel_diff(model, ref)
+        hvd.shutdown()
+    return {"packs": packs, "bound": bound, "zeroed": zeroed, "still_bound": still_bound, "diff": diff,
+            "buckets": len(opt._buckets.buckets)}
+
+
+def trace_launch() -> list:
+    """(debugging) The Python calls of one bucket launch on the CUDA path."""
+    with cuda_path():
+        hvd.init()
+        r, n = hvd.rank(), hvd.size()
+        model = make_model()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                       named_parameters=model.named_parameters())
+        names: list = []
+        for s in range(3):
+            x, y = batch(s)
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(half(x, r, n)), half(y, r, n))
+            if s == 2:
+                real = opt._buckets._launch
+
+                def traced(bucket):
+                    def prof(frame, event, arg):
+                        if event == "call":
+                            names.append(f"{frame.f_code.co_filename.split('/')[-1]}:{frame.f_code.co_name}")
+                    sys.setprofile(prof)
+                    try:
+                        real(bucket)
+                    finally:
+                        sys.setprofile(None)
+                opt._buckets._launch = traced
+            loss.backward()
+            opt.step()
+        hvd.shutdown()
+    return names
+
+
+def one_rank_reducer_steps(steps: int = 4) -> dict:
+    """A one-rank job's DistributedOptimizer (CPU): with GPUCOMM_ONE_RANK_REDUCER=1 it runs hooks,
+    buckets and a one-rank schedule every step (as DDP runs its reducer at size 1); the result is
+    plain SGD's either way."""
+    hvd.init()
+    model, opt, ref, ref_opt = _twins()
+    before = hvd.stats()
+    for s in range(steps):
+        x, y = batch(s)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+    d = _delta(before, hvd.stats())
+    diff = max_rel_diff(model, ref)
+    hvd.shutdown()
+    return {"steps": steps, "schedule_steps": d["schedule_steps"], "collectives": d["collectives"], "diff": diff}
+
+
+def backward_marked() -> dict:
+    """While a DistributedOptimizer's backward runs, ``activity.backward_running()`` says so (read from
+    inside a gradient hook); after the step it does not."""
+    from gpucomm.dataplane import activity
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters())
+    seen: list[bool] = []
+    last = list(model.parameters())[0]
+    handle = last.register_post_accumulate_grad_hook(lambda p: seen.append(activity.backward_running()))
+    x, y = batch(0)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(half(x, r, n)), half(y, r, n)).backward()
+    opt.step()
+    after = activity.backward_running()
+    handle.remove()
+    hvd.shutdown()
+    return {"during": bool(seen) and all(seen), "after": after}
+
+
+def cpu_views(steps: int = 4) -> dict:
+    """CPU float32 gradients live in their buckets: after the first step ``p.grad`` is a view of the
+    fusion buffer, ``opt.zero_grad()`` zeroes it in place, and no step copies a gradient again."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    model, opt, ref, ref_opt = _twins()
+    packs = 0
+    for s in range(steps):
+        x, y = batch(s)
+        before = hvd.stats()["grad_bucket_packs"]
+        opt.zero_grad()
+        nn.functional.mse_loss(model(half(x, r, n)), half(y, r, n)).backward()
+        opt.step()
+        if s > 0:
+            packs += hvd.stats()["grad_bucket_packs"] - before
+        _reference_step(ref, ref_opt, x, y, n)
+    views = all(p.grad is v for b in opt._buckets.buckets for p, v in zip(b.params, b.views))
+    diff = max_rel_diff(model, ref)
+    hvd.shutdown()
+    return {"views": views, "packs_after_first": packs, "diff": diff}
