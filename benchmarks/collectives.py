@@ -56,6 +56,15 @@ every implementation, the environment) and ``--plot`` (busbw against size, one l
 one panel per collective), by default under bench-out/. Exits 1 when any result is wrong, as nccl-tests does, and 2 when the
 requested device or implementation is unavailable or a flag is out of range (one line on stderr).
 
+Every table's JSON entry carries ``counters``: the gpucomm counters (``hvd.stats()``) that its timed calls
+moved (0 for the anchors' tables, by construction); ``env.gpucomm_counters`` sums gpucomm's and names the
+counters this gpucomm does not have, and the summary prints the ones that moved, so a run shows which path
+gpucomm's calls took (the control round, the inline path, events, fast synchronous ops). In the
+single-GPU test mode (ranks share one GPU; NCCL crosses loopback sockets) the run sets
+``NCCL_SOCKET_NTHREADS`` and ``NCCL_NSOCKS_PERTHREAD`` before NCCL starts, unless already set (values and
+why: benchmarks/anchors.py), for gpucomm, raw NCCL and torch.distributed alike, and records them in
+``env.nccl_sockets``.
+
 The closing summary averages busbw per table; at 1 rank, where nccl-tests' factor makes busbw 0 for
 every collective but broadcast, it (and the plot) use algbw instead. A table with no rows (every case
 skipped, or no size with an element per rank) reads n/a with the reason, and implementations left out
@@ -85,6 +94,7 @@ from gpucomm.backends.nccl import nccl_module, version_text
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, also when imported by path
 from torch_group import init_torch_group  # noqa: E402
 from bench_stats import NA as NOT_AVAILABLE, fmt, median, write_json as write_strict_json  # noqa: E402
+import anchors  # noqa: E402
 
 COLLECTIVES = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
 REDUCING = frozenset({"allreduce", "reducescatter"})
@@ -462,6 +472,7 @@ class Case:
     op: str  # a reduction op, or "none"
     root: int  # broadcast's root, -1 elsewhere
     device: torch.device
+    counters: dict[str, int] = field(default_factory=dict)  # gpucomm's counters moved by the timed calls
 
     @property
     def dtype(self) -> torch.dtype:
@@ -482,16 +493,20 @@ def time_calls(case: Case, bufs: Buffers, in_place: bool, iters: int, blocking: 
     call(case, bufs, in_place)  # nccl-tests' untimed "sync" call
     synchronize(case.device)
     hvd.barrier()
+    before = hvd.stats()
     if case.device.type == "cpu":  # every call returns complete: the host clock is the measure
         t0 = time.perf_counter()
         _calls(case, bufs, in_place, iters, blocking)
-        return (time.perf_counter() - t0) / iters
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    _calls(case, bufs, in_place, iters, blocking)
-    end.record()  # every implementation leaves the current stream waiting on its collective
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
+        seconds = time.perf_counter() - t0
+    else:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        _calls(case, bufs, in_place, iters, blocking)
+        end.record()  # every implementation leaves the current stream waiting on its collective
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+    anchors.add_counts(case.counters, anchors.counter_delta(before, hvd.stats()))
+    return seconds / iters
 
 
 def _calls(case: Case, bufs: Buffers, in_place: bool, iters: int, blocking: bool) -> None:
@@ -574,6 +589,7 @@ class Table:
     label: str
     rows: list[Row] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    counters: dict[str, int] = field(default_factory=dict)  # gpucomm's counters moved by the timed calls
 
     @property
     def errors(self) -> int:
@@ -754,6 +770,8 @@ def run_table(table: Table, impl: Impl, sizes: Sequence[int], args: argparse.Nam
         warm_up(case, sizes, args.warmup_iters)
         for nbytes in sizes:
             row = run_row(case, nbytes, args)
+            anchors.add_counts(table.counters, case.counters)
+            case.counters.clear()
             if row is not None:
                 table.rows.append(row)
                 say(format_row(row))
@@ -822,6 +840,8 @@ def median_tables(rounds: Sequence[Sequence[Table]]) -> list[Table]:
     for same in zip(*rounds):
         first = same[0]
         table = Table(first.coll, first.impl, first.label, skipped=list(first.skipped))
+        for t in same:
+            anchors.add_counts(table.counters, t.counters)
         for rows in zip(*(t.rows for t in same)):
             r0 = rows[0]
             table.rows.append(Row(r0.size, r0.count, r0.type, r0.redop, r0.root,
@@ -908,7 +928,8 @@ def write_json(path: str, tables: Sequence[Table], env: dict[str, Any], args: ar
            "results": [r.as_json(t.coll, t.impl) for t in tables for r in t.rows],
            "tables": [{"collective": t.coll, "impl": t.impl, "label": t.label, "rows": len(t.rows),
                        "skipped": t.skipped, "out_of_bounds": t.errors, "avg_busbw": t.avg_busbw,
-                       "avg_algbw": t.avg_algbw, "empty_reason": None if t.rows else t.empty_reason}
+                       "avg_algbw": t.avg_algbw, "empty_reason": None if t.rows else t.empty_reason,
+                       "counters": t.counters}
                       for t in tables]}
     write_strict_json(path, doc)
 
@@ -1135,6 +1156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.cpu_operations != "auto":
         os.environ["GPUCOMM_CPU_OPERATIONS"] = args.cpu_operations
+    sockets = anchors.tune_sockets()  # before NCCL starts: gpucomm's, raw NCCL's and torch's all read them
     hvd.init()
     if args.device == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())  # gpucomm pinned this rank's GPU
@@ -1151,11 +1173,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     impls = make_impls(args.impls, device)
     sizes = sweep(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)
     say("# gpucomm collectives benchmark (nccl-tests tables)", *preamble(args, devices))
+    if sockets["single_gpu_test"]:
+        say(f"# {anchors.socket_text(sockets)}")
     tables: list[Table] = []
     finished = run_sweep(tables, impls, sizes, args, device)
     env = environment(device, impls, devices)
     env["not_measured"] = not_measured(args.impls, device.type)
     env["cpu_operations"] = cpu_transport(args.cpu_operations)
+    env["nccl_sockets"] = sockets
+    env["gpucomm_counters"] = counter_record(tables)
     env["interrupted"] = not finished
     if not finished:
         return report_interrupted(tables, env, args)
@@ -1175,10 +1201,29 @@ def cpu_transport(asked: str) -> dict[str, Any]:
     return {"asked": asked, "collectives": {"gloo": counts["gloo_collectives"], "mpi": counts["mpi_collectives"]}}
 
 
+def counter_record(tables: Sequence[Table]) -> dict[str, Any]:
+    """gpucomm's counters (``hvd.stats()``) moved by the timed calls of its tables, summed, and the
+    counters this gpucomm does not have (they read 0): which paths its calls took."""
+    total: dict[str, int] = {}
+    for t in tables:
+        if t.impl == "gpucomm":
+            anchors.add_counts(total, t.counters)
+    have = hvd.stats()
+    return {"timed_calls": total, "not_in_this_gpucomm": [c for c in anchors.COUNTERS if c not in have]}
+
+
+def counter_line(record: dict[str, Any]) -> str:
+    moved = ", ".join(f"{k} {v}" for k, v in record["timed_calls"].items() if v) or "none"
+    missing = record["not_in_this_gpucomm"]
+    return (f"# gpucomm counters moved by its timed calls (every table, rank 0): {moved}"
+            + (f" (not in this gpucomm: {', '.join(missing)})" if missing else ""))
+
+
 def report(tables: Sequence[Table], env: dict[str, Any], args: argparse.Namespace) -> None:
     """Rank 0's summary, JSON and plot."""
     say(*summary_lines(tables, hvd.size(), env["not_measured"]))
     say(*ratio_lines(tables, summary_metric(hvd.size())))
+    say(counter_line(env["gpucomm_counters"]))
     ran = env["cpu_operations"]["collectives"]
     if ran["gloo"] or ran["mpi"]:
         say(f"# gpucomm's CPU collectives on rank 0 (--cpu-operations {env['cpu_operations']['asked']}): "

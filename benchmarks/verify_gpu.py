@@ -13,16 +13,25 @@ steps first so a tight budget drops only the last ones:
 2. ``benchmarks/pack_bw.py``: the fusion kernels' pack/unpack GB/s as % of a device-to-device copy,
 3. the collectives sweep at 1 rank: per-op microseconds and bandwidth of gpucomm beside raw NCCL and
    torch.distributed,
-4. ResNet-50 at 2 ranks, gpucomm's DistributedOptimizer against DDP (``benchmarks/optimizer_vs_ddp.py``),
-   once with the fusion kernels and once with the forced fallback (``GPUCOMM_FUSION_KERNELS=0``: buckets
-   packed with torch ops), each with the counters that prove which path ran,
-5. the collectives sweep at 2 ranks, the training benchmark (``benchmarks/train.py``) at 1 and 2 ranks,
-   and the sweep at 4 ranks.
+4. ResNet-50 at 2 ranks, gpucomm's DistributedOptimizer beside its anchors in the same job
+   (``benchmarks/optimizer_vs_ddp.py``): DDP at its defaults, DDP at its best
+   (``gradient_as_bucket_view=True, static_graph=True``) and the same steps with no communication, wall
+   and process CPU time per step each; once with the gradients living in their buckets (the default) and
+   once packed and unpacked by the fusion kernels every step (``GPUCOMM_GRADIENT_VIEWS=0``: the default
+   chosen against), each with the counters that prove which path ran,
+5. ResNet-50 at 1 rank with gpucomm's reducer on (``GPUCOMM_ONE_RANK_REDUCER=1``), as DDP runs its own
+   at size 1: what each adds over the no-communication floor, and gpucomm's added time as a share of
+   DDP-best's (issue 35's target: at most 0.5),
+6. the collectives sweep at 2 ranks, the training benchmark (``benchmarks/train.py``, the same four
+   variants) at 1 and 2 ranks, and the sweep at 4 ranks.
 
 Ranks share one GPU through gpucomm-run's single-GPU test mode when there are fewer GPUs than ranks
-(their NCCL traffic then crosses loopback sockets). A step that fails or runs out of time is reported as
-such and the run goes on, so one broken part never hides the others' numbers; the summary is rewritten
-after every step, so a run killed from outside still leaves the summary of what finished.
+(their NCCL traffic then crosses loopback sockets); those steps set ``NCCL_SOCKET_NTHREADS`` and
+``NCCL_NSOCKS_PERTHREAD`` (unless this run's environment already does; values and why in
+benchmarks/anchors.py) so that loopback does not bury the difference, and the summary shows the values.
+A step that fails or runs out of time is reported as such and the run goes on, so one broken part never
+hides the others' numbers; the summary is rewritten after every step, so a run killed from outside still
+leaves the summary of what finished.
 
 Output in the ``--out`` folder: ``summary.json`` and ``summary.md`` (small, meant to be committed:
 date, device, driver, CUDA/NCCL and package versions, commit, every GPU test's outcome, every figure
@@ -32,8 +41,9 @@ and the junit XML; ``benchmarks/results/.gitignore`` keeps it out of git). ``--r
 tree is a copy without ``.git``, ``--commit SHA`` records the commit it is.
 
 Exit status: 0 when every step passed, 1 when one did not (or a ResNet-50 run did not take the fusion
-path it asked for), 2 (one line on stderr) when there is no CUDA GPU to run on (``--dry-run`` and
-``--summarize-only`` need none), 130 when interrupted (the summary of what finished is still written).
+path it asked for, or the 1-rank run's counters show gpucomm's reducer did not run), 2 (one line on
+stderr) when there is no CUDA GPU to run on (``--dry-run`` and ``--summarize-only`` need none), 130 when
+interrupted (the summary of what finished is still written).
 """
 
 from __future__ import annotations
@@ -57,7 +67,8 @@ from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, also when imported by path
 from bench_jobs import stop_group  # noqa: E402
-from bench_stats import fmt, ratio as safe_ratio, write_json  # noqa: E402
+from bench_stats import fmt, fmt_pair, ratio as safe_ratio, write_json  # noqa: E402
+import anchors  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -67,7 +78,8 @@ RAW = "raw"  # the subfolder of --out that holds everything but the summary
 PY = sys.executable
 MIB = 1 << 20
 KERNELS_ENV = "GPUCOMM_FUSION_KERNELS"
-SCHEMA = 1
+VIEWS_ENV = "GPUCOMM_GRADIENT_VIEWS"
+SCHEMA = 2  # 2: ResNet-50 and training figures carry every anchor (issue 35); collectives add in-place
 COMMITTED = ("summary.json", "summary.md")
 
 
@@ -102,6 +114,12 @@ def launcher(n: int, gpus: int) -> list[str]:
     return [PY, "-m", "gpucomm.runner", "-np", str(n), *flags, "--start-timeout", "120"]
 
 
+def socket_env(n: int, gpus: int) -> dict[str, str]:
+    """For ranks that share a GPU: NCCL's socket threads for loopback (benchmarks/anchors.py says why and
+    cites NCCL's docs), except those this run's own environment already sets (the user's choice wins)."""
+    return anchors.socket_env(os.environ) if n > gpus else {}
+
+
 def _has_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401, PLC0415
@@ -113,9 +131,11 @@ def _has_matplotlib() -> bool:
 def plan(out: Path, gpus: int, quick: bool) -> list[Step]:
     """The steps, most telling first, so a tight budget drops only the last ones. Every file a step
     writes goes under ``out/raw``. Ranks that share a GPU talk over loopback sockets, so their sweeps
-    stop at smaller sizes. The first six limits add up to the default budget. Seen on an H100
-    (2026-11-27): the GPU tests take ~200 s when none hangs (117 tests, most of them multi-rank jobs),
-    pack_bw 20 s, the 1-rank sweep 10 s, each ResNet-50 run ~25 s, the 2-rank sweep 19 s."""
+    stop at smaller sizes, and their steps set NCCL's socket threads (``socket_env``). The first six
+    limits add up to less than the default budget. Seen on an H100 (2026-11-27): the GPU tests take
+    ~200 s when none hangs (117 tests, most of them multi-rank jobs), pack_bw 20 s, the 1-rank sweep 10 s,
+    each ResNet-50 run ~25 s with two variants (four now: ~35 s), the 2-rank sweep 19 s, the training
+    runs 42 and 34 s."""
     raw = out / RAW
     own = "8M" if quick else "64M"  # largest size when every rank has its own GPU
     shared = "2M" if quick else "8M"
@@ -127,17 +147,25 @@ def plan(out: Path, gpus: int, quick: bool) -> list[Step]:
                                     "-f", "4", "-w", "3", "-n", "10" if n > 1 else "20",
                                     "--json", str(raw / f"collectives_{n}.json")]
         argv += ["--plot", str(raw / f"collectives_{n}.png")] if plot else ["--plot", ""]
-        return Step(f"collectives {n} rank(s)", argv, limit, raw / f"collectives_{n}.json")
+        return Step(f"collectives {n} rank(s)", argv, limit, raw / f"collectives_{n}.json", socket_env(n, gpus))
 
-    def resnet50(fusion: str, limit: float) -> Step:
-        """ResNet-50 at 2 ranks against DDP; ``fusion`` "kernels" or "fallback" (torch ops, forced)."""
+    def resnet50(n: int, fusion: str, limit: float) -> Step:
+        """ResNet-50 beside DDP at its defaults and its best and the no-comm floor: at 2 ranks with
+        ``fusion`` "kernels" (gradients living in their buckets, the default), "packed" (every bucket
+        packed and unpacked by the kernels every step: ``GPUCOMM_GRADIENT_VIEWS=0``, the default chosen
+        against) or "fallback" (torch ops, forced); at 1 rank with the reducer on."""
         counts = ["--quick"] if quick else ["--warmup", "3", "--rounds", "8", "--steps-per-round", "5"]
-        path = raw / f"resnet50_2_{fusion}.json"
-        argv = launcher(2, gpus) + [PY, "benchmarks/optimizer_vs_ddp.py", "--cuda", "--model", "resnet50",
-                                    "--fusion", "kernels" if fusion == "kernels" else "torch", *counts,
+        tag = fusion if n > 1 else "reducer-on"
+        path = raw / f"resnet50_{n}_{tag}.json"
+        argv = launcher(n, gpus) + [PY, "benchmarks/optimizer_vs_ddp.py", "--cuda", "--model", "resnet50",
+                                    "--fusion", "torch" if fusion == "fallback" else "kernels", *counts,
                                     "--json", str(path)]
-        env = {KERNELS_ENV: "1" if fusion == "kernels" else "0"}  # explicit: a caller's setting must not leak in
-        return Step(f"resnet50 2 ranks {fusion}", argv, limit, path, env)
+        argv += ["--one-rank-reducer", "on"] if n == 1 else []
+        # explicit: a caller's setting must not leak in
+        env = {KERNELS_ENV: "0" if fusion == "fallback" else "1", VIEWS_ENV: "0" if fusion == "packed" else "1",
+               **socket_env(n, gpus)}
+        name = f"resnet50 {n} ranks {fusion}" if n > 1 else "resnet50 1 rank reducer-on"
+        return Step(name, argv, limit, path, env)
 
     def train(n: int, limit: float) -> Step:
         argv = launcher(n, gpus) + [PY, "benchmarks/train.py", "--device", "cuda", "--models", "resnet50",
@@ -148,19 +176,20 @@ def plan(out: Path, gpus: int, quick: bool) -> list[Step]:
         if plot:
             argv += ["--plot", str(raw / f"train_{n}.png")]
         return Step(f"train {n} rank" + ("s" if n > 1 else ""), argv, limit, raw / f"train_{n}.json",
-                    {KERNELS_ENV: "1"})
+                    {KERNELS_ENV: "1", **socket_env(n, gpus)})
 
     pack_counts = ["--quick"] if quick else ["--iters", "10", "--warmup", "3"]
     return [
         Step("gpu tests", [PY, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider",
                            "--junitxml", str(raw / "gpu_tests.xml")], 290, interrupt_first=True),
-        Step("pack_bw", [PY, "benchmarks/pack_bw.py", "--json", str(raw / "pack_bw.json"), *pack_counts], 50,
+        Step("pack_bw", [PY, "benchmarks/pack_bw.py", "--json", str(raw / "pack_bw.json"), *pack_counts], 40,
              raw / "pack_bw.json"),
-        collectives(1, 35),
-        resnet50("kernels", 55),
-        resnet50("fallback", 55),
+        collectives(1, 30),
+        resnet50(2, "kernels", 60),
+        resnet50(2, "packed", 60),
+        resnet50(1, "kernels", 50),
         collectives(2, 55),
-        train(1, 60),
+        train(1, 70),
         train(2, 90),
         collectives(4, 70),
     ]
@@ -260,11 +289,16 @@ def load_results(step: Step, out: Path) -> None:
 
 
 def path_flag(step: Step) -> str:
-    """", fusion path NOT as asked" for a ResNet-50 run whose fusion path is not the one it asked for."""
+    """", fusion path NOT as asked" for a 2-rank ResNet-50 run whose fusion path is not the one it asked
+    for; ", reducer NOT run" for the 1-rank run whose counters show gpucomm's reducer did not run."""
     if not step.name.startswith("resnet50"):
         return ""
     fig = resnet50_figures(step)
-    return ", fusion path NOT as asked" if fig is not None and not fig["path_verified"] else ""
+    if fig is None:
+        return ""
+    if fig["path_verified"] is False:
+        return ", fusion path NOT as asked"
+    return ", reducer NOT run" if fig["reducer_verified"] is False else ""
 
 
 def run_steps(steps: list[Step], out: Path, budget: float, after_step: Callable[[], None] | None = None) -> bool:
@@ -392,11 +426,13 @@ def size_text(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def _by_size(results: list[dict[str, Any]], coll: str, impl: str) -> dict[int, dict[str, Any]]:
-    """{bytes: out-of-place cell} of one collective and implementation (first datatype/op seen per size)."""
+def _by_size(results: list[dict[str, Any]], coll: str, impl: str,
+             place: str = "out_of_place") -> dict[int, dict[str, Any]]:
+    """{bytes: cell} of one collective, implementation and place ("out_of_place" or "in_place"; first
+    datatype/op seen per size; a place the API lacks is an empty cell and left out)."""
     out: dict[int, dict[str, Any]] = {}
     for r in results:
-        cell = r.get("out_of_place") or {}
+        cell = r.get(place) or {}
         if r.get("collective") == coll and r.get("impl") == impl and cell:
             out.setdefault(r["bytes"], cell)
     return out
@@ -413,20 +449,32 @@ def collectives_figures(data: dict[str, Any] | None) -> dict[str, Any] | None:
     metric = "busbw" if ranks != 1 else "algbw"
     results = data.get("results") or []
     colls = list(dict.fromkeys(r.get("collective") for r in results if r.get("impl") == "gpucomm"))
-    latency, bandwidth = [], []
+    latency, bandwidth, in_place = [], [], []
     for coll in colls:
         cells = {impl: _by_size(results, coll, impl) for impl in ("gpucomm", "nccl", "torch")}
         sizes = sorted(cells["gpucomm"])
         if not sizes:
             continue
         for rows, size, key in ((latency, sizes[0], "time_us"), (bandwidth, sizes[-1], metric)):
-            values = {impl: (cells[impl].get(size) or {}).get(key) for impl in cells}
-            rows.append({"collective": coll, "bytes": size, **values,
-                         "gpucomm_vs_nccl": safe_ratio(values["gpucomm"], values["nccl"]),
-                         "gpucomm_vs_torch": safe_ratio(values["gpucomm"], values["torch"])})
+            rows.append(_compared(coll, size, {impl: (cells[impl].get(size) or {}).get(key) for impl in cells}))
+        ours_ip = _by_size(results, coll, "gpucomm", "in_place")  # only where Horovod's API has an in-place form
+        if ours_ip:
+            size = min(ours_ip)
+            in_place.append(_compared(coll, size, {impl: (_by_size(results, coll, impl, "in_place").get(size) or {})
+                                                   .get("time_us") for impl in cells}))
+    counters = env.get("gpucomm_counters") or {}
     return {"ranks": ranks, "single_gpu_test": bool(env.get("single_gpu_test")), "metric": metric,
             "wrong": count_wrong(results), "interrupted": bool(env.get("interrupted")),
-            "not_measured": env.get("not_measured") or {}, "latency_us": latency, "bandwidth_gbps": bandwidth}
+            "not_measured": env.get("not_measured") or {}, "latency_us": latency, "bandwidth_gbps": bandwidth,
+            "in_place_latency_us": in_place, "nccl_sockets": env.get("nccl_sockets"),
+            "gpucomm_counters": {k: v for k, v in (counters.get("timed_calls") or {}).items() if v}}
+
+
+def _compared(coll: str, size: int, values: dict[str, Any]) -> dict[str, Any]:
+    """One row: gpucomm's, raw NCCL's and torch's figure and gpucomm's ratio to each."""
+    return {"collective": coll, "bytes": size, **values,
+            "gpucomm_vs_nccl": safe_ratio(values["gpucomm"], values["nccl"]),
+            "gpucomm_vs_torch": safe_ratio(values["gpucomm"], values["torch"])}
 
 
 def pack_figures(data: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -453,51 +501,130 @@ def pack_figures(data: dict[str, Any] | None) -> dict[str, Any] | None:
             "targets": data.get("targets") or {}, "kernels": data.get("kernels") or {}}
 
 
-def resnet50_figures(step: Step) -> dict[str, Any] | None:
-    """One optimizer_vs_ddp.py run: step times, images/s, the ratio, and whether the fusion path that
-    ran (rank 0's ``gpucomm.kernels.status()`` and ``hvd.stats()['kernel_fallbacks']``) is the one asked
-    for: kernels compiled and none given up, or (fallback) torch ops and no kernel compiled."""
-    d = step.data
-    if not d:
-        return None
-    asked = "fallback" if step.name.endswith("fallback") else "kernels"
-    median = d.get("median_step_s") or {}
-    ranks, batch = d.get("ranks") or 0, d.get("batch_size") or 0
-    fusion = d.get("fusion") or {}
-    compiled = fusion.get("compiled")
-    fallbacks = d.get("kernel_fallbacks")
-    if asked == "kernels":
-        ok = fusion.get("path") == "kernels" and bool(compiled) and fallbacks == 0
-    else:
-        ok = fusion.get("path") == "torch" and compiled == [] and fallbacks == 0
-
-    def rate(v: str) -> float | None:
-        return safe_ratio(batch * ranks, median.get(v))
-
-    return {"fusion_asked": asked, "model": d.get("model"), "ranks": ranks, "batch_per_rank": batch,
-            "gpucomm_step_ms": _ms(median.get("gpucomm")), "ddp_step_ms": _ms(median.get("ddp")),
-            "gpucomm_vs_ddp_step_time": d.get("ratio"), "gpucomm_images_per_s": rate("gpucomm"),
-            "ddp_images_per_s": rate("ddp"), "fusion_path": fusion.get("path"),
-            "compiled_kernels": len(compiled) if isinstance(compiled, list) else None,
-            "kernel_launch": fusion.get("launch"), "kernel_fallbacks": fallbacks,
-            "fallback_reason": fusion.get("reason") or "", "path_verified": ok}
-
-
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 
 
+def _ms_pair(pair: list[float] | None) -> list[float] | None:
+    return None if not pair else [pair[0] * 1e3, pair[1] * 1e3]
+
+
+def fusion_asked(name: str) -> str | None:
+    """The fusion path a ResNet-50 step asked for: "kernels", "packed" (the kernels, every step),
+    "fallback", or None (the 1-rank reducer run, whose point is the reducer, not the pack path)."""
+    if " 1 rank" in name:
+        return None
+    for path in ("fallback", "packed"):
+        if name.endswith(path):
+            return path
+    return "kernels"
+
+
+def optimizer_variants(d: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """optimizer_vs_ddp.py's variants, each with its anchors: wall and CPU ms per step (round quartiles),
+    images/s, and its round-by-round ratios to ddp-best and ddp-default. A file written before the anchors
+    existed (``median_step_s`` only) gives its wall times and nothing else."""
+    ranks, batch = d.get("ranks") or 0, d.get("batch_size") or 0
+    detail = d.get("variants") or {name: {"wall_s_per_step": s} for name, s in (d.get("median_step_s") or {}).items()}
+    labels, rounds = d.get("labels") or {}, d.get("round_ratios") or {}
+    out = {}
+    for name, v in detail.items():
+        paired = {key: (rounds.get(key) or {}).get(name) or {} for key in ("vs_ddp_best", "vs_ddp_default")}
+        out[name] = {"label": labels.get(name, name), "wall_ms": _ms(v.get("wall_s_per_step")),
+                     "wall_quartiles_ms": _ms_pair(v.get("wall_quartiles")), "cpu_ms": _ms(v.get("cpu_s_per_step")),
+                     "cpu_quartiles_ms": _ms_pair(v.get("cpu_quartiles")),
+                     "images_per_s": safe_ratio(batch * ranks, v.get("wall_s_per_step")),
+                     **{f"{key}": ((d.get("ratios") or {}).get(key) or {}).get(name) for key in paired},
+                     **{f"{key}_quartiles": p.get("quartiles") for key, p in paired.items()}}
+    return out
+
+
+def added_figures(d: dict[str, Any]) -> dict[str, Any]:
+    """What each variant adds over the no-comm floor (ms per step, wall and CPU) and gpucomm's added time
+    as a share of ddp-best's, against issue 35's target."""
+    added = d.get("added_over_floor") or {}
+
+    def ms_of(kind: str) -> dict[str, float | None]:
+        return {v: _ms(x.get("median")) for v, x in (added.get(kind) or {}).items()}
+
+    share = added.get("gpucomm_vs_ddp_best") or {}
+    return {"wall_ms": ms_of("wall_s"), "cpu_ms": ms_of("cpu_s"), "gpucomm_vs_ddp_best_wall": share.get("wall_s"),
+            "gpucomm_vs_ddp_best_cpu": share.get("cpu_s"), "target": added.get("target", anchors.TARGET_ADDED_RATIO)}
+
+
+def resnet50_figures(step: Step) -> dict[str, Any] | None:
+    """One optimizer_vs_ddp.py run: every variant's step times (wall and CPU) beside DDP at its defaults,
+    DDP at its best and the no-comm floor, the time added over the floor, the NCCL socket settings, and
+    what the run proves about itself: at 2 ranks whether the fusion path that ran (rank 0's
+    ``gpucomm.kernels.status()`` and ``hvd.stats()['kernel_fallbacks']``) is the one asked for (kernels
+    compiled and none given up, or torch ops and no kernel compiled); at 1 rank whether gpucomm's reducer ran."""
+    d = step.data
+    if not d:
+        return None
+    asked = fusion_asked(step.name)
+    fusion = d.get("fusion") or {}
+    compiled, fallbacks = fusion.get("compiled"), d.get("kernel_fallbacks")
+    if asked in ("kernels", "packed"):
+        ok = fusion.get("path") == "kernels" and bool(compiled) and fallbacks == 0
+    elif asked == "fallback":
+        ok = fusion.get("path") == "torch" and compiled == [] and fallbacks == 0
+    else:
+        ok = None
+    reducer = d.get("one_rank_reducer") or {}
+    variants = optimizer_variants(d)
+    ours = variants.get(anchors.GPUCOMM) or {}
+    return {"run": step.name, "fusion_asked": asked, "model": d.get("model"), "ranks": d.get("ranks"),
+            "batch_per_rank": d.get("batch_size"), "variants": variants,
+            "gpucomm_step_ms": ours.get("wall_ms"), "gpucomm_cpu_ms": ours.get("cpu_ms"),
+            "gpucomm_vs_ddp_best": ours.get("vs_ddp_best"), "gpucomm_vs_ddp_default": ours.get("vs_ddp_default"),
+            "gpucomm_images_per_s": ours.get("images_per_s"), "added_over_floor": added_figures(d),
+            "nccl_sockets": d.get("nccl_sockets"), "one_rank_reducer": reducer or None,
+            "fusion_path": fusion.get("path"),
+            "compiled_kernels": len(compiled) if isinstance(compiled, list) else None,
+            "kernel_launch": fusion.get("launch"), "kernel_fallbacks": fallbacks,
+            "fallback_reason": fusion.get("reason") or "", "path_verified": ok,
+            "gradient_path": gradient_path(d),
+            "reducer_verified": reducer.get("verified") if reducer.get("asked") else None}
+
+
+def gradient_path(d: dict[str, Any]) -> dict[str, Any]:
+    """How gpucomm's timed steps moved their gradients (rank 0's counters): bucket launches whose
+    gradients already lived in the buffer, packs and unpacks, and the CUDA events recorded and stream
+    waits enqueued, per timed step."""
+    counts = (d.get("gpucomm_counters") or {}).get(anchors.GPUCOMM) or {}
+    steps = (d.get("rounds") or 0) * (d.get("steps_per_round") or 0)
+    keys = ("grad_bucket_views", "grad_bucket_packs", "grad_bucket_unpacks", "cuda_event_records", "cuda_stream_waits")
+    return {k: counts.get(k) for k in keys} | {"per_step": {k: safe_ratio(counts.get(k), steps) for k in keys}
+                                                if steps else None}
+
+
+def _ratio_of(m: dict[str, Any], key: str, name: str) -> dict[str, Any]:
+    return ((m.get("ratios") or {}).get(key) or {}).get(name) or {}
+
+
 def train_figures(step: Step) -> list[dict[str, Any]]:
-    """Per model of a train.py run: total samples/s of each variant, gpucomm/DDP, overheads, efficiency."""
+    """Per model of a train.py run: every variant's total samples/s, ms and CPU ms per step, its ratios
+    to ddp-best, ddp-default and the floor (round by round), and scaling efficiency; gpucomm's added time
+    over the floor as a share of ddp-best's; the one-rank reducer and the socket settings."""
     d = step.data or {}
+    labels = d.get("labels") or {}
     rows = []
     for name, m in (d.get("models") or {}).items():
-        v = m.get("variants") or {}
+        eff = m.get("scaling_efficiency") or {}
+        variants = {v: {"label": labels.get(v, v), "samples_per_s": r.get("samples_per_s_total"),
+                        "wall_ms": _ms(r.get("wall_s_per_step")), "cpu_ms": _ms(r.get("cpu_s_per_step")),
+                        **{key: _ratio_of(m, key, v).get("throughput_ratio")
+                           for key in ("vs_ddp_best", "vs_ddp_default", "vs_no_comm")},
+                        "scaling_efficiency": eff.get(v)}
+                    for v, r in (m.get("variants") or {}).items()}
+        best = _ratio_of(m, "vs_ddp_best", anchors.GPUCOMM)
         rows.append({"ranks": d.get("ranks"), "model": name, "batch_per_rank": d.get("batch_size"),
-                     **{f"{k}_samples_per_s": total_rate(v, k) for k in ("gpucomm", "ddp", "plain")},
-                     "gpucomm_vs_ddp_throughput": (m.get("ratio_gpucomm_vs_ddp") or {}).get("throughput_ratio"),
-                     "gpucomm_vs_plain": (m.get("overhead_vs_plain") or {}).get("gpucomm"),
-                     "scaling_efficiency": m.get("scaling_efficiency")})
+                     "variants": variants, "gpucomm_vs_ddp_best": best.get("throughput_ratio"),
+                     "gpucomm_vs_ddp_best_quartiles": best.get("quartiles"),
+                     "gpucomm_vs_ddp_default": _ratio_of(m, "vs_ddp_default", anchors.GPUCOMM).get("throughput_ratio"),
+                     "gpucomm_vs_no_comm": _ratio_of(m, "vs_no_comm", anchors.GPUCOMM).get("throughput_ratio"),
+                     "added_over_floor": added_figures(m), "scaling_efficiency": m.get("scaling_efficiency"),
+                     "one_rank_reducer": d.get("one_rank_reducer"), "nccl_sockets": d.get("nccl_sockets")})
     return rows
 
 
@@ -596,45 +723,77 @@ def _bytes_text(nbytes: int) -> str:
     return f"{nbytes // MIB} MiB" if nbytes >= MIB and nbytes % MIB == 0 else f"{nbytes} B"
 
 
+def _per_variant(variants: dict[str, dict[str, Any]], key: str, spec: str) -> str:
+    """"gpucomm 97.2 | ddp-default 91.1 | ..." of one figure of every variant."""
+    return " | ".join(f"{v['label']} {fmt(v.get(key), spec)}" for v in variants.values())
+
+
+def added_line(added: dict[str, Any]) -> str:
+    """Time added over the no-comm floor, gpucomm's share of ddp-best's, and the target."""
+    wall, cpu = added["wall_ms"], added["cpu_ms"]
+    parts = " | ".join(f"{v} {fmt(ms, '.1f')} / {fmt(cpu.get(v), '.1f')}" for v, ms in wall.items())
+    return (f"added over no-comm, wall / CPU ms per step: {parts or 'n/a'}; gpucomm / ddp-best added "
+            f"{fmt(added['gpucomm_vs_ddp_best_wall'], '.2f')} wall, {fmt(added['gpucomm_vs_ddp_best_cpu'], '.2f')} "
+            f"CPU (target <= {added['target']})")
+
+
+def sockets_text(record: dict[str, Any] | None) -> str | None:
+    """The NCCL socket settings of a run whose ranks shared a GPU (None otherwise)."""
+    if not record or not record.get("single_gpu_test"):
+        return None
+    values = ", ".join(f"{k}={v}" for k, v in (record.get("values") or {}).items())
+    return f"NCCL sockets (ranks share a GPU): {values} (set by {record.get('set_by')})"
+
+
+def reducer_text(record: dict[str, Any] | None) -> str | None:
+    """The one-rank reducer of a 1-rank run: asked or not, and whether gpucomm's counters show it ran."""
+    if not record or not record.get("applies"):
+        return None
+    if not record.get("asked"):
+        return "one-rank reducer: off (gpucomm's optimizer does nothing at size 1)"
+    ran = "ran (gpucomm's counters moved)" if record.get("verified") else "NOT run (no gpucomm counter moved)"
+    return f"one-rank reducer: asked ({record.get('variable')}), {ran}"
+
+
 def summarize_resnet50(step: Step) -> list[str]:
+    """Each variant's wall and CPU ms per step, gpucomm's ratios to both DDP anchors, the time added over
+    the floor, and what the run proves about its own path (fusion at 2 ranks, the reducer at 1)."""
     f = resnet50_figures(step)
     if f is None:
         return []
-    return [f"gpucomm {fmt(f['gpucomm_step_ms'], '.1f')} ms vs DDP {fmt(f['ddp_step_ms'], '.1f')} ms per step, "
-            f"ratio {fmt(f['gpucomm_vs_ddp_step_time'], '.3f')}",
-            f"fusion path {f['fusion_path'] or 'n/a'} ({fmt(f['compiled_kernels'])} kernels compiled, "
-            f"kernel_fallbacks {fmt(f['kernel_fallbacks'])}): {'as asked' if f['path_verified'] else 'NOT as asked'}"
-            + (f"; reason: {f['fallback_reason']}" if f["fallback_reason"] else "")]
+    v, ours = f["variants"], f["variants"].get(anchors.GPUCOMM) or {}
+    lines = [f"wall ms/step: {_per_variant(v, 'wall_ms', '.1f')}", f"CPU ms/step: {_per_variant(v, 'cpu_ms', '.1f')}",
+             f"gpucomm / ddp-best {fmt(ours.get('vs_ddp_best'), '.3f')} (round quartiles "
+             f"{fmt_pair(ours.get('vs_ddp_best_quartiles'), '.3f')}), / ddp-default "
+             f"{fmt(ours.get('vs_ddp_default'), '.3f')} (round quartiles "
+             f"{fmt_pair(ours.get('vs_ddp_default_quartiles'), '.3f')})", added_line(f["added_over_floor"])]
+    lines += [t for t in (sockets_text(f["nccl_sockets"]), reducer_text(f["one_rank_reducer"])) if t]
+    if f["fusion_asked"] is not None:
+        lines.append(f"fusion path {f['fusion_path'] or 'n/a'} ({fmt(f['compiled_kernels'])} kernels compiled, "
+                     f"kernel_fallbacks {fmt(f['kernel_fallbacks'])}): "
+                     f"{'as asked' if f['path_verified'] else 'NOT as asked'}"
+                     + (f"; reason: {f['fallback_reason']}" if f["fallback_reason"] else ""))
+    return lines
 
 
 def summarize_train(step: Step) -> list[str]:
-    """Throughput of gpucomm against DDP (and plain training at 1 rank), and scaling efficiency."""
-    d = step.data
-    if not d:
-        return []
-    return [train_line(name, m) for name, m in (d.get("models") or {}).items()]
-
-
-def train_line(name: str, m: dict[str, Any]) -> str:
-    v = m.get("variants") or {}
-    ratio = m.get("ratio_gpucomm_vs_ddp") or {}
-    line = (f"{name}: gpucomm {fmt(total_rate(v, 'gpucomm'), '.1f')} vs DDP {fmt(total_rate(v, 'ddp'), '.1f')}"
-            f" samples/s total, ratio {fmt(ratio.get('throughput_ratio'), '.3f')} (round quartiles "
-            f"{quartile_text(ratio.get('quartiles'))})")
-    if m.get("overhead_vs_plain"):
-        line += f", gpucomm/plain {fmt(m['overhead_vs_plain'].get('gpucomm'), '.3f')}"
-    if m.get("scaling_efficiency"):
-        eff = m["scaling_efficiency"]
-        line += f", scaling efficiency gpucomm {fmt(eff.get('gpucomm'), '.2f')} / DDP {fmt(eff.get('ddp'), '.2f')}"
-    return line
-
-
-def total_rate(variants: dict[str, Any], name: str) -> float | None:
-    return (variants.get(name) or {}).get("samples_per_s_total")
-
-
-def quartile_text(q: list[float] | None) -> str:
-    return f"{fmt(q[0], '.3f')}-{fmt(q[1], '.3f')}" if q else "n/a"
+    """Per model: every variant's samples/s and ms (CPU ms) per step, gpucomm's ratios to its anchors,
+    the time added over the floor, scaling efficiency; the reducer and the socket settings."""
+    lines = []
+    for row in train_figures(step):
+        v, name = row["variants"], row["model"]
+        lines += [f"{name}: samples/s {_per_variant(v, 'samples_per_s', '.1f')}",
+                  f"{name}: ms/step {_per_variant(v, 'wall_ms', '.2f')}; "
+                  f"CPU ms/step {_per_variant(v, 'cpu_ms', '.2f')}",
+                  f"{name}: gpucomm / ddp-best {fmt(row['gpucomm_vs_ddp_best'], '.3f')} (round quartiles "
+                  f"{fmt_pair(row['gpucomm_vs_ddp_best_quartiles'], '.3f')}), / ddp-default "
+                  f"{fmt(row['gpucomm_vs_ddp_default'], '.3f')}, / no-comm {fmt(row['gpucomm_vs_no_comm'], '.3f')}",
+                  f"{name}: {added_line(row['added_over_floor'])}"]
+        if row["scaling_efficiency"]:
+            lines.append(f"{name}: scaling efficiency {_per_variant(v, 'scaling_efficiency', '.2f')}")
+    first = (train_figures(step) or [{}])[0]
+    lines += [t for t in (sockets_text(first.get("nccl_sockets")), reducer_text(first.get("one_rank_reducer"))) if t]
+    return lines
 
 
 SUMMARIES: dict[str, Callable[[Step], list[str]]] = {"gpu tests": summarize_tests, "pack_bw": summarize_pack}
@@ -653,12 +812,12 @@ def summary_lines(step: Step) -> list[str]:
 
 
 def summary_text(steps: list[Step], header: str) -> str:
-    lines = [header, f"{'step':<26} {'status':<22} {'s':>6}  figures"]
+    lines = [header, f"{'step':<28} {'status':<22} {'s':>6}  figures"]
     for step in steps:
         figures = summary_lines(step) or [""]
         seconds = f"{step.seconds:>6.0f}" if step.seconds else f"{'-':>6}"
-        lines.append(f"{step.name:<26} {step.status:<22} {seconds}  {figures[0]}")
-        lines += [f"{'':<26} {'':<22} {'':>6}  {f}" for f in figures[1:]]
+        lines.append(f"{step.name:<28} {step.status:<22} {seconds}  {figures[0]}")
+        lines += [f"{'':<28} {'':<22} {'':>6}  {f}" for f in figures[1:]]
     return "\n".join(lines)
 
 
@@ -822,8 +981,8 @@ def build_summary(steps: list[Step], env: dict[str, Any], run: dict[str, Any]) -
                   for s in steps],
         "gpu_tests": tests,
         "figures": {
-            "resnet50_2_ranks": [f for s in steps if s.name.startswith("resnet50")
-                                 for f in [resnet50_figures(s)] if f is not None],
+            "resnet50": [f for s in steps if s.name.startswith("resnet50")
+                         for f in [resnet50_figures(s)] if f is not None],
             "pack_bw": pack_figures(by_name["pack_bw"].data) if "pack_bw" in by_name else None,
             "collectives": [f for s in steps if s.name.startswith("collectives")
                             for f in [collectives_figures(s.data)] if f is not None],
@@ -879,7 +1038,7 @@ def markdown(doc: dict[str, Any]) -> str:
                      for s in doc.get("steps") or []])
     lines += _tests_md(doc.get("gpu_tests"))
     figures = doc.get("figures") or {}
-    lines += _resnet_md(figures.get("resnet50_2_ranks") or [])
+    lines += _resnet_md(figures.get("resnet50") or [])
     lines += _pack_md(figures.get("pack_bw"))
     lines += _collectives_md(figures.get("collectives") or [])
     lines += _train_md(figures.get("train") or [])
@@ -930,19 +1089,42 @@ def _tests_md(tests: dict[str, Any] | None) -> list[str]:
     return lines + ["</details>", ""]
 
 
+def _run_notes(r: dict[str, Any]) -> list[str]:
+    """The lines under a run's table: added time, sockets, the reducer, the fusion path."""
+    notes = [added_line(r["added_over_floor"])]
+    notes += [t for t in (sockets_text(r["nccl_sockets"]), reducer_text(r["one_rank_reducer"])) if t]
+    if r["fusion_asked"] is not None:
+        notes.append(f"fusion asked: {r['fusion_asked']}"
+                     + (" (GPUCOMM_FUSION_KERNELS=0)" if r["fusion_asked"] == "fallback" else "")
+                     + (" (GPUCOMM_GRADIENT_VIEWS=0)" if r["fusion_asked"] == "packed" else "")
+                     + f"; path that ran: {r['fusion_path'] or 'n/a'}, kernels compiled {fmt(r['compiled_kernels'])}, "
+                       f"kernel_fallbacks {fmt(r['kernel_fallbacks'])}; "
+                       f"as asked: {'yes' if r['path_verified'] else 'NO'}")
+    per_step = (r.get("gradient_path") or {}).get("per_step")
+    if per_step:
+        notes.append("gpucomm per timed step: " + ", ".join(f"{k} {fmt(v, '.2f')}" for k, v in per_step.items()))
+    return [n + "  " for n in notes] + [""]
+
+
 def _resnet_md(rows: list[dict[str, Any]]) -> list[str]:
-    lines = ["## ResNet-50, 2 ranks: gpucomm's DistributedOptimizer against DDP", ""]
+    lines = ["## ResNet-50: gpucomm's DistributedOptimizer beside DDP-default, DDP-best and no communication", ""]
     if not rows:
         return lines + ["No results.", ""]
-    lines += ["Median step time of each, interleaved in one job (`benchmarks/optimizer_vs_ddp.py`); the fusion path "
-              "is rank 0's `gpucomm.kernels.status()` and `hvd.stats()['kernel_fallbacks']` after training.", ""]
-    lines += _table(["fusion asked", "gpucomm ms/step", "DDP ms/step", "gpucomm/DDP time", "gpucomm img/s",
-                     "DDP img/s", "path that ran", "kernels compiled", "kernel_fallbacks", "as asked"],
-                    [[r["fusion_asked"] + (" (GPUCOMM_FUSION_KERNELS=0)" if r["fusion_asked"] == "fallback" else ""),
-                      fmt(r["gpucomm_step_ms"], ".1f"), fmt(r["ddp_step_ms"], ".1f"),
-                      fmt(r["gpucomm_vs_ddp_step_time"], ".3f"), fmt(r["gpucomm_images_per_s"], ".0f"),
-                      fmt(r["ddp_images_per_s"], ".0f"), r["fusion_path"] or "n/a", fmt(r["compiled_kernels"]),
-                      fmt(r["kernel_fallbacks"]), "yes" if r["path_verified"] else "NO"] for r in rows])
+    lines += ["Every variant interleaved in one job (`benchmarks/optimizer_vs_ddp.py`, balanced round order, the same "
+              "warm-up and weights): the median of the rounds' median step, wall time (slowest rank) and process CPU "
+              "time (every thread, mean of the ranks), with the rounds' quartiles; ratios are round by round. "
+              "ddp-default is DDP at its defaults, ddp-best has `gradient_as_bucket_view=True, static_graph=True`; "
+              "neither broadcasts buffers (gpucomm does not). The fusion path is rank 0's "
+              "`gpucomm.kernels.status()` and `hvd.stats()['kernel_fallbacks']` after training.", ""]
+    for r in rows:
+        lines += [f"### {r['run']} (batch {fmt(r['batch_per_rank'])} per rank)", ""]
+        lines += _table(["variant", "wall ms/step", "round IQR", "CPU ms/step", "round IQR", "img/s", "vs ddp-best",
+                         "vs ddp-default"],
+                        [[v["label"], fmt(v["wall_ms"], ".1f"), fmt_pair(v["wall_quartiles_ms"], ".1f"),
+                          fmt(v["cpu_ms"], ".1f"), fmt_pair(v["cpu_quartiles_ms"], ".1f"),
+                          fmt(v["images_per_s"], ".0f"), fmt(v["vs_ddp_best"], ".3f"), fmt(v["vs_ddp_default"], ".3f")]
+                         for v in r["variants"].values()])
+        lines += _run_notes(r)
     return lines
 
 
@@ -964,19 +1146,25 @@ def _pack_md(pack: dict[str, Any] | None) -> list[str]:
 
 def _collectives_md(runs: list[dict[str, Any]]) -> list[str]:
     lines = ["## Collectives: gpucomm beside raw NCCL and torch.distributed (`benchmarks/collectives.py`)", "",
-             "Out-of-place calls; ratios are gpucomm / other (time: above 1 is slower; bandwidth: below 1 is slower).",
-             ""]
+             "Out-of-place calls, then the in-place calls where Horovod's API has them (allreduce_, broadcast_); "
+             "ratios are gpucomm / other (time: above 1 is slower; bandwidth: below 1 is slower).", ""]
     if not runs:
         return lines + ["No results.", ""]
     for run in runs:
         where = "sharing one GPU, NCCL over loopback sockets" if run["single_gpu_test"] else "one GPU each"
         lines += [f"### {run['ranks']} rank(s), {where}: #wrong {run['wrong']}"
                   + (" (interrupted: rows so far)" if run["interrupted"] else ""), ""]
-        lines += [f"Not measured: {k}: {v}" for k, v in run["not_measured"].items()] + (
-            [""] if run["not_measured"] else [])
+        notes = [f"Not measured: {k}: {v}" for k, v in run["not_measured"].items()]
+        notes += [t for t in [sockets_text(run.get("nccl_sockets"))] if t]
+        moved = ", ".join(f"{k} {v}" for k, v in (run.get("gpucomm_counters") or {}).items())
+        notes += [f"gpucomm counters moved by its timed calls (rank 0): {moved}"] if moved else []
+        lines += [n + "  " for n in notes] + ([""] if notes else [])
         head = ["collective", "size", "gpucomm", "nccl", "torch", "gpucomm/nccl", "gpucomm/torch"]
-        for key, unit, spec in (("latency_us", "us per call", ".1f"), ("bandwidth_gbps", f"{run['metric']} GB/s",
-                                                                       ".2f")):
+        for key, unit, spec in (("latency_us", "us per call", ".1f"),
+                                ("bandwidth_gbps", f"{run['metric']} GB/s", ".2f"),
+                                ("in_place_latency_us", "in-place, us per call", ".1f")):
+            if not run.get(key):
+                continue
             lines += [f"{unit}:", ""]
             lines += _table(head, [[r["collective"], size_text(r["bytes"]), fmt(r["gpucomm"], spec),
                                     fmt(r["nccl"], spec), fmt(r["torch"], spec), fmt(r["gpucomm_vs_nccl"], ".3f"),
@@ -988,16 +1176,19 @@ def _train_md(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["## Training throughput (`benchmarks/train.py`)", ""]
     if not rows:
         return lines + ["No results.", ""]
-
-    def eff(r: dict[str, Any], v: str) -> str:
-        return fmt((r["scaling_efficiency"] or {}).get(v), ".2f")
-
-    return lines + _table(["ranks", "model", "gpucomm samples/s", "DDP samples/s", "plain samples/s",
-                           "gpucomm/DDP", "gpucomm/plain", "scaling eff. gpucomm / DDP"],
-                          [[r["ranks"], r["model"], fmt(r["gpucomm_samples_per_s"], ".1f"),
-                            fmt(r["ddp_samples_per_s"], ".1f"), fmt(r["plain_samples_per_s"], ".1f"),
-                            fmt(r["gpucomm_vs_ddp_throughput"], ".3f"), fmt(r["gpucomm_vs_plain"], ".3f"),
-                            f"{eff(r, 'gpucomm')} / {eff(r, 'ddp')}"] for r in rows])
+    lines += ["The same four variants, interleaved; samples/s for the whole job, ms and CPU ms per step, ratios of "
+              "throughput round by round, scaling efficiency against the 1-rank run of the same variant.", ""]
+    table_rows = [[r["ranks"], r["model"], v["label"], fmt(v["samples_per_s"], ".1f"), fmt(v["wall_ms"], ".2f"),
+                   fmt(v["cpu_ms"], ".2f"), fmt(v["vs_ddp_best"], ".3f"), fmt(v["vs_ddp_default"], ".3f"),
+                   fmt(v["vs_no_comm"], ".3f"), fmt(v["scaling_efficiency"], ".2f")]
+                  for r in rows for v in r["variants"].values()]
+    lines += _table(["ranks", "model", "variant", "samples/s", "ms/step", "CPU ms/step", "vs ddp-best",
+                     "vs ddp-default", "vs no-comm", "scaling eff."], table_rows)
+    for r in rows:
+        notes = [added_line(r["added_over_floor"])]
+        notes += [t for t in (sockets_text(r["nccl_sockets"]), reducer_text(r["one_rank_reducer"])) if t]
+        lines += [f"{r['ranks']} rank(s), {r['model']}: " + "; ".join(notes), ""]
+    return lines
 
 
 def write_summary(out: Path, steps: list[Step], text: str, env: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
@@ -1053,7 +1244,7 @@ def print_plan(steps: list[Step], gpus: int, out: Path, budget: float) -> None:
           f"budget {budget:.0f} s, output in {out} (summary.json, summary.md; logs and full results in {RAW}/)")
     for step in steps:
         env = "".join(f"{k}={v} " for k, v in step.env.items())
-        print(f"{step.name:<26} limit {step.timeout:>4.0f} s  {env}{' '.join(step.argv[1:])}")
+        print(f"{step.name:<28} limit {step.timeout:>4.0f} s  {env}{' '.join(step.argv[1:])}")
 
 
 def choose_out(args: argparse.Namespace, gpus: int) -> Path:

@@ -66,12 +66,15 @@ CASES = {c.id: c for c in [
     Case("control_plane", ("benchmarks/control_plane.py", "--quick", "--json", "{out}/control_plane.json"),
          "control_plane.json", "# burst of 10 async allreduces", 2),
     _collectives(1),
-    Case("train", ("benchmarks/train.py", "--device", "cpu", "--quick", "--models", "cnn", "--rounds", "2",
-                   "--steps-per-round", "1", "--warmup", "0", "--json", "{out}/train.json",
-                   "--plot", "{out}/train.png"), "train.json", "gpucomm / DDP throughput, cnn: ", 1),
-    Case("optimizer_vs_ddp", ("benchmarks/optimizer_vs_ddp.py", "--quick", "--model", "cnn", "--floor",
-                              "--json", "{out}/optimizer_vs_ddp.json"),
-         "optimizer_vs_ddp.json", "ratio gpucomm / DDP: ", 1),
+    Case("train", ("benchmarks/train.py", "--device", "cpu", "--quick", "--models", "cnn", "--rounds", "4",
+                   "--steps-per-round", "1", "--warmup", "1", "--json", "{out}/train.json",
+                   "--plot", "{out}/train.png"), "train.json", "throughput, cnn: gpucomm-reducer-", 1),
+    Case("optimizer_vs_ddp-2", ("benchmarks/optimizer_vs_ddp.py", "--quick", "--model", "cnn",
+                                "--json", "{out}/optimizer_vs_ddp.json"),
+         "optimizer_vs_ddp.json", "ratio gpucomm / ddp-best: ", 2),
+    Case("optimizer_vs_ddp-1", ("benchmarks/optimizer_vs_ddp.py", "--quick", "--model", "cnn", "--floor",
+                                "--json", "{out}/optimizer_vs_ddp.json"),
+         "optimizer_vs_ddp.json", "ratio gpucomm-reducer-", 1),
     Case("autotune", ("benchmarks/autotune.py", "--quick", "--model", "cnn", "--json", "{out}/autotune.json"),
          "autotune.json", "autotune vs best fixed cap", 2),
     Case("finite_check", ("benchmarks/finite_check.py", "--quick", "--model", "cnn", "--json", "{out}/finite_check.json"),
@@ -267,6 +270,16 @@ def check_collectives(r: Run, doc: dict) -> None:
     lines = r.rank0()
     assert "# Out of bounds values (all tables) : 0 OK" in lines
     assert any(line.startswith("# Not measured: nccl: raw NCCL moves CUDA buffers only") for line in lines)
+    # which gpucomm counters its timed calls moved: gpucomm's tables only, every counter named (0 if unknown)
+    for t in doc["tables"]:
+        assert {"collectives", "control_rounds", "sync_fast_ops", "local_ops"} <= set(t["counters"]), t
+        assert any(t["counters"].values()) == (t["impl"] == "gpucomm"), t  # the anchors never touch gpucomm
+    ran = doc["env"]["gpucomm_counters"]["timed_calls"]
+    # one rank computes where the data lies (local_ops); more ranks call the transport or ride the control round
+    assert ran["collectives"] + ran["inline_reductions"] + ran["inline_moves"] + ran["local_ops"] > 0, ran
+    assert doc["env"]["nccl_sockets"]["single_gpu_test"] is False
+    assert any(line.startswith("# gpucomm counters moved by its timed calls (every table, rank 0): ")
+               for line in lines)
     assert doc["env"]["ranks"] == n and doc["env"]["device"] == "cpu" and "nccl" in doc["env"]["not_measured"]
     assert len(doc["tables"]) == 10 and all(t["out_of_bounds"] == 0 and t["rows"] == 5 for t in doc["tables"])
     assert all(t["avg_algbw"] >= 0 and t["avg_busbw"] >= 0 for t in doc["tables"])
@@ -284,27 +297,94 @@ def check_collectives(r: Run, doc: dict) -> None:
         assert any("avg algorithm bandwidth" in line and "allreduce/gpucomm " in line for line in lines)
 
 
+VARIANTS = ["gpucomm", "ddp-default", "ddp-best", "no-comm"]
+
+
+def _ordered(record: dict, span: str, mid: str, quartiles: str) -> bool:
+    """range[0] <= quartiles[0] <= median <= quartiles[1] <= range[1] (inclusive quartiles: by construction)."""
+    (low, high), (q1, q3) = record[span], record[quartiles]
+    return low <= q1 <= record[mid] <= q3 <= high
+
+
+def _reducer_checked(doc: dict, lines: list[str], ranks: int) -> None:
+    """The one-rank reducer: asked at 1 rank, its label says whether gpucomm's counters show it ran
+    (it may not, before gpucomm runs its reducer at size 1), and the run says so in a line."""
+    rec = doc["one_rank_reducer"]
+    assert rec["applies"] == (ranks == 1) and rec["asked"] == (ranks == 1), rec
+    if ranks == 1:
+        assert rec["variable"] == "GPUCOMM_ONE_RANK_REDUCER=1" and isinstance(rec["verified"], bool), rec
+        assert doc["labels"]["gpucomm"] == f"gpucomm-reducer-{'on' if rec['verified'] else 'off'}"
+        assert any(line.startswith("one-rank reducer: ") for line in lines)
+    else:
+        assert rec["verified"] is None and doc["labels"]["gpucomm"] == "gpucomm"
+
+
+def _added_checked(added: dict) -> None:
+    """Every variant but the floor has its added wall and CPU time; gpucomm's share of ddp-best's is there."""
+    for kind in ("wall_s", "cpu_s"):
+        assert set(added[kind]) == {"gpucomm", "ddp-default", "ddp-best"}, added
+        assert all(isinstance(x["median"], float) for x in added[kind].values())
+    assert set(added["gpucomm_vs_ddp_best"]) == {"wall_s", "cpu_s"} and added["target"] == 0.5
+
+
 def check_train(r: Run, doc: dict) -> None:
-    assert doc["benchmark"] == "train" and doc["ranks"] == 1 and doc["device"] == "cpu" and doc["rounds"] == 2
+    assert doc["benchmark"] == "train" and doc["ranks"] == 1 and doc["device"] == "cpu" and doc["rounds"] == 4
     m = doc["models"]["cnn"]
-    assert set(m["variants"]) == {"gpucomm", "ddp", "plain"}  # DDP exists at world size 1 too
-    assert set(m["overhead_vs_plain"]) == {"gpucomm", "ddp"} and m["scaling_efficiency"] is None
+    assert list(m["variants"]) == VARIANTS  # DDP exists at world size 1 too, and the floor is always there
     for v in m["variants"].values():
-        assert len(v["round_samples_per_s_per_device"]) == 2 and v["samples_per_s_per_device"] > 0
+        assert len(v["round_samples_per_s_per_device"]) == 4 and v["samples_per_s_per_device"] > 0
+        assert len(v["round_cpu_seconds"]) == 4 and v["wall_s_per_step"] > 0 and v["cpu_s_per_step"] >= 0
         lo, hi = v["per_device_range"]
         assert lo <= v["per_device_quartiles"][0] <= v["per_device_quartiles"][1] <= hi  # inclusive quartiles
-    assert len(m["ratio_gpucomm_vs_ddp"]["round_ratios"]) == 2
+    assert set(m["ratios"]) == {"vs_ddp_best", "vs_ddp_default", "vs_no_comm"} and m["scaling_efficiency"] is None
+    for key, ratios in m["ratios"].items():
+        assert set(ratios) == set(VARIANTS) and all(len(x["round_ratios"]) == 4 for x in ratios.values()), key
+    assert m["ratio_gpucomm_vs_ddp_best"] == m["ratios"]["vs_ddp_best"]["gpucomm"]
+    assert m["ratios"]["vs_ddp_best"]["ddp-best"]["round_ratios"] == [1.0] * 4
+    assert set(m["vs_no_comm"]) == {"gpucomm", "ddp-default", "ddp-best"}
+    _added_checked(m["added_over_floor"])
+    assert doc["ddp_options"]["ddp-best"]["gradient_as_bucket_view"] and doc["ddp_options"]["ddp-best"]["static_graph"]
+    assert not doc["ddp_options"]["ddp-default"]["gradient_as_bucket_view"]
+    assert doc["nccl_sockets"]["single_gpu_test"] is False and doc["notes"] == []  # 4 rounds balance 4 variants
+    assert [sorted(o) for o in doc["round_orders"]] == [sorted(VARIANTS)] * 4
+    lines = r.rank0()
+    _reducer_checked(doc, lines, 1)
     assert "1-rank run: pass its JSON as --baseline to an N-rank run with the same flags for scaling efficiency" \
-        in r.rank0()
+        in lines
+    assert any(line.startswith("added over no-comm, cnn, wall / CPU ms per step: gpucomm") for line in lines)
     assert (r.out / "train.png").read_bytes()[:8] == PNG
 
 
 def check_optimizer_vs_ddp(r: Run, doc: dict) -> None:
-    assert doc["benchmark"] == "optimizer_vs_ddp" and doc["ranks"] == 1 and doc["model"] == "cnn"
-    assert set(doc["median_step_s"]) == {"gpucomm", "ddp", "no-comm"}
-    assert all(v > 0 for v in doc["median_step_s"].values())
-    assert len(doc["round_ratios"]) == 2 and doc["ratio"] > 0 and doc["no_comm_floor_ratio"] > 0
-    assert any(line.startswith("ratio no-comm / DDP: ") for line in r.rank0())
+    n = r.case.ranks
+    assert doc["benchmark"] == "optimizer_vs_ddp" and doc["ranks"] == n and doc["model"] == "cnn"
+    assert list(doc["variants"]) == VARIANTS and doc["rounds"] == 4 and doc["balanced"] is True
+    for name, v in doc["variants"].items():
+        assert v["wall_s_per_step"] > 0 and v["cpu_s_per_step"] >= 0, (name, v)
+        assert len(v["round_wall_s"]) == len(v["round_cpu_s"]) == 4, (name, v)
+        assert _ordered(v, "wall_range", "wall_s_per_step", "wall_quartiles"), (name, v)
+        assert _ordered(v, "cpu_range", "cpu_s_per_step", "cpu_quartiles"), (name, v)
+    assert doc["median_step_s"] == {k: v["wall_s_per_step"] for k, v in doc["variants"].items()}
+    assert doc["cpu_s_per_step"] == {k: v["cpu_s_per_step"] for k, v in doc["variants"].items()}
+    assert doc["ratio"] == doc["ratios"]["vs_ddp_best"]["gpucomm"] > 0 and doc["no_comm_floor_ratio"] > 0
+    for key in ("vs_ddp_best", "vs_ddp_default"):
+        assert set(doc["ratios"][key]) == set(VARIANTS)
+        assert len(doc["round_ratios"][key]["gpucomm"]["round_ratios"]) == 4
+    _added_checked(doc["added_over_floor"])
+    assert [sorted(o) for o in doc["round_orders"]] == [sorted(VARIANTS)] * 4
+    assert [o[0] for o in doc["round_orders"]] == VARIANTS  # each variant first once in 4 rounds
+    counts = doc["gpucomm_counters"]["gpucomm"]
+    assert {"collectives", "schedule_steps", "grad_bucket_views", "sync_fast_ops", "local_ops"} <= set(counts)
+    if n > 1:  # its gradients went through Gloo (the counters prove which transport carried them)
+        assert counts["gloo_collectives"] > 0 and doc["transport_collectives"]["gpucomm"]["gloo"] > 0
+    lines = r.rank0()
+    _reducer_checked(doc, lines, n)
+    assert doc["nccl_sockets"]["single_gpu_test"] is False
+    assert "NCCL socket settings: untouched (ranks do not share a GPU, or no NCCL)" in lines
+    assert any(line.startswith("added over the no-comm floor, wall / CPU ms per step") for line in lines)
+    assert any(line.startswith("ratio gpucomm") and " / ddp-default: " in line for line in lines)
+    header = next(line for line in lines if line.startswith("variant "))
+    assert "wall ms/step" in header and "CPU ms/step" in header and "vs ddp-best" in header
 
 
 def check_autotune(r: Run, doc: dict) -> None:
@@ -423,9 +503,12 @@ def check_verify_gpu(r: Run, doc: dict) -> None:
                                    "allreduce gpucomm/nccl: not measured (raw NCCL moves CUDA buffers only; use "
                                    "--device cuda (or leave nccl out on CPU))", step["figures"][2]], step
         assert step["figures"][2].startswith(f"allreduce {metric} gpucomm/torch {largest}"), step
-    (train,) = steps["train 1 rank"]["figures"]
-    assert re.match(r"cnn: gpucomm [0-9.]+ vs DDP [0-9.]+ samples/s total, ratio [0-9.]+ .*gpucomm/plain [0-9.]+",
-                    train), train
+    train = steps["train 1 rank"]["figures"]
+    assert re.match(r"cnn: samples/s gpucomm-reducer-o(n|ff) [0-9.]+ \| ddp-default [0-9.]+ \| ddp-best [0-9.]+ \| "
+                    r"no-comm [0-9.]+$", train[0]), train
+    assert re.match(r"cnn: gpucomm / ddp-best [0-9.]+ \(round quartiles [0-9.]+-[0-9.]+\), / ddp-default [0-9.]+, "
+                    r"/ no-comm [0-9.]+$", train[2]), train
+    assert train[-1].startswith("one-rank reducer: asked (GPUCOMM_ONE_RANK_REDUCER=1), ")
     assert all(not f.startswith("(could not summarize") for s in doc["steps"] for f in s["figures"])
     assert (r.out / "summary.txt").read_text().startswith("# gpucomm GPU verification, summary of the results in ")
 
@@ -462,7 +545,8 @@ CHECKS: dict[str, Callable[[Run, Any], None]] = {
     "compression_memory": check_compression_memory, "powersgd_accuracy": check_powersgd_accuracy,
     "collectives-1": check_collectives, "collectives-2": check_collectives, "train": check_train,
     "collectives-rounds": check_collectives_rounds,
-    "optimizer_vs_ddp": check_optimizer_vs_ddp, "control_plane": check_control_plane, "autotune": check_autotune,
+    "optimizer_vs_ddp-1": check_optimizer_vs_ddp, "optimizer_vs_ddp-2": check_optimizer_vs_ddp,
+    "control_plane": check_control_plane, "autotune": check_autotune,
     "finite_check": check_finite_check,
     "cpu_allreduce": check_cpu_allreduce, "overhead-1": check_overhead, "overhead-2": check_overhead,
     "startup": check_startup, "timeline_overhead": check_timeline_overhead,
@@ -532,3 +616,65 @@ def test_model_check_adds_the_wait_for_the_slower_rank_on_each_step(monkeypatch)
     assert check.sync_wait([prof([1.0, 1.1, 1.2]), prof([1.0, 1.1, 1.2])]) == 0.0  # in step: no wait
     assert check.sync_wait([prof([1.0, 1.2, 1.0])]) == 0.0  # one rank waits for nobody
     assert check.sync_wait([prof([1.0]), Profile("m", 1, ["w"], [4], [0.1], 0.1, 0.2)]) == 0.0  # no per-step times
+
+
+# -- the fair anchors' pieces (benchmarks/anchors.py), without a job --------------------------------
+
+
+def test_the_round_order_is_balanced_for_position_and_predecessor():
+    anchors = _load("anchors")
+    for n in range(1, 7):
+        rows = anchors.williams_rows(n)
+        assert len(rows) == (n if n % 2 == 0 else 2 * n) == anchors.balanced_rounds(n)
+        assert all(sorted(row) == list(range(n)) for row in rows)
+        for place in range(n):  # every variant in every place equally often
+            assert sorted(row[place] for row in rows) == sorted(list(range(n)) * (len(rows) // n))
+        pairs = [(row[i], row[i + 1]) for row in rows for i in range(n - 1)]
+        if n > 1:  # every variant right after every other one equally often
+            assert len(set(pairs)) == n * (n - 1) and len(pairs) % len(set(pairs)) == 0
+            assert all(pairs.count(p) == len(pairs) // (n * (n - 1)) for p in set(pairs))
+    names = ["gpucomm", "ddp-default", "ddp-best", "no-comm"]
+    assert [o[0] for o in anchors.round_orders(names, 8)] == names * 2
+    assert anchors.balance_note(4, 8) is None and "use a multiple of 4" in anchors.balance_note(4, 6)
+    assert "use a multiple of 6" in anchors.balance_note(3, 4)  # odd: twice the rows
+
+
+def test_socket_settings_apply_only_when_ranks_share_a_gpu_and_the_user_wins():
+    anchors = _load("anchors")
+    env = {}
+    assert anchors.tune_sockets(env) == {"single_gpu_test": False, "values": None, "set_by": None, "problems": []}
+    assert env == {}  # ranks with a GPU each: NCCL's own choice stays
+    env = {"GPUCOMM_SINGLE_GPU_TEST": "1"}
+    rec = anchors.tune_sockets(env)
+    assert env["NCCL_SOCKET_NTHREADS"] == "4" and env["NCCL_NSOCKS_PERTHREAD"] == "4"
+    assert rec["set_by"] == "this benchmark" and rec["problems"] == [] and rec["values"] == anchors.SOCKET_VARS
+    assert "NCCL_SOCKET_NTHREADS=4, NCCL_NSOCKS_PERTHREAD=4" in anchors.socket_text(rec)
+    env = {"GPUCOMM_SINGLE_GPU_TEST": "1", "NCCL_SOCKET_NTHREADS": "8", "NCCL_NSOCKS_PERTHREAD": "16"}
+    rec = anchors.tune_sockets(env)
+    assert env["NCCL_SOCKET_NTHREADS"] == "8" and rec["set_by"].startswith("the environment")
+    assert len(rec["problems"]) == 1 and "= 128 > 64" in rec["problems"][0]
+    assert "WARNING" in anchors.socket_text(rec)
+    assert anchors.socket_env({"NCCL_SOCKET_NTHREADS": "2"}) == {"NCCL_NSOCKS_PERTHREAD": "4"}
+    assert anchors.socket_problems({"NCCL_SOCKET_NTHREADS": "32", "NCCL_NSOCKS_PERTHREAD": "1"})[0].startswith(
+        "NCCL_SOCKET_NTHREADS=32: NCCL takes 1..16")
+
+
+def test_counters_read_as_zero_when_a_gpucomm_lacks_them_and_the_floor_arithmetic():
+    anchors = _load("anchors")
+    delta = anchors.counter_delta({"collectives": 2}, {"collectives": 5, "sync_fast_ops": 3})
+    assert delta["collectives"] == 3 and delta["sync_fast_ops"] == 3 and delta["grad_bucket_views"] == 0
+    assert set(delta) == set(anchors.COUNTERS) and not anchors.reducer_ran(anchors.counter_delta({}, {}))
+    assert anchors.reducer_ran({"schedule_steps": 1}) and anchors.reducer_ran({"local_ops": 4})
+    env = {}
+    anchors.ask_one_rank_reducer(True, env)
+    assert env == {"GPUCOMM_ONE_RANK_REDUCER": "1"}
+    anchors.ask_one_rank_reducer(False, env)
+    assert env == {"GPUCOMM_ONE_RANK_REDUCER": "0"}
+    assert anchors.gpucomm_label(1, True) == "gpucomm-reducer-on" and anchors.gpucomm_label(2, False) == "gpucomm"
+    rounds = {"gpucomm": [1.2, 1.3], "ddp-best": [1.4, 1.6], "no-comm": [1.0, 1.0]}
+    added = anchors.added_over_floor(rounds)
+    assert set(added) == {"gpucomm", "ddp-best"} and added["gpucomm"]["median"] == pytest.approx(0.25)
+    assert anchors.added_ratio(added) == pytest.approx(0.25 / 0.5)
+    assert anchors.added_ratio({"gpucomm": {"median": 0.1}, "ddp-best": {"median": -0.1}}) is None
+    paired = anchors.paired_ratios([2.0, 3.0, 1.0], [1.0, 0.0, 2.0])  # a zero round is left out
+    assert paired["round_ratios"] == [2.0, 0.5] and paired["median"] == pytest.approx(1.25)

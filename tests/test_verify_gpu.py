@@ -40,8 +40,10 @@ def _load(script: str):
 # -- the plan -------------------------------------------------------------------------------------------
 
 
-PLAN = ["gpu tests", "pack_bw", "collectives 1 rank(s)", "resnet50 2 ranks kernels", "resnet50 2 ranks fallback",
-        "collectives 2 rank(s)", "train 1 rank", "train 2 ranks", "collectives 4 rank(s)"]
+PLAN = ["gpu tests", "pack_bw", "collectives 1 rank(s)", "resnet50 2 ranks kernels", "resnet50 2 ranks packed",
+        "resnet50 1 rank reducer-on", "collectives 2 rank(s)", "train 1 rank", "train 2 ranks", "collectives 4 rank(s)"]
+SOCKETS = {"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}
+VARIANTS = ("gpucomm", "ddp-default", "ddp-best", "no-comm")
 
 
 def _parse_optimizer_vs_ddp(argv: list[str], monkeypatch, capsys):
@@ -59,6 +61,8 @@ def _parse_optimizer_vs_ddp(argv: list[str], monkeypatch, capsys):
 
 
 def test_plan_passes_each_scripts_own_parser(tmp_path, monkeypatch, capsys):
+    for name in SOCKETS:
+        monkeypatch.delenv(name, raising=False)
     steps = verify_gpu.plan(tmp_path, gpus=1, quick=False)
     (tmp_path / "raw").mkdir()  # train.py checks that its --json folder exists
     assert [s.name for s in steps] == PLAN
@@ -74,36 +78,54 @@ def test_plan_passes_each_scripts_own_parser(tmp_path, monkeypatch, capsys):
         assert args is None or args.json == str(step.json_path)
         n = int(step.argv[step.argv.index("-np") + 1]) if "-np" in step.argv else 1
         assert ("--single-gpu-test" in step.argv) == (n > 1), step.argv  # one GPU: ranks share it
-    assert all("--single-gpu-test" not in s.argv for s in verify_gpu.plan(tmp_path, gpus=4, quick=False))
+        # ranks that share the GPU get NCCL's socket threads for loopback; the others keep NCCL's defaults
+        assert {k: step.env.get(k) for k in SOCKETS} == (SOCKETS if n > 1 else dict.fromkeys(SOCKETS)), step.env
+        if "optimizer_vs_ddp.py" in script:  # the balanced order of 4 variants needs a multiple of 4 rounds
+            assert int(argv[argv.index("--rounds") + 1]) % 4 == 0
+    four = verify_gpu.plan(tmp_path, gpus=4, quick=False)
+    assert all("--single-gpu-test" not in s.argv and "NCCL_SOCKET_NTHREADS" not in s.env for s in four)
+    monkeypatch.setenv("NCCL_SOCKET_NTHREADS", "2")  # the user's choice wins; the other one is still set
+    shared = {s.name: s for s in verify_gpu.plan(tmp_path, gpus=1, quick=False)}["train 2 ranks"]
+    assert "NCCL_SOCKET_NTHREADS" not in shared.env and shared.env["NCCL_NSOCKS_PERTHREAD"] == "4"
     assert "-m" in steps[0].argv and "gpu" in steps[0].argv and steps[0].interrupt_first  # pytest -m gpu
 
 
-def test_the_resnet50_pair_differs_only_in_the_fusion_path(tmp_path):
+def test_the_resnet50_pair_differs_only_in_where_gradients_live(tmp_path, monkeypatch):
+    """Gradients living in their buckets (the default) against every bucket packed and unpacked by the
+    kernels every step (GPUCOMM_GRADIENT_VIEWS=0): the measurement the default is chosen by."""
+    for name in SOCKETS:
+        monkeypatch.delenv(name, raising=False)
     by_name = {s.name: s for s in verify_gpu.plan(tmp_path, gpus=1, quick=False)}
-    kernels, fallback = by_name["resnet50 2 ranks kernels"], by_name["resnet50 2 ranks fallback"]
-    assert kernels.env == {"GPUCOMM_FUSION_KERNELS": "1"} and fallback.env == {"GPUCOMM_FUSION_KERNELS": "0"}
-    for step, fusion in ((kernels, "kernels"), (fallback, "torch")):
+    views, packed = by_name["resnet50 2 ranks kernels"], by_name["resnet50 2 ranks packed"]
+    assert views.env == {"GPUCOMM_FUSION_KERNELS": "1", "GPUCOMM_GRADIENT_VIEWS": "1", **SOCKETS}
+    assert packed.env == {"GPUCOMM_FUSION_KERNELS": "1", "GPUCOMM_GRADIENT_VIEWS": "0", **SOCKETS}
+    one = by_name["resnet50 1 rank reducer-on"]  # the one-rank reducer: one GPU of its own, no sockets
+    assert one.env == {"GPUCOMM_FUSION_KERNELS": "1", "GPUCOMM_GRADIENT_VIEWS": "1"}
+    assert one.argv[one.argv.index("-np") + 1] == "1"
+    assert one.argv[one.argv.index("--one-rank-reducer") + 1] == "on" and "--single-gpu-test" not in one.argv
+    for step in (views, packed):
         argv = step.argv
         assert argv[argv.index("-np") + 1] == "2" and argv[argv.index("--model") + 1] == "resnet50"
-        assert argv[argv.index("--fusion") + 1] == fusion and "--cuda" in argv
-
-    def without_fusion(argv: list[str], path: Path) -> list[str]:
-        i = argv.index("--fusion")
-        return [a for a in argv[:i] + argv[i + 2:] if a != str(path)]
-
-    assert without_fusion(kernels.argv, kernels.json_path) == without_fusion(fallback.argv, fallback.json_path)
+        assert argv[argv.index("--fusion") + 1] == "kernels" and "--cuda" in argv
+    assert [a for a in views.argv if a != str(views.json_path)] == [a for a in packed.argv if a != str(packed.json_path)]
 
 
-def test_dry_run_prints_the_plan_and_creates_nothing(tmp_path, capsys):
+def test_dry_run_prints_the_plan_and_creates_nothing(tmp_path, capsys, monkeypatch):
+    for name in SOCKETS:
+        monkeypatch.delenv(name, raising=False)
     assert verify_gpu.main(["--dry-run", "--out", str(tmp_path / "plan")]) == 0
     out = capsys.readouterr().out
     for name in PLAN:
         assert f"\n{name} " in out, name
     lines = {line.split("  limit")[0].strip(): line for line in out.splitlines()[1:]}
-    assert "GPUCOMM_FUSION_KERNELS=0" in lines["resnet50 2 ranks fallback"]
-    assert "--fusion torch" in lines["resnet50 2 ranks fallback"] and "--model resnet50" in lines[
+    assert "GPUCOMM_GRADIENT_VIEWS=0" in lines["resnet50 2 ranks packed"]
+    assert "--fusion kernels" in lines["resnet50 2 ranks packed"] and "--model resnet50" in lines[
         "resnet50 2 ranks kernels"]
     assert "GPUCOMM_FUSION_KERNELS=1" in lines["resnet50 2 ranks kernels"]
+    for name in ("resnet50 2 ranks kernels", "train 2 ranks", "collectives 4 rank(s)"):  # ranks share the GPU
+        assert "NCCL_SOCKET_NTHREADS=" in lines[name] and "NCCL_NSOCKS_PERTHREAD=" in lines[name], lines[name]
+    assert "NCCL_SOCKET_NTHREADS" not in lines["resnet50 1 rank reducer-on"]
+    assert "--one-rank-reducer on" in lines["resnet50 1 rank reducer-on"]
     assert not (tmp_path / "plan").exists()
     assert verify_gpu.main(["--dry-run", "--results"]) == 0
     header = capsys.readouterr().out.splitlines()[0]
@@ -333,15 +355,31 @@ def as_cuda_sweep(doc: dict, ranks: int) -> dict:
     return doc
 
 
-def cuda_optimizer_run(cpu_doc: dict, asked: str, *, compiled: list[str], step_s: dict[str, float]) -> dict:
-    """optimizer_vs_ddp.py's JSON as a 2-rank ResNet-50 run on GPU writes it: ``fusion`` is its
-    kernel_status() (run here, for its keys), with the kernels compiled on a GPU."""
+STEP_S = {"gpucomm": 0.125, "ddp-default": 0.110, "ddp-best": 0.100, "no-comm": 0.080}
+SOCKET_RECORD = {"single_gpu_test": True, "values": SOCKETS, "set_by": "the environment (the user or verify_gpu.py)",
+                 "problems": []}
+
+
+def cuda_optimizer_run(cpu_doc: dict, asked: str | None, *, compiled: list[str], step_s: dict[str, float],
+                       ranks: int = 2) -> dict:
+    """optimizer_vs_ddp.py's JSON as a ResNet-50 run on GPU writes it: its figures from its own
+    summarize() on 4 rounds of ``step_s`` (CPU time half the wall time), ``fusion`` its kernel_status() (run
+    here, for its keys) with the kernels compiled on a GPU; at 2 ranks the ranks share the GPU (socket
+    settings), at 1 rank the reducer ran (``asked`` None)."""
     module = _load("benchmarks/optimizer_vs_ddp.py")
     doc = copy.deepcopy(cpu_doc)
-    doc.update(model="resnet50", ranks=2, device="cuda", batch_size=32, median_step_s=step_s,
-               ratio=step_s["gpucomm"] / step_s["ddp"])
+    wall = {v: [t] * 4 for v, t in step_s.items()}
+    labels = {v: v for v in step_s}
+    if ranks == 1:
+        labels["gpucomm"] = "gpucomm-reducer-on"
+    doc.update(model="resnet50", ranks=ranks, device="cuda", batch_size=32, labels=labels,
+               **module.summarize(wall, {v: [t / 2 for t in w] for v, w in wall.items()}, labels))
+    doc["nccl_sockets"] = SOCKET_RECORD if ranks > 1 else {"single_gpu_test": False, "values": None, "set_by": None,
+                                                           "problems": []}
+    doc["one_rank_reducer"] = {"applies": ranks == 1, "asked": ranks == 1, "variable": "GPUCOMM_ONE_RANK_REDUCER=1",
+                               "verified": True if ranks == 1 else None}
     status = module.kernel_status()
-    status.update(path="torch" if asked == "fallback" else "kernels", compiled=compiled,
+    status.update(path="torch" if asked == "fallback" else "kernels", compiled=compiled,  # "packed": kernels
                   launch="driver" if compiled else None)
     doc["fusion"] = status
     return doc
@@ -366,23 +404,29 @@ def pack_run(device_gbps: float) -> dict:
 
 
 def train_run(ranks: int) -> dict:
-    """train.py's JSON as its summarize() and main() write it, for one model."""
-    def variant(rate: float) -> dict:
-        return {"samples_per_s_per_device": rate, "samples_per_s_total": rate * ranks,
-                "per_device_quartiles": [rate * 0.98, rate * 1.02], "per_device_range": [rate * 0.95, rate * 1.05],
-                "round_samples_per_s_per_device": [rate] * 4, "round_seconds": [160 / rate] * 4}
+    """train.py's JSON as its summarize() and main() write it (summarize() run here on 4 rounds of 5
+    steps per variant), for one model."""
+    import types
 
-    variants = {"gpucomm": variant(1000.0), "ddp": variant(1010.0)}
-    if ranks == 1:
-        variants["plain"] = variant(1050.0)
-    model = {"parameters": 25557032, "sample_shape": [3, 224, 224], "variants": variants,
-             "ratio_gpucomm_vs_ddp": {"throughput_ratio": 1000 / 1010, "round_ratios": [0.99] * 4, "median": 0.99,
-                                      "quartiles": [0.98, 1.0], "range": [0.97, 1.01]},
-             "overhead_vs_plain": {"gpucomm": 1000 / 1050, "ddp": 1010 / 1050} if ranks == 1 else None,
-             "scaling_efficiency": {"gpucomm": 0.9, "ddp": 0.91} if ranks > 1 else None}
+    train = _load("benchmarks/train.py")
+    args = train.parse_args(["--device", "cuda", "--models", "resnet50", "--warmup", "3", "--rounds", "4",
+                             "--steps-per-round", "5"])
+    wall = {v: [5 * 32 / rate] * 4 for v, rate in zip(VARIANTS, (1000.0, 990.0, 1010.0, 1050.0))}
+    real = train.hvd
+    train.hvd = types.SimpleNamespace(size=lambda: ranks)  # summarize() asks the job's size, and nothing else
+    try:
+        model = train.summarize(wall, {v: [w / 2 for w in ws] for v, ws in wall.items()}, 25557032, (3, 224, 224),
+                                args, None, "resnet50")
+    finally:
+        train.hvd = real
+    labels = {v: v for v in VARIANTS} | ({"gpucomm": "gpucomm-reducer-on"} if ranks == 1 else {})
+    reducer = {"applies": ranks == 1, "asked": ranks == 1, "variable": "GPUCOMM_ONE_RANK_REDUCER=1",
+               "verified": True if ranks == 1 else None, "counters": {"schedule_steps": 20}}
     return {"benchmark": "train", "ranks": ranks, "device": "cuda", "device_name": "NVIDIA H100 80GB HBM3",
             "threads_per_rank": 1, "batch_size": 32, "warmup": 3, "rounds": 4, "steps_per_round": 5, "quick": False,
-            "torch": "2.11.0+cu130", "gpucomm": "0.1.0", "baseline": None, "notes": [], "models": {"resnet50": model}}
+            "torch": "2.11.0+cu130", "gpucomm": "0.1.0", "baseline": None, "notes": [], "labels": labels,
+            "nccl_sockets": SOCKET_RECORD if ranks > 1 else {"single_gpu_test": False},
+            "one_rank_reducer": reducer, "models": {"resnet50": model}}
 
 
 @pytest.fixture(scope="module")
@@ -397,10 +441,12 @@ def summarized(cpu_runs, sample_pytest, tmp_path_factory):
         "collectives_1.json": as_cuda_sweep(cpu_runs["collectives"], 1),
         "collectives_2.json": as_cuda_sweep(cpu_runs["collectives"], 2),
         "resnet50_2_kernels.json": cuda_optimizer_run(cpu_runs["optimizer"], "kernels",
-                                                      compiled=["pack_f32_f32", "unpack_f32_f32"],
-                                                      step_s={"gpucomm": 0.125, "ddp": 0.100}),
-        "resnet50_2_fallback.json": cuda_optimizer_run(cpu_runs["optimizer"], "fallback", compiled=[],
-                                                       step_s={"gpucomm": 0.150, "ddp": 0.100}),
+                                                      compiled=["pack_f32_f32", "unpack_f32_f32"], step_s=STEP_S),
+        "resnet50_2_packed.json": cuda_optimizer_run(cpu_runs["optimizer"], "packed",
+                                                     compiled=["pack_f32_f32", "unpack_f32_f32"],
+                                                     step_s={**STEP_S, "gpucomm": 0.150}),
+        "resnet50_1_reducer-on.json": cuda_optimizer_run(cpu_runs["optimizer"], None, compiled=["pack_f32_f32"],
+                                                         step_s={**STEP_S, "gpucomm": 0.090}, ranks=1),
         "pack_bw.json": pack_run(2000.0),
         "train_1.json": train_run(1),
         "environment.json": verify_gpu.environment("0123abc"),
@@ -414,13 +460,13 @@ def summarized(cpu_runs, sample_pytest, tmp_path_factory):
 
 def test_summary_json_holds_every_part(summarized):
     out, doc, _, files = summarized
-    assert doc["schema"] == 1 and doc["environment"] == files["environment.json"]
+    assert doc["schema"] == 2 and doc["environment"] == files["environment.json"]
     statuses = {s["name"]: s["status"] for s in doc["steps"]}
     assert statuses == {**{n: "results found" for n in PLAN},
                         "train 2 ranks": "no results", "collectives 4 rank(s)": "no results"}
     tests = {c["id"]: c["outcome"] for c in doc["gpu_tests"]["cases"]}
     assert len(tests) == len(EXPECTED_OUTCOMES) and tests["suite.test_sample::test_param[2]"] == "failed"
-    assert set(doc["figures"]) == {"resnet50_2_ranks", "pack_bw", "collectives", "train"}
+    assert set(doc["figures"]) == {"resnet50", "pack_bw", "collectives", "train"}
     assert [c["ranks"] for c in doc["figures"]["collectives"]] == [1, 2]
     assert sorted(p.name for p in out.iterdir()) == ["raw", "summary.json", "summary.md", "summary.txt"]
 
@@ -454,30 +500,84 @@ def test_collectives_figures_put_gpucomm_beside_nccl_and_torch(summarized):
 
 def test_resnet50_rows_prove_which_fusion_path_ran(summarized):
     _, doc, md, _ = summarized
-    kernels, fallback = doc["figures"]["resnet50_2_ranks"]
+    kernels, packed, one = doc["figures"]["resnet50"]
     assert (kernels["fusion_asked"], kernels["fusion_path"], kernels["compiled_kernels"]) == ("kernels", "kernels", 2)
-    assert (fallback["fusion_asked"], fallback["fusion_path"], fallback["compiled_kernels"]) == ("fallback", "torch", 0)
-    assert kernels["path_verified"] and fallback["path_verified"] and kernels["kernel_fallbacks"] == 0
+    assert (packed["fusion_asked"], packed["fusion_path"], packed["compiled_kernels"]) == ("packed", "kernels", 2)
+    assert kernels["path_verified"] and packed["path_verified"] and kernels["kernel_fallbacks"] == 0
     assert kernels["gpucomm_images_per_s"] == pytest.approx(2 * 32 / 0.125)
-    assert ("| kernels | 125.0 | 100.0 | 1.250 | 512 | 640 | kernels | 2 | 0 | yes |" in md)
-    assert ("| fallback (GPUCOMM_FUSION_KERNELS=0) | 150.0 | 100.0 | 1.500 | 427 | 640 | torch | 0 | 0 | yes |" in md)
+    assert set(kernels["gradient_path"]) >= {"grad_bucket_views", "grad_bucket_packs", "per_step"}
+    assert "### resnet50 2 ranks kernels (batch 32 per rank)" in md
+    assert ("fusion asked: kernels; path that ran: kernels, kernels compiled 2, kernel_fallbacks 0; as asked: yes"
+            in md)
+    assert ("fusion asked: packed (GPUCOMM_GRADIENT_VIEWS=0); path that ran: kernels, kernels compiled 2, "
+            "kernel_fallbacks 0; as asked: yes") in md
+
+
+def test_resnet50_figures_stand_beside_both_ddp_anchors_and_the_floor(summarized):
+    _, doc, md, _ = summarized
+    kernels, _, one = doc["figures"]["resnet50"]
+    assert list(kernels["variants"]) == list(VARIANTS)
+    g = kernels["variants"]["gpucomm"]
+    assert (g["wall_ms"], g["cpu_ms"]) == (pytest.approx(125.0), pytest.approx(62.5))
+    assert g["vs_ddp_best"] == pytest.approx(1.25) and g["vs_ddp_default"] == pytest.approx(0.125 / 0.110)
+    assert kernels["variants"]["no-comm"]["vs_ddp_best"] == pytest.approx(0.8)
+    added = kernels["added_over_floor"]
+    assert added["wall_ms"] == pytest.approx({"gpucomm": 45.0, "ddp-default": 30.0, "ddp-best": 20.0})
+    assert added["gpucomm_vs_ddp_best_wall"] == pytest.approx(2.25) and added["target"] == 0.5
+    # each variant beside its anchors, wall and CPU, in one table per run
+    assert "| gpucomm | 125.0 | 125.0-125.0 | 62.5 | 62.5-62.5 | 512 | 1.250 | 1.136 |" in md
+    assert "| ddp-best | 100.0 | 100.0-100.0 | 50.0 | 50.0-50.0 | 640 | 1.000 | 0.909 |" in md
+    assert "| no-comm | 80.0 | 80.0-80.0 | 40.0 | 40.0-40.0 | 800 | 0.800 | 0.727 |" in md
+    assert ("added over no-comm, wall / CPU ms per step: gpucomm 45.0 / 22.5 | ddp-default 30.0 / 15.0 | "
+            "ddp-best 20.0 / 10.0; gpucomm / ddp-best added 2.25 wall, 2.25 CPU (target <= 0.5)") in md
+    assert "NCCL sockets (ranks share a GPU): NCCL_SOCKET_NTHREADS=4, NCCL_NSOCKS_PERTHREAD=4" in md
+    # the one-rank reducer: its own run, its label, its proof, no fusion verdict and no sockets
+    assert one["fusion_asked"] is None and one["path_verified"] is None and one["reducer_verified"] is True
+    assert one["variants"]["gpucomm"]["label"] == "gpucomm-reducer-on"
+    assert one["added_over_floor"]["gpucomm_vs_ddp_best_wall"] == pytest.approx(0.5)
+    steps = {s["name"]: s for s in doc["steps"]}
+    lines = steps["resnet50 1 rank reducer-on"]["figures"]
+    assert steps["resnet50 1 rank reducer-on"]["status"] == "results found"
+    assert lines[0] == "wall ms/step: gpucomm-reducer-on 90.0 | ddp-default 110.0 | ddp-best 100.0 | no-comm 80.0"
+    assert lines[1] == "CPU ms/step: gpucomm-reducer-on 45.0 | ddp-default 55.0 | ddp-best 50.0 | no-comm 40.0"
+    assert "one-rank reducer: asked (GPUCOMM_ONE_RANK_REDUCER=1), ran (gpucomm's counters moved)" in lines
+    assert not any(line.startswith(("fusion path", "NCCL sockets")) for line in lines)
+    two = steps["resnet50 2 ranks kernels"]["figures"]
+    assert two[2] == ("gpucomm / ddp-best 1.250 (round quartiles 1.250-1.250), / ddp-default 1.136 "
+                      "(round quartiles 1.136-1.136)")
+    assert ("NCCL sockets (ranks share a GPU): NCCL_SOCKET_NTHREADS=4, NCCL_NSOCKS_PERTHREAD=4 (set by the "
+            "environment (the user or verify_gpu.py))") in two
 
 
 def test_a_resnet50_run_on_the_wrong_path_is_flagged(cpu_runs):
     step = verify_gpu.Step("resnet50 2 ranks kernels", [], 1)
     # kernels asked, but the run compiled none and gave them up (a broken CUDA Python stack)
-    step.data = cuda_optimizer_run(cpu_runs["optimizer"], "kernels", compiled=[], step_s={"gpucomm": 0.2, "ddp": 0.1})
+    step.data = cuda_optimizer_run(cpu_runs["optimizer"], "kernels", compiled=[], step_s=STEP_S)
     step.data.update(kernel_fallbacks=1)
     step.data["fusion"].update(path="torch", reason="KernelUnavailableError: no driver")
     assert verify_gpu.path_flag(step) == ", fusion path NOT as asked"
-    assert verify_gpu.summary_lines(step)[1] == ("fusion path torch (0 kernels compiled, kernel_fallbacks 1): NOT as "
-                                                 "asked; reason: KernelUnavailableError: no driver")
+    assert verify_gpu.summary_lines(step)[-1] == ("fusion path torch (0 kernels compiled, kernel_fallbacks 1): NOT as "
+                                                  "asked; reason: KernelUnavailableError: no driver")
     fallback = verify_gpu.Step("resnet50 2 ranks fallback", [], 1)
     fallback.data = cuda_optimizer_run(cpu_runs["optimizer"], "fallback", compiled=["pack_f32_f32"],
-                                       step_s={"gpucomm": 0.2, "ddp": 0.1})  # the variable did not reach it
+                                       step_s=STEP_S)  # the variable did not reach it
     assert verify_gpu.path_flag(fallback) == ", fusion path NOT as asked"
     cpu = verify_gpu.Step("resnet50 2 ranks kernels", [], 1, data=cpu_runs["optimizer"])  # fusion: null on CPU
     assert verify_gpu.path_flag(cpu) == ", fusion path NOT as asked"
+
+
+def test_a_one_rank_run_whose_reducer_did_not_run_is_flagged(cpu_runs):
+    step = verify_gpu.Step("resnet50 1 rank reducer-on", [], 1)
+    step.data = cuda_optimizer_run(cpu_runs["optimizer"], None, compiled=[], step_s=STEP_S, ranks=1)
+    assert verify_gpu.path_flag(step) == ""
+    step.data["one_rank_reducer"]["verified"] = False  # a gpucomm that ignores GPUCOMM_ONE_RANK_REDUCER
+    assert verify_gpu.path_flag(step) == ", reducer NOT run"
+    assert ("one-rank reducer: asked (GPUCOMM_ONE_RANK_REDUCER=1), NOT run (no gpucomm counter moved)"
+            in verify_gpu.summary_lines(step))
+    # the real 1-rank CPU run asked for it too: its JSON says what its gpucomm did
+    real = cpu_runs["optimizer"]["one_rank_reducer"]
+    assert real["applies"] and real["asked"] and real["variable"] == "GPUCOMM_ONE_RANK_REDUCER=1"
+    assert isinstance(real["verified"], bool)
 
 
 def test_pack_figures_show_each_method_as_a_share_of_d2d(summarized):
@@ -506,7 +606,9 @@ def test_markdown_names_the_machine_the_commit_and_each_failing_test(summarized)
     assert any("test_param[2]" in line and "n is not one" in line for line in failing)
     assert any("test_errors" in line and "fixture broke" in line for line in failing)
     assert "| train 2 ranks | no results | n/a | - |" in md
-    assert "| 1 | resnet50 | 1000.0 | 1010.0 | 1050.0 | 0.990 | 0.952 | n/a / n/a |" in md
+    assert "| 1 | resnet50 | gpucomm-reducer-on | 1000.0 | 32.00 | 16.00 | 0.990 | 1.010 | 0.952 | n/a |" in md
+    assert "| 1 | resnet50 | no-comm | 1050.0 | 30.48 | 15.24 | 1.040 | 1.061 | 1.000 | n/a |" in md
+    assert "1 rank(s), resnet50: added over no-comm" in md and "one-rank reducer: asked" in md
 
 
 def test_the_commit_comes_from_git_or_from_the_flag(tmp_path, monkeypatch):
@@ -562,10 +664,12 @@ def test_collectives_summary_without_comparable_rows():
 
 def test_train_and_pack_summaries_of_partial_results():
     step = verify_gpu.Step("train 1 rank", [], 1)
-    step.data = {"models": {"cnn": {"variants": {"gpucomm": {"samples_per_s_total": 10.0}},
-                                    "ratio_gpucomm_vs_ddp": {}}}}
-    assert verify_gpu.summary_lines(step) == ["cnn: gpucomm 10.0 vs DDP n/a samples/s total, ratio n/a "
-                                              "(round quartiles n/a)"]
+    step.data = {"models": {"cnn": {"variants": {"gpucomm": {"samples_per_s_total": 10.0}}, "ratios": {}}}}
+    assert verify_gpu.summary_lines(step) == [
+        "cnn: samples/s gpucomm 10.0", "cnn: ms/step gpucomm n/a; CPU ms/step gpucomm n/a",
+        "cnn: gpucomm / ddp-best n/a (round quartiles n/a), / ddp-default n/a, / no-comm n/a",
+        "cnn: added over no-comm, wall / CPU ms per step: n/a; gpucomm / ddp-best added n/a wall, n/a CPU "
+        "(target <= 0.5)"]
     pack = verify_gpu.Step("pack_bw", [], 1)
     pack.data = {"benchmark": "pack_bw", "skipped": "needs a CUDA GPU", "rows": [], "targets": {}}
     assert verify_gpu.summary_lines(pack) == ["skipped: needs a CUDA GPU"]
