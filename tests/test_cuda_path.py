@@ -63,13 +63,15 @@ def test_a_synchronous_op_runs_on_the_callers_stream_with_no_event_round_trip():
         assert asynchronous["cuda_event_records"] == 40 and asynchronous["cuda_stream_waits"] == 40, asynchronous
 
 
-@pytest.mark.parametrize("views", ["1", "0"])
-def test_a_training_step_on_the_cuda_path(views):
-    """Gradients live in the buckets: after the step that binds the views nothing is packed or
-    unpacked; every step makes one ready event per bucket and one done event, one comm-stream wait
-    per bucket and one wait of the caller's stream. With GPUCOMM_GRADIENT_VIEWS=0 every step packs
-    and unpacks each bucket once (the fusion kernels on a GPU) and completes the same way."""
-    for rank, seen in enumerate(run_ranks(sc.training_steps, 2, args=(6, views), env=SMALL_BUCKETS)):
+@pytest.mark.parametrize("views,set_to_none", [("1", True), ("1", False), ("0", True)])
+def test_a_training_step_on_the_cuda_path(views, set_to_none):
+    """Gradients end up living in the buckets: nothing is ever unpacked; with
+    ``zero_grad(set_to_none=False)`` they are zeroed in place and nothing is packed either; with the
+    default each bucket packs the fresh gradients once. Every step makes one ready event per bucket
+    and one done event, one comm-stream wait per bucket and one wait of the caller's stream. With
+    GPUCOMM_GRADIENT_VIEWS=0 every step packs and unpacks each bucket once (the fusion kernels on a
+    GPU) and completes the same way."""
+    for rank, seen in enumerate(run_ranks(sc.training_steps, 2, args=(6, views, set_to_none), env=SMALL_BUCKETS)):
         buckets = seen["buckets"]
         assert buckets > 1 and seen["diff"] <= 1e-5, (rank, seen)
         assert seen["kinds"] == (["ViewBucket"] if views == "1" else ["FusedBucket"]), seen["kinds"]
@@ -78,16 +80,18 @@ def test_a_training_step_on_the_cuda_path(views):
             assert step["cuda_event_records"] == buckets + 1, (rank, step)
             assert step["cuda_stream_waits"] == buckets + 1, (rank, step)
             assert step["cuda_events_created"] == 0, (rank, step)
-            if views == "1":
+            if views == "1" and not set_to_none:
                 assert step["grad_bucket_views"] == buckets, (rank, step)
                 assert step["grad_bucket_packs"] == 0 and step["grad_bucket_unpacks"] == 0, (rank, step)
+            elif views == "1":
+                assert step["grad_bucket_packs"] == buckets and step["grad_bucket_unpacks"] == 0, (rank, step)
             else:
                 assert step["grad_bucket_packs"] == buckets and step["grad_bucket_unpacks"] == buckets, (rank, step)
         if views == "1":
-            assert seen["grads_are_views"], rank
+            assert seen["grads_are_views"], rank  # after the last step's reduction
         assert seen["hooks"] > 0 and seen["hook_calls"] <= MAX_CALLS_PER_HOOK, seen
         assert seen["launches"] == buckets, seen
-        if views == "1":  # a packing bucket's count is its copy's (the kernels on a GPU, torch ops here)
+        if views == "1" and not set_to_none:  # a packing launch adds its copy's (one kernel on a GPU; torch ops here)
             assert seen["launch_calls"] <= MAX_CALLS_PER_BUCKET_LAUNCH, seen
 
 
@@ -284,8 +288,10 @@ def test_spin_stops_while_the_reducers_backward_runs():
 
 
 def test_gradients_live_in_their_buckets_on_cpu_too():
-    for seen in run_ranks(sc.cpu_views, 2, env=SMALL_BUCKETS):
+    for seen in run_ranks(sc.cpu_views, 2, args=(4, False), env=SMALL_BUCKETS):
         assert seen["views"] and seen["packs_after_first"] == 0 and seen["diff"] <= 1e-5, seen
+    for seen in run_ranks(sc.cpu_views, 2, args=(4, True), env=SMALL_BUCKETS):  # freed: one pack per bucket and step
+        assert seen["views"] and seen["packs_after_first"] == (seen["steps"] - 1) * seen["buckets"], seen
 
 
 def test_lock_free_hook_count_is_per_thread_safe():

@@ -24,7 +24,7 @@ from typing import Callable, Mapping
 from ..bootstrap.framing import HELLO_BYTES, MAGIC, NONCE_BYTES, VERSION, FrameError, FramedChannel as Channel, recv_exact
 from ..bootstrap.arrival import duplicate_claim
 from ..counters import COUNTERS
-from ..dataplane.activity import backward_running
+from ..dataplane.activity import BACKWARDS, backward_running
 from ..errors import ControlError
 
 log = logging.getLogger("gpucomm.control")
@@ -77,6 +77,7 @@ def poll(socks: list[socket.socket | int], timeout: float, spin: float) -> tuple
     poller may be descheduled)."""
     start = time.perf_counter()
     end = start + spin
+    backwards = BACKWARDS  # read on every poll without a call: the loop adds no Python call per poll
     while True:
         ready, _, _ = select.select(socks, [], [], 0.0)
         if ready:
@@ -84,7 +85,7 @@ def poll(socks: list[socket.socket | int], timeout: float, spin: float) -> tuple
         now = time.perf_counter()
         if now >= end:
             break
-        if backward_running():
+        if backwards[0]:
             COUNTERS.spin_skipped_backward += 1
             break
     return [], max(0.0, timeout - (now - start))

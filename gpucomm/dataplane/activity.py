@@ -17,38 +17,36 @@ from __future__ import annotations
 import threading
 
 _lock = threading.Lock()
-_running = 0  # backwards started and not yet ended; read without the lock (one int load)
+# backwards started and not yet ended, as its one element: a spin loop keeps a reference and reads
+# ``BACKWARDS[0]`` on every poll, with no function call and no lock (a stale read costs one poll)
+BACKWARDS: list[int] = [0]
 
 
 def backward_started() -> None:
     """A gradient-hook backward began (its first hook ran): waiters stop spinning until it ends."""
-    global _running
     with _lock:
-        _running += 1
+        BACKWARDS[0] += 1
 
 
 def backward_ended() -> None:
     """A backward counted by ``backward_started()`` ended (autograd's final callback ran); an
     end without a start is ignored (the count never goes below zero)."""
-    global _running
     with _lock:
-        _running = max(0, _running - 1)
+        BACKWARDS[0] = max(0, BACKWARDS[0] - 1)
 
 
 def backward_running() -> bool:
-    """True while any gradient-hook backward of this process is in flight. Cheap enough to read
-    on every poll of a spin loop: one module attribute load, no lock (a stale read costs at most
-    one poll)."""
-    return _running > 0
+    """True while any gradient-hook backward of this process is in flight (a loop that asks on
+    every iteration reads ``BACKWARDS[0]`` instead)."""
+    return BACKWARDS[0] > 0
 
 
 def reset_backward() -> None:
     """Forget every backward in flight: for a step abandoned without autograd's final callback
     (backward raised after its first hook), whose count would otherwise keep waiters from
     spinning for the rest of the process, and for tests."""
-    global _running
     with _lock:
-        _running = 0
+        BACKWARDS[0] = 0
 
 
-__all__ = ["backward_ended", "backward_running", "backward_started", "reset_backward"]
+__all__ = ["BACKWARDS", "backward_ended", "backward_running", "backward_started", "reset_backward"]

@@ -89,10 +89,14 @@ class GradientBuckets:
 
     # -- a training step -----------------------------------------------------------------------
     def gradient_ready(self, p: torch.Tensor) -> None:
-        """``p``'s gradient is final for this step (its hook fired): index work only. A bucket is
-        ready to send when its last gradient arrives (DDP's order); then every complete bucket whose
-        predecessors are launched is launched."""
+        """``p``'s gradient is final for this step (its hook fired): index work only (on the CPU the
+        gradient also goes into its slot now, spreading the bucket's copies over backward). A bucket
+        is ready to send when its last gradient arrives (DDP's order); then every complete bucket
+        whose predecessors are launched is launched."""
         k = self._index_of[p]
+        bucket = self.buckets[k]
+        if bucket.early:  # a CPU bucket takes the gradient into its slot now (``bucket_kinds.ViewBucket``)
+            bucket.arrived(p)
         pending = self._pending
         pending[k] -= 1
         if k == self._next and not pending[k]:
@@ -179,12 +183,13 @@ class GradientBuckets:
         for bucket in self.buckets:
             bucket.release()
 
-    def zero_views(self) -> set:
-        """``zero_grad``: zero the gradients that live in their buckets, where they live (one op per
-        bucket); returns those parameters (their ``p.grad`` stays bound to the buffer)."""
+    def zero_views(self, set_to_none: bool) -> set:
+        """``zero_grad(set_to_none=False)``: zero the gradients that live in their buckets, where they
+        live (one op per bucket); returns those parameters (their ``p.grad`` stays bound to the
+        buffer). ``set_to_none``: none (the optimizer frees them all)."""
         kept: set = set()
         for bucket in self.buckets:
-            kept.update(bucket.zero_views())
+            kept.update(bucket.zero_views(set_to_none))
         return kept
 
     # -- beyond the steady state ----------------------------------------------------------------

@@ -211,7 +211,8 @@ class Job:
         number = self._schedule_counters[set_id] = self._schedule_counters.get(set_id, 0) + 1
         base = self.group(set_id)
         where = f"{self.prefix}schedule/{set_id}/{number}/"
-        group = Group(set_id, base.ranks, self.world.rank, lambda g: self._new_cpu_backend(g, where),
+        group = Group(set_id, base.ranks, self.world.rank,
+                      lambda g: SelfBackend() if g.size == 1 else self._new_cpu_backend(g, where),
                       lambda g: create_nccl(self.client, where + "nccl", g.rank, g.size,
                                             self._cuda_device().index, self.timeout))
         schedule = Schedule(group, self.data, number=number)

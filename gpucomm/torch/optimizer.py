@@ -2,10 +2,11 @@
 
 Each trainable parameter gets a post-accumulate-grad hook. Parameters are grouped into buckets
 (``gpucomm.dataplane.fusion``: reverse order, one dtype and device each, 1 MiB first, then 25 MiB);
-when the last gradient of a bucket arrives, and every earlier bucket has been launched, the bucket
-is packed and its allreduce launched on the optimizer's fixed schedule (``buckets.py``), so
-communication overlaps the rest of backward. ``synchronize()`` (called by ``step()``) launches what
-is left, waits for the buckets in order and unpacks them into the gradients.
+when the last gradient of a bucket arrives, and every earlier bucket has been launched, the bucket's
+allreduce is launched on the optimizer's fixed schedule by the data plane's reducer
+(``gpucomm.dataplane.reducer``; the bucket kinds in ``bucket_kinds``: gradients end up living in the
+buckets, see there), so communication overlaps the rest of backward. ``synchronize()`` (called by
+``step()``) launches what is left and waits for the buckets in order.
 
 Agree once, then run a fixed schedule: the parameters (names, shapes, dtypes) and the bucket
 layout are verified across ranks when the optimizer is built, and again only when the set of
@@ -545,15 +546,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._local_only = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Horovod's guard, then the gradients cleared. Gradients that live in their buckets (bound
-        views of the fusion buffers) are zeroed where they live, one op per bucket, whatever
-        ``set_to_none`` says: backward then accumulates into the buffer again, with no copy (DDP's
-        ``gradient_as_bucket_view``, whose gradients a plain ``zero_grad`` would unbind instead).
-        The others are set to None (or zeroed) as the wrapped optimizer does."""
+        """Horovod's guard, then the gradients cleared as torch does: ``set_to_none=True`` (the
+        default) frees them (the next step's buckets pack the new ones in, once each); with
+        ``set_to_none=False`` gradients that live in their buckets (bound views of the fusion
+        buffers) are zeroed where they live, one op per bucket, and backward accumulates into the
+        buffer again with no copy at all (DDP's ``gradient_as_bucket_view``)."""
         if self._hooked or self._buckets.in_flight or self._sparse.in_flight:
             raise AssertionError(ZERO_GRAD_ERROR)
         self._settle_parameters()
-        kept = self._buckets.zero_views()
+        kept = self._buckets.zero_views(set_to_none)
         if not kept:
             result = super(self.__class__, self).zero_grad(set_to_none=set_to_none)
         else:

@@ -144,7 +144,7 @@ class _Calls:
         return self.calls[name] / max(1, self.entries[name])
 
 
-def training_steps(steps: int = 6, views: str = "1") -> dict:
+def training_steps(steps: int = 6, views: str = "1", set_to_none: bool = True) -> dict:
     """A 2-rank DistributedOptimizer on the CUDA path (stand-ins), several buckets: the counters of
     each step (copies, event records, stream waits), the Python calls of a hook and of a bucket
     launch, and the result against one process on the full batch."""
@@ -165,7 +165,7 @@ def training_steps(steps: int = 6, views: str = "1") -> dict:
                     counting.wrap(opt._buckets, "_launch")
                 before = hvd.stats()
                 x, y = batch(s)
-                opt.zero_grad()
+                opt.zero_grad(set_to_none=set_to_none)
                 loss = nn.functional.mse_loss(model(half(x, r, n)), half(y, r, n))
                 if last:
                     sys.setprofile(counting.profile)
@@ -194,8 +194,9 @@ def training_steps(steps: int = 6, views: str = "1") -> dict:
 
 
 def replaced_gradients_are_rebound(steps: int = 4) -> dict:
-    """Views bound, then ``model.zero_grad()`` (set_to_none) replaces every gradient: the next step
-    packs them once (one copy per bucket) and binds the views again; ``opt.zero_grad()`` keeps them."""
+    """Views bound and zeroed in place (``opt.zero_grad(set_to_none=False)``: nothing packed), then
+    ``model.zero_grad()`` (set_to_none) replaces every gradient: the next step packs them once (one
+    copy per bucket) and binds the views again."""
     with cuda_path():
         hvd.init()
         r, n = hvd.rank(), hvd.size()
@@ -206,14 +207,14 @@ def replaced_gradients_are_rebound(steps: int = 4) -> dict:
             if s == 2:
                 model.zero_grad()  # torch's: every p.grad becomes None
             else:
-                opt.zero_grad()
+                opt.zero_grad(set_to_none=False)
             before = hvd.stats()
             nn.functional.mse_loss(model(half(x, r, n)), half(y, r, n)).backward()
             opt.step()
             packs.append(hvd.stats()["grad_bucket_packs"] - before["grad_bucket_packs"])
             _reference_step(ref, ref_opt, x, y, n)
         bound = all(p.grad is v for b in opt._buckets.buckets for p, v in zip(b.params, b.views))
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=False)
         zeroed = all(float(p.grad.abs().sum()) == 0.0 for p in model.parameters())
         still_bound = all(p.grad is v for b in opt._buckets.buckets for p, v in zip(b.params, b.views))
         diff = max_rel_diff(model, ref)
@@ -296,9 +297,10 @@ def backward_marked() -> dict:
     return {"during": bool(seen) and all(seen), "after": after}
 
 
-def cpu_views(steps: int = 4) -> dict:
+def cpu_views(steps: int = 4, set_to_none: bool = False) -> dict:
     """CPU float32 gradients live in their buckets: after the first step ``p.grad`` is a view of the
-    fusion buffer, ``opt.zero_grad()`` zeroes it in place, and no step copies a gradient again."""
+    fusion buffer; ``opt.zero_grad(set_to_none=False)`` zeroes it in place and no step copies a
+    gradient again; the default ``zero_grad()`` frees them and each step packs each bucket once."""
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     model, opt, ref, ref_opt = _twins()
@@ -306,7 +308,7 @@ def cpu_views(steps: int = 4) -> dict:
     for s in range(steps):
         x, y = batch(s)
         before = hvd.stats()["grad_bucket_packs"]
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         nn.functional.mse_loss(model(half(x, r, n)), half(y, r, n)).backward()
         opt.step()
         if s > 0:
@@ -315,4 +317,5 @@ def cpu_views(steps: int = 4) -> dict:
     views = all(p.grad is v for b in opt._buckets.buckets for p, v in zip(b.params, b.views))
     diff = max_rel_diff(model, ref)
     hvd.shutdown()
-    return {"views": views, "packs_after_first": packs, "diff": diff}
+    return {"views": views, "packs_after_first": packs, "steps": steps, "buckets": len(opt._buckets.buckets),
+            "diff": diff}
