@@ -21,7 +21,9 @@ communication cannot overlap backward. gpucomm's two phases run in the same orde
 its usual buckets. Bytes per step on the
 wire are measured, not computed: gpucomm's from its counters (``hvd.stats()["bytes"]``: the input
 size of every collective this rank issued), DDP's by counting, in the same way, the tensors its hooks
-hand to ``torch.distributed.all_reduce``. The reduction factors are against each one's uncompressed
+hand to ``torch.distributed.all_reduce``. gpucomm's add a few bytes: bucket 0's 4-byte training
+flag and, under the default finite check (``GPUCOMM_CHECK_FINITE=auto``), one element per rank in
+every bucket (the slots that name the rank that went non-finite). The reduction factors are against each one's uncompressed
 bytes measured in the same run. Warm-up steps (past ``start_iter`` and gpucomm's first re-cut) are
 not measured. gpucomm's control rounds over the measured steps are printed (0: the fixed schedule).
 
@@ -130,23 +132,29 @@ class Runner:
         self.times: list[float] = []
         self.bytes: list[int] = []
         self.control: list[int] = []
+        self.collectives: list[int] = []
 
     def step(self, data: tuple[torch.Tensor, torch.Tensor], measure: bool) -> None:
-        before_bytes, before_control = self.sent(), hvd.stats()["control_rounds"]
+        before = hvd.stats()
+        before_bytes = self.sent()
         start = time.perf_counter()
         self.opt.zero_grad()
         F.cross_entropy(self.forward(data[0]), data[1]).backward()
         self.opt.step()
         elapsed = time.perf_counter() - start
         if measure:
+            after = hvd.stats()
             self.times.append(elapsed)
             self.bytes.append(self.sent() - before_bytes)
-            self.control.append(hvd.stats()["control_rounds"] - before_control)
+            self.control.append(after["control_rounds"] - before["control_rounds"])
+            self.collectives.append(after["collectives"] - before["collectives"])
 
     def result(self) -> dict:
+        """Medians per step; ``collectives_per_step`` counts gpucomm's backend calls (0 for DDP's side)."""
         return {"median_step_s": statistics.median(self.times) if self.times else None,
                 "bytes_per_step": statistics.median(self.bytes) if self.bytes else None,
-                "control_rounds": sum(self.control)}
+                "control_rounds": sum(self.control),
+                "collectives_per_step": statistics.median(self.collectives) if self.collectives else None}
 
 
 def interleave(runners: list[Runner], data: list, warmup: int, rounds: int, steps: int) -> None:
@@ -319,6 +327,7 @@ def main() -> None:
                 doc["compression"][model] = [
                     {"config": e["config"], **{side: {
                         "bytes_per_step": e[side]["bytes_per_step"], "control_rounds": e[side]["control_rounds"],
+                        "collectives_per_step": e[side]["collectives_per_step"],
                         "median_step_s": slowest([r[i][side] for r in every], "median_step_s"),
                         "per_rank_median_step_s": [r[i][side]["median_step_s"] for r in every]}
                         for side in ("gpucomm", "ddp")}} for i, e in enumerate(mine)]

@@ -188,6 +188,10 @@ def plan(out: Path, gpus: int, quick: bool) -> list[Step]:
         resnet50(2, "kernels", 60),
         resnet50(2, "packed", 60),
         resnet50(1, "kernels", 50),
+        Step("finite check 2 ranks", launcher(2, gpus) + [
+            PY, "benchmarks/finite_check.py", "--cuda", "--model", "resnet50", "--mode", "auto",
+            *(["--quick"] if quick else ["--rounds", "6", "--steps-per-round", "4", "--warmup", "2"]),
+            "--json", str(raw / "finite_check_2.json")], 45, raw / "finite_check_2.json", socket_env(2, gpus)),
         collectives(2, 55),
         train(1, 70),
         train(2, 90),
@@ -796,7 +800,20 @@ def summarize_train(step: Step) -> list[str]:
     return lines
 
 
-SUMMARIES: dict[str, Callable[[Step], list[str]]] = {"gpu tests": summarize_tests, "pack_bw": summarize_pack}
+def summarize_finite_check(step: Step) -> list[str]:
+    """The default finite check's cost beside the same step without it (benchmarks/finite_check.py)."""
+    d = step.data or {}
+    if not d:
+        return []
+    q = d.get("ratio_quartiles") or [None, None]
+    times = d.get("step_s") or {}
+    return [f"{d.get('model')}: checked ({d.get('mode')}) {fmt(_ms(times.get('checked')), '.2f')} ms vs plain "
+            f"{fmt(_ms(times.get('plain')), '.2f')} ms per step: {fmt(d.get('cost_pct_of_step'), '+.2f')}% of the "
+            f"step (round quartiles {fmt(q[0], '.4f')}-{fmt(q[1], '.4f')}; issue 36: the default if <= 1 %)"]
+
+
+SUMMARIES: dict[str, Callable[[Step], list[str]]] = {"gpu tests": summarize_tests, "pack_bw": summarize_pack,
+                                                     "finite check 2 ranks": summarize_finite_check}
 
 
 def summary_lines(step: Step) -> list[str]:
@@ -987,6 +1004,7 @@ def build_summary(steps: list[Step], env: dict[str, Any], run: dict[str, Any]) -
             "collectives": [f for s in steps if s.name.startswith("collectives")
                             for f in [collectives_figures(s.data)] if f is not None],
             "train": [row for s in steps if s.name.startswith("train") for row in train_figures(s)],
+            "finite_check": by_name["finite check 2 ranks"].data if "finite check 2 ranks" in by_name else None,
         },
         "raw": f"{RAW}/ beside this file (not committed): every log, full JSON, plot and the junit XML",
     }

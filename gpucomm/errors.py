@@ -75,6 +75,10 @@ class RendezvousAuthError(RendezvousError):
     """The server rejected our frames: the job secrets differ."""
 
 
+class RendezvousUnreachable(RendezvousError):
+    """No store answered at the address within the connect timeout (its process is not serving)."""
+
+
 class RendezvousRefused(RendezvousError):
     """The store refused a request (too large, or it would exceed the store's byte cap); the
     message says which limit and how to change it."""

@@ -8,6 +8,8 @@ import logging
 import time
 from typing import Mapping
 
+from .settings import LOG_LEVEL
+
 log = logging.getLogger("gpucomm")
 
 LEVELS = {"TRACE": logging.DEBUG, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING,
@@ -26,13 +28,9 @@ def _rank_handler(rank: int) -> logging.Handler:
 
 def configure_logging(env: Mapping[str, str], rank: int) -> None:
     """Apply the log level from ``env``; without one, warnings (stall reports) still reach stderr."""
-    for name in ("GPUCOMM_LOG_LEVEL", "HOROVOD_LOG_LEVEL"):
-        value = env.get(name, "").strip().upper()
-        if not value:
-            continue
-        if value not in LEVELS:
-            raise ValueError(f"{name}={value!r} is not a log level; use one of {', '.join(LEVELS)}")
-        log.setLevel(LEVELS[value])
+    level = LOG_LEVEL.read(env)
+    if level is not None:
+        log.setLevel(LEVELS[level])
         _rank_handler(rank)
         return
     if not log.handlers and not logging.getLogger().handlers:

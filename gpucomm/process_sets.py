@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from .settings import env_flag
+from .settings import DYNAMIC_PROCESS_SETS
 
 
 class ProcessSet:
@@ -79,7 +79,7 @@ def check_members(ranks: Sequence[int], size: int, what: str) -> None:
 def init_sets(process_sets: Any, size: int, env: Mapping[str, str]) -> tuple[list[tuple[int, ...]], bool]:
     """What ``init(process_sets=...)`` registers (the ranks of sets 1, 2, ...), and whether
     ``add_process_set`` is allowed later (``"dynamic"``, or GPUCOMM_DYNAMIC_PROCESS_SETS=1)."""
-    dynamic = env_flag(env, ("GPUCOMM_DYNAMIC_PROCESS_SETS", "HOROVOD_DYNAMIC_PROCESS_SETS"))
+    dynamic = DYNAMIC_PROCESS_SETS.read(env, False)
     if process_sets is None:
         return [], dynamic
     if isinstance(process_sets, str):

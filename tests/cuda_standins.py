@@ -55,6 +55,9 @@ class StandInCuda(cuda_calls.CudaCalls):
     def torch_stream(self, index: int, handle: int) -> Any:
         return None
 
+    def destroy_stream(self, handle: int) -> None:
+        self.calls["destroy_stream"] += 1
+
     def stream_context(self, index: int, handle: int):
         return nullcontext()
 
@@ -87,6 +90,17 @@ class StandInCuda(cuda_calls.CudaCalls):
         if event in self.failing:
             raise RuntimeError("cudaErrorLaunchFailure: unspecified launch failure (stand-in)")
         return event not in self.pending
+
+    def read_later(self, tensor: torch.Tensor) -> Any:
+        self.calls["read_later"] += 1
+        return tensor.clone()
+
+    def read_if_done(self, token: Any) -> torch.Tensor | None:
+        return token
+
+    def read_now(self, token: Any) -> torch.Tensor:
+        self.calls["read_now"] += 1
+        return token
 
     def finish_all(self) -> None:
         """The GPU caught up: every event recorded so far is done."""

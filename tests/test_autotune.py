@@ -97,7 +97,8 @@ def test_settings_come_from_horovods_variables_and_bad_values_are_named():
     assert AutotuneSettings.from_env({}) is None
     assert AutotuneSettings.from_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": "/tmp/x.csv"}) == \
         AutotuneSettings(3, 10, "/tmp/x.csv")
-    with pytest.raises(ValueError, match="GPUCOMM_AUTOTUNE_STEPS_PER_SAMPLE=1 a whole number >= 2"):
+    with pytest.raises(ValueError, match="GPUCOMM_AUTOTUNE_STEPS_PER_SAMPLE='1' is out of range; set a whole number "
+                                         "of steps >= 2"):
         AutotuneSettings.from_env({"GPUCOMM_AUTOTUNE": "1", "GPUCOMM_AUTOTUNE_STEPS_PER_SAMPLE": "1"})
 
 

@@ -19,7 +19,8 @@ from tests.harness import run_ranks
 from tests.ranks import cuda_path_scenarios as sc
 
 SMALL_BUCKETS = {"GPUCOMM_FUSION_THRESHOLD": "256", "GPUCOMM_FUSION_FIRST_BUCKET": "128",
-                 "GPUCOMM_FUSION_BY_READINESS": "0", "GPUCOMM_INLINE_BYTES": "0"}
+                 "GPUCOMM_FUSION_BY_READINESS": "0", "GPUCOMM_INLINE_BYTES": "0",
+                 "GPUCOMM_CHECK_FINITE": "0"}  # the check's own work is counted in its own test below
 
 # Python calls ('call' events), measured: cached one-rank ops 14-22 (the issue's goal: at most 30; the
 # CUDA path of the previous release made about 65, its CPU path 32-37); a hook's index work 2-3; a
@@ -89,6 +90,7 @@ def test_a_training_step_on_the_cuda_path(views, set_to_none):
                 assert step["grad_bucket_packs"] == buckets and step["grad_bucket_unpacks"] == buckets, (rank, step)
         if views == "1":
             assert seen["grads_are_views"], rank  # after the last step's reduction
+        assert seen["watched_after_backward"] >= 1, seen  # the watchdog sees the step before step() waits
         assert seen["hooks"] > 0 and seen["hook_calls"] <= MAX_CALLS_PER_HOOK, seen
         assert seen["launches"] == buckets, seen
         if views == "1" and not set_to_none:  # a packing launch adds its copy's (one kernel on a GPU; torch ops here)
@@ -146,7 +148,9 @@ def test_a_failing_query_leaves_the_new_collective_watched_and_fails_the_job_onc
         new = pool.record(11, 0)  # the pool reclaims first: the failing query raised here before the fix
         watchdog.watch(new, 0, _Request("new"), 11)
         assert len(watchdog) == 2  # both still watched: nothing in flight is forgotten
-        assert watchdog.failed and len(failures) == 1, failures
+        assert watchdog.failed and failures == []  # failed, not yet reported: not on the issuing thread
+        watchdog.check()  # the watchdog's own thread reports it
+        assert len(failures) == 1, failures
         assert "CUDA reported an error while allreduce 'broken' was in flight" in failures[0], failures
         watchdog.check()
         assert len(failures) == 1  # reported once
@@ -329,3 +333,16 @@ def test_lock_free_hook_count_is_per_thread_safe():
     for t in threads:
         t.join()
     assert launched == [f"DistributedOptimizer.bucket.{i}" for i in range(len(plans))]
+
+
+def test_the_default_finite_check_on_the_cuda_path_reads_its_slots_a_step_later():
+    """Issue 36, finding 7: by default a NaN on one rank is reported (naming the step, the rank and the
+    parameter) instead of spreading silently; on a GPU its slots travel to the host without a host
+    sync and are read at the next step, so the report of step N comes with step N + 1."""
+    env = {**SMALL_BUCKETS, "GPUCOMM_CHECK_FINITE": ""}  # unset: the default
+    for rank, seen in enumerate(run_ranks(sc.default_check_on_the_cuda_path, 2, env=env)):
+        assert seen["mode"] == "auto" and seen["kinds"] == ["ViewBucket"], seen
+        assert seen["read_later"] == seen["steps"] and seen["host_syncs"] == 0, seen  # one copy per step, no wait
+        assert seen["reported_at"] == seen["nan_step"] + 1, seen  # read one step later
+        assert seen["findings"] == [[1, "0.weight"]], seen  # rank 1's first bad parameter, on every rank
+        assert seen["warnings"] == (1 if rank == 0 else 0), seen  # once, by rank 0 of the set

@@ -165,10 +165,15 @@ def test_unique_assignment_same_bus_id_on_other_hosts_is_fine():
 
 @pytest.mark.parametrize("value, expected", [
     ("1", True), ("true", True), ("YES", True), ("On", True),
-    ("0", False), ("false", False), ("", False), ("2", False),
+    ("0", False), ("false", False), ("", False),
 ])
 def test_single_gpu_test_enabled(value, expected):
     assert single_gpu_test_enabled({"GPUCOMM_SINGLE_GPU_TEST": value}) is expected
+
+
+def test_single_gpu_test_refuses_what_is_not_a_boolean():
+    with pytest.raises(ValueError, match="GPUCOMM_SINGLE_GPU_TEST='2' is not a boolean"):
+        single_gpu_test_enabled({"GPUCOMM_SINGLE_GPU_TEST": "2"})
 
 
 def test_single_gpu_test_enabled_unset():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.ranks import elastic_job as job
-from tests.harness import PYTHON, launcher_cmd, run
+from tests.harness import PYTHON, launcher_cmd, run, write_script
 
 
 def elastic_run(tmp_path: Path, hosts: list[str], np: int, *flags: str, env: dict[str, str], timeout: float = 150.0):
@@ -151,6 +151,32 @@ def test_fewer_hosts_than_min_np_end_the_job(tmp_path):
     assert r.leftovers == []
 
 
+NO_WORKER_LEFT = """\
+import os, sys, time
+marker = os.path.join(os.environ["NO_WORKER_DIR"], "first-failed")
+if os.environ["GPUCOMM_ELASTIC_WORKER"].startswith("127.0.0.1"):
+    open(marker, "w").close()
+    sys.exit(3)
+while not os.path.exists(marker):  # fails once the first has failed: the launcher is re-forming without it
+    time.sleep(0.01)
+time.sleep(1.0)
+sys.exit(4)
+"""
+
+
+def test_the_launcher_ends_when_no_worker_is_left(tmp_path):
+    """Issue 36, finding 9: the last worker exits while the launcher waits for --min-np slots (with the
+    --elastic-timeout of 600 s): the job ends at once with the cause, instead of waiting for hosts."""
+    script = write_script(tmp_path, "worker.py", NO_WORKER_LEFT)
+    r = run(launcher_cmd("-np", "2", "--min-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1", "--elastic-timeout", "600",
+                         PYTHON, str(script)), timeout=120, env={"NO_WORKER_DIR": str(tmp_path)})
+    assert r.returncode == 1, r.stderr[-4000:]
+    assert "gpucomm-run: elastic job failed: no worker is left (worker 0 (127.0.0.1:0) exited with code 3): every " \
+           "worker has exited (worker 0 (127.0.0.1:0) exited with code 3; worker 1 (127.0.0.2:0) exited with code " \
+           "4), so nobody holds the trained state" in r.stderr, r.stderr[-4000:]
+    assert r.leftovers == []
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--min-np", "3", "--max-np", "2"], "--max-np 2 is smaller than --min-np 3"),
     (["--reset-limit", "2"], "--reset-limit is an elastic option"),
@@ -163,14 +189,17 @@ def test_elastic_flags_are_checked(flags, message):
 
 def test_a_shrinking_job_that_finishes_reports_success(tmp_path):
     """Issue 26, item 7: a 3-worker job shrinking to 2 (discovery drops a host; then a worker killed)
-    must finish with exit 0 every time; benchmarks/elastic_stress.py runs it 20 times for the note."""
+    must finish with exit 0 every time; issue 36, finding 8: so must a 4-worker job whose failed
+    worker's host-mate is removed and exits normally while the survivors still hold the failed round's
+    pairs to it (no worker may die at teardown). benchmarks/elastic_stress.py runs each 50 times for the note."""
     import sys
 
-    for flags in ([], ["--kill", "127.0.0.3:0@4"]):
-        out = tmp_path / f"stress{len(flags)}.json"
+    for i, flags in enumerate(([], ["--kill", "127.0.0.3:0@4"], ["--scenario", "fault"])):
+        out = tmp_path / f"stress{i}.json"
         r = run([sys.executable, "benchmarks/elastic_stress.py", "--runs", "1", "--json", str(out), *flags],
                 timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         summary = json.loads(out.read_text())
+        assert summary["deaths"] == 0, summary
         assert summary["false_failures"] == 0 and summary["failures"] == 0, summary
         assert summary["shrank"] == 1, summary

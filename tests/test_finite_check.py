@@ -99,3 +99,45 @@ def test_cuda_raise_names_the_rank_and_parameter(compression):
                         env={"GPUCOMM_SINGLE_GPU_TEST": "1"}, timeout=600)
     for seen in results:
         assert seen["raised"]["findings"] == [(1, "2.weight")], seen
+
+
+def test_the_default_checks_within_its_budget_and_still_reports_a_lasting_nan():
+    """Issue 36, finding 7: the default mode's search costs at most ``AUTO_BUDGET`` of the step on
+    average. With a clock that moves 10 ms at every reading (a search then costs 10 ms of a step of
+    10 to 30 ms, far over the budget), about one step in 200 is searched; with a search that costs
+    nothing, every step is; a skipped step writes 0 ("nothing found") into its slot."""
+    import torch
+
+    from gpucomm.dataplane.finite import AUTO_BUDGET, FiniteSlots
+
+    now = [0.0]
+
+    def ticking() -> float:
+        now[0] += 0.010
+        return now[0]
+
+    slots = FiniteSlots("auto", 0, 2, budget=AUTO_BUDGET, clock=ticking)
+    bad = torch.tensor([1.0, float("nan")])
+    out = torch.zeros(1)
+    found = []
+    for _ in range(1000):
+        slots.search([bad], out)
+        found.append(float(out))
+        slots.step_done()
+    assert 3 <= slots.searched_steps <= 12, (slots.searched_steps, slots.skipped_steps)
+    assert found[0] == 1.0 and found.count(1.0) == slots.searched_steps  # each searched step reports the NaN
+    spent = slots.searched_steps * 0.010
+    assert spent <= 2 * AUTO_BUDGET * (now[0] - 0.0), (spent, now[0])  # within the budget (one step's slack)
+
+    still = [0.0]
+    cheap = FiniteSlots("auto", 0, 2, budget=AUTO_BUDGET, clock=lambda: still[0])
+    for _ in range(100):  # a search that takes no measurable time: every step is searched
+        cheap.search([bad], out)
+        still[0] += 0.010
+        cheap.step_done()
+    assert cheap.searched_steps == 100 and cheap.skipped_steps == 0
+    always = FiniteSlots("raise", 0, 2, clock=ticking)  # the explicit modes search every step, whatever it costs
+    for _ in range(10):
+        always.search([bad], out)
+        always.step_done()
+    assert always.searched_steps == 10

@@ -49,7 +49,8 @@ def test_arguments_win_over_the_environment():
 
 @pytest.mark.parametrize("value", ["abc", "-5", "1.5", "64MB", "1e6"])
 def test_bad_threshold_env_names_the_variable(value):
-    with pytest.raises(ValueError, match=r"HOROVOD_FUSION_THRESHOLD=.* is not a byte count"):
+    with pytest.raises(ValueError, match=r"HOROVOD_FUSION_THRESHOLD='.*' (is not a whole number of bytes|is out of "
+                                         r"range); set a whole number of bytes >= 0"):
         fusion_limits(env={"HOROVOD_FUSION_THRESHOLD": value})
     with pytest.raises(ValueError, match=r"GPUCOMM_FUSION_FIRST_BUCKET"):
         fusion_limits(env={"GPUCOMM_FUSION_FIRST_BUCKET": value})

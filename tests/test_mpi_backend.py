@@ -25,7 +25,7 @@ from gpucomm.backends.mpi import MpiUnavailable
 from gpucomm.runner.cli import main as cli_main
 from gpucomm.runner.mpi_launch import (MpiLauncher, OutputServer, host_list, identify, launcher_argv,
                                        rank_environment)
-from gpucomm.runner.mpi_rank import hello
+from gpucomm.runner.mpi_rank import open_connection
 from gpucomm.runner.output import OutputSink
 from tests.harness import MARK, PYTHON, ROOT, launcher_cmd, run, write_script
 
@@ -160,7 +160,7 @@ def test_choice_without_an_mpi_launcher_is_gloo_and_explicit_mpi_says_how_to_lau
     with pytest.raises(MpiUnavailable, match="elastic"):
         choose_cpu_operations({"HOROVOD_CPU_OPERATIONS": "mpi", "PMI_SIZE": "2", "GPUCOMM_ELASTIC": "1"})
     assert choose_cpu_operations({"PMI_SIZE": "2", "GPUCOMM_ELASTIC": "1"}) == "gloo"
-    with pytest.raises(ValueError, match="gloo, mpi or auto"):
+    with pytest.raises(ValueError, match="GPUCOMM_CPU_OPERATIONS='ccl' is not a choice .*one of auto, gloo, mpi"):
         choose_cpu_operations({"GPUCOMM_CPU_OPERATIONS": "ccl"})
 
 
@@ -272,9 +272,11 @@ def test_output_connections_need_the_jobs_mac():
     sink = OutputSink(2, stdout=out, stderr=err)
     server = OutputServer(sink, "127.0.0.1", b"s" * 32, "run", 2)
     try:
-        for secret, rank, text in ((b"s" * 32, 1, "genuine"), (b"x" * 32, 0, "forged")):
-            with socket.create_connection(("127.0.0.1", server.port)) as conn:
-                conn.sendall(hello(secret, "run", rank, "stdout") + text.encode() + b"\n")
+        conn, _ = open_connection("127.0.0.1", server.port, b"s" * 32, "run", 1, "stdout")
+        with conn:
+            conn.sendall(b"genuine\n")
+        with pytest.raises(OSError):  # refused: the connection closes instead of saying OK
+            open_connection("127.0.0.1", server.port, b"x" * 32, "run", 0, "stdout")
         deadline = time.monotonic() + 10
         while "genuine" not in out.getvalue() and time.monotonic() < deadline:
             time.sleep(0.02)

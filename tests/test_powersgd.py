@@ -64,3 +64,23 @@ def test_settings_are_checked():
     t = torch.ones(3)
     c, ctx = ps.compress(t)  # an ad-hoc allreduce sends it through the wire compressor
     assert c.dtype == torch.float16 and ps.decompress(c, ctx).dtype == torch.float32
+
+
+def test_settings_that_cannot_mean_anything_are_refused_and_the_uncalled_form_works():
+    """Issue 36, finding 4: ``min_compression_rate=nan`` was accepted; ``compression=hvd.Compression.powersgd``
+    written without its call (as Horovod users write ``hvd.Compression.fp16``) failed at the first step
+    with "describe() missing 1 required positional argument"."""
+    import gpucomm.torch as hvd
+    from gpucomm.torch.compression import PowerSGD, resolve
+
+    for bad in (float("nan"), float("inf"), -1.0, True, "2"):
+        with pytest.raises(ValueError, match="min_compression_rate must be a finite number"):
+            hvd.Compression.powersgd(min_compression_rate=bad)
+    settings = resolve(hvd.Compression.powersgd)
+    assert isinstance(settings, PowerSGD) and settings.describe() == PowerSGD().describe()
+    assert resolve(hvd.Compression.fp16) is hvd.Compression.fp16
+
+
+def test_the_uncalled_powersgd_trains_with_its_defaults():
+    for out in run_ranks(sc.uncalled_powersgd, 2):
+        assert out["steps"] == 3 and out["kinds"] == ["PowerSGDBucket", "ViewBucket"], out

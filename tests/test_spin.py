@@ -4,6 +4,7 @@ the hook threads that launch the buckets."""
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import threading
@@ -140,3 +141,26 @@ def test_a_waiting_caller_polls_only_outside_backward(backward):
         assert r1["skipped"] >= rounds, r1  # every wait decided once, at its start
     else:
         assert max(r1["spins"]) > 0.0 and r1["skipped"] == 0, r1
+
+
+def test_a_socket_closed_by_another_thread_does_not_end_the_waiter():
+    """Issue 36, finding 6: rank 0's control thread took the hub's socket list, another thread closed
+    a socket of a worker that had left, and ``select`` raised ``OSError: [Errno 9] Bad file
+    descriptor``, ending the thread ("Exception in thread gpucomm-control") at shutdown. Reproduced
+    here without a race: the fd is closed under the socket object, as that thread's close does."""
+    gone_a, gone_b = socket.socketpair()
+    live_a, live_b = socket.socketpair()
+    try:
+        os.close(gone_a.fileno())  # closed under the socket object, as the hub's thread does
+        live_b.sendall(b"x")
+        # before the fix: OSError: [Errno 9] Bad file descriptor
+        assert channel.readable([gone_a, live_a], 0.1) == [live_a]
+        assert channel.readable([gone_a, live_a], 0.1, spin=0.001) == [live_a]  # the polling path too
+        assert channel.readable([gone_a], 0.01) == []
+    finally:
+        for s in (gone_b, live_a, live_b):
+            s.close()
+        try:
+            gone_a.detach()
+        except OSError:
+            pass

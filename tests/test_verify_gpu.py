@@ -41,7 +41,7 @@ def _load(script: str):
 
 
 PLAN = ["gpu tests", "pack_bw", "collectives 1 rank(s)", "resnet50 2 ranks kernels", "resnet50 2 ranks packed",
-        "resnet50 1 rank reducer-on", "collectives 2 rank(s)", "train 1 rank", "train 2 ranks", "collectives 4 rank(s)"]
+        "resnet50 1 rank reducer-on", "finite check 2 ranks", "collectives 2 rank(s)", "train 1 rank", "train 2 ranks", "collectives 4 rank(s)"]
 SOCKETS = {"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}
 VARIANTS = ("gpucomm", "ddp-default", "ddp-best", "no-comm")
 
@@ -449,6 +449,10 @@ def summarized(cpu_runs, sample_pytest, tmp_path_factory):
                                                          step_s={**STEP_S, "gpucomm": 0.090}, ranks=1),
         "pack_bw.json": pack_run(2000.0),
         "train_1.json": train_run(1),
+        "finite_check_2.json": {"model": "resnet50", "device": "cuda:0", "ranks": 2, "batch_per_rank": 32,
+                                "mode": "auto", "step_s": {"checked": 0.0905, "plain": 0.0900},
+                                "ratio_checked_vs_plain": 1.0056, "ratio_quartiles": [1.001, 1.009],
+                                "cost_pct_of_step": 0.56, "counters": {}, "rounds": 6, "steps_per_round": 4},
         "environment.json": verify_gpu.environment("0123abc"),
     }
     for name, doc in files.items():
@@ -466,7 +470,10 @@ def test_summary_json_holds_every_part(summarized):
                         "train 2 ranks": "no results", "collectives 4 rank(s)": "no results"}
     tests = {c["id"]: c["outcome"] for c in doc["gpu_tests"]["cases"]}
     assert len(tests) == len(EXPECTED_OUTCOMES) and tests["suite.test_sample::test_param[2]"] == "failed"
-    assert set(doc["figures"]) == {"resnet50", "pack_bw", "collectives", "train"}
+    assert set(doc["figures"]) == {"resnet50", "pack_bw", "collectives", "train", "finite_check"}
+    assert doc["figures"]["finite_check"]["cost_pct_of_step"] == 0.56
+    finite = next(s for s in doc["steps"] if s["name"] == "finite check 2 ranks")
+    assert "+0.56% of the step" in finite["figures"][0] and "checked (auto)" in finite["figures"][0], finite
     assert [c["ranks"] for c in doc["figures"]["collectives"]] == [1, 2]
     assert sorted(p.name for p in out.iterdir()) == ["raw", "summary.json", "summary.md", "summary.txt"]
 

@@ -65,3 +65,23 @@ def test_refuses_what_it_cannot_shard():
         hvd.ZeroRedundancyOptimizer(model.parameters(), torch.optim.LBFGS, lr=0.1)
     with pytest.raises(TypeError, match="optimizer_class"):
         hvd.ZeroRedundancyOptimizer(model.parameters(), "adam", lr=0.1)
+
+
+@pytest.mark.parametrize("what", ["class", "lr", "params"])
+def test_ranks_that_build_it_differently_are_refused_on_every_rank_naming_it(what):
+    """Issue 36, finding 5: SGD on one rank and Adam on another, or another learning rate, trained each
+    shard differently without a word; a parameter mismatch was reported as DistributedOptimizer's."""
+    for message in run_ranks(sc.disagreeing_ranks, 2, args=(what,)):
+        assert message.startswith("ZeroRedundancyOptimizer: ranks disagree on the "), message
+        if what == "class":  # refused at construction
+            assert "optimizer class" in message and "Adam" in message and "SGD" in message, message
+        elif what == "lr":  # refused at the first step (Horovod broadcasts rank 0's options before it)
+            assert "options at the first step" in message and "lr=0.2" in message, message
+            assert "broadcast_optimizer_state" in message, message
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_with_why():
+    """Issue 36, finding 5: LBFGS marked elementwise=True failed at step() with a TypeError."""
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="LBFGS.step needs a closure"):
+        hvd.ZeroRedundancyOptimizer(model.parameters(), torch.optim.LBFGS, lr=0.1, elementwise=True)

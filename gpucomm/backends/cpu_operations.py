@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Mapping, NamedTuple
 
+from ..settings import CPU_OPERATIONS, ELASTIC
 from .mpi import MpiUnavailable, launcher_family, load_mpi, mpi4py_installed
 
-CHOICE_VARS = ("GPUCOMM_CPU_OPERATIONS", "HOROVOD_CPU_OPERATIONS")
+CHOICE_VARS = CPU_OPERATIONS.names
 CHOICES = ("auto", "gloo", "mpi")
 _LAUNCHER_NAMES = {"openmpi": "Open MPI's mpirun", "mpich": "MPICH's mpiexec (Hydra)"}
 
@@ -26,16 +27,12 @@ class CpuOperations(NamedTuple):
 
 
 def requested_cpu_operations(env: Mapping[str, str]) -> tuple[str, str | None]:
-    """What the environment asks for, and the variable that asked (None: nobody, ``auto``)."""
-    for var in CHOICE_VARS:
-        value = env.get(var, "").strip().lower()
-        if value:
-            if value not in CHOICES:
-                hint = " (Horovod's oneCCL is not offered)" if value == "ccl" else ""
-                raise ValueError(f"{var}={env[var]!r} is not a CPU transport gpucomm offers{hint}: use gloo, mpi or "
-                                 f"auto (auto: MPI under an MPI launcher with mpi4py installed, else Gloo).")
-            return value, var
-    return "auto", None
+    """What the environment asks for, and the variable that asked (None: nobody, ``auto``).
+    Auto: MPI under an MPI launcher with mpi4py installed, else Gloo."""
+    given = CPU_OPERATIONS.given(env)
+    if given is None:
+        return "auto", None
+    return CPU_OPERATIONS.read(env), given[0]
 
 
 def explain_cpu_operations(env: Mapping[str, str]) -> CpuOperations:
@@ -49,7 +46,7 @@ def explain_cpu_operations(env: Mapping[str, str]) -> CpuOperations:
     if requested == "gloo":
         return CpuOperations("gloo", f"{var}=gloo")
     launcher = launcher_family(env)
-    elastic = env.get("GPUCOMM_ELASTIC", env.get("HOROVOD_ELASTIC", "")) == "1"
+    elastic = ELASTIC.read(env, False)
     if requested == "mpi":
         if elastic:
             raise MpiUnavailable(f"{var}=mpi, but this is an elastic job: MPI's communicators cannot add or remove "

@@ -2,27 +2,48 @@
 
 No ``torch.distributed.init_process_group``: gpucomm touches no global torch state, so a user's own
 process groups (or DDP) can live beside it.
+
+A group closed after a failure is aborted for real: torch's ``ProcessGroupGloo.abort()`` and ``shutdown()``
+do nothing (torch 2.13), so gpucomm shuts the group's TCP connections itself. Its pending transfers then
+fail at once, while the interpreter is alive, and no pair of it outlives it: a pending transfer that
+failed later, when a peer it waited for exited, ran on a Gloo thread that needed the GIL at the
+survivor's own interpreter exit and killed it (SIGABRT ``gloo::IoException ... Connection closed by peer``,
+or SIGSEGV; issue 36, finding 8).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import ctypes
 import datetime
+import itertools
 import logging
+import os
+import socket
+import stat
+import struct
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..bootstrap.rendezvous import RendezvousClient, RendezvousTimeout
 from ..errors import CollectiveError
+from ..settings import GLOO_IFACE
 from .base import BackendOp
 
 log = logging.getLogger("gpucomm")
 
 INTERRUPT_POLL_S = 0.5  # how often an interruptible store wait asks whether to stop
+WAIT_SLICE = datetime.timedelta(seconds=0.2)  # a wait that may be released asks ``failed()`` this often
+ABORT_WAIT_S = 5.0  # an aborted group's pending works fail at once; this long at most is waited for them
+PRUNE_AT = 32  # in-flight works kept before the completed ones behind a pending one are dropped
+_TAGS = itertools.count(1)  # numbers the groups this process builds (see GlooBackend.__init__)
+TAG_STEP_MS = 20  # a group's timeout tag is a multiple of this (the kernel rounds SO_RCVTIMEO up to a tick <= 10 ms)
+TAGS = 50  # distinct tags: a group's timeout grows by less than a second
 
 _GLOO_OPS = {
     BackendOp.SUM: dist.ReduceOp.SUM,
@@ -107,24 +128,25 @@ class GlooWork:
 
     def wait(self, timeout: float, failed: Callable[[], object] | None = None) -> None:
         """Block until done. The process group's own timeout (set at construction to the same value)
-        applies; passing one here takes a slower path in torch. With ``failed``, a wait that does
-        not finish at once also ends as soon as ``failed()`` is truthy (the job failed elsewhere, e.g.
-        a peer stopped responding): Gloo cannot be interrupted, so the caller is released instead."""
+        applies. With ``failed``, a wait that does not finish at once also ends as soon as
+        ``failed()`` is truthy (the job failed elsewhere, e.g. a peer stopped responding): Gloo cannot
+        be interrupted, so the caller is released instead. It waits in slices of ``WAIT_SLICE``, not
+        on a Python callback of the work's future: a Gloo thread must never need the GIL (a callback
+        left on a work that ends at interpreter exit kills the process)."""
         work = self._work
         if failed is None or work.is_completed():
             work.wait()
             return
-        try:
-            future = work.get_future()
-        except RuntimeError:
-            work.wait()
-            return
-        finished = threading.Event()
-        future.add_done_callback(lambda _f: finished.set())
-        while not finished.wait(0.2):
+        while True:
+            try:
+                work.wait(WAIT_SLICE)
+                return
+            except RuntimeError:  # the slice ran out ("Operation timed out!"), or the transfer failed
+                if work.is_completed():
+                    work.wait()  # raises the transfer's own error
+                    return
             if failed():
                 raise CollectiveError("the job failed while this rank waited for the data transfer")
-        work.wait()  # raises the transfer's own error, if it had one
 
     def future(self):
         """A ``torch.futures.Future`` completed with the work (the timeline times ops with it)."""
@@ -132,6 +154,149 @@ class GlooWork:
             return self._work.get_future()
         except RuntimeError:
             return None
+
+
+class InFlight:
+    """The works a group issued that may still be running, oldest first (completed ones are dropped
+    as new ones come), so that closing the group can tell whether any is pending."""
+
+    def __init__(self) -> None:
+        self._works: collections.deque[dist.Work] = collections.deque()
+        self._lock = threading.Lock()  # ops are issued from several threads
+
+    def add(self, work: dist.Work) -> dist.Work:
+        with self._lock:
+            works = self._works
+            while works and works[0].is_completed():
+                works.popleft()
+            if len(works) >= PRUNE_AT:  # one long transfer at the head must not hold every later one
+                self._works = works = collections.deque(w for w in works if not w.is_completed())
+            works.append(work)
+        return work
+
+    def pending(self) -> list[dist.Work]:
+        with self._lock:
+            return [w for w in self._works if not w.is_completed()]
+
+    def drain(self, seconds: float) -> list[dist.Work]:
+        """Wait up to ``seconds`` for every work to complete; returns those still pending."""
+        deadline = time.monotonic() + seconds
+        pending = self.pending()
+        while pending and time.monotonic() < deadline:
+            time.sleep(0.005)
+            pending = [w for w in pending if not w.is_completed()]
+        return pending
+
+    def take(self) -> list[dist.Work]:
+        """Every work still held (the caller keeps them alive: see ``GlooBackend.close``)."""
+        with self._lock:
+            works, self._works = list(self._works), collections.deque()
+        return works
+
+
+# -- a group's connections, seen from the operating system ---------------------------------------
+# Gloo hides its pairs, so a group's TCP connections are found as the sockets that appeared while the
+# group was built and carry its Gloo timeout as their receive timeout (Gloo sets SO_RCVTIMEO on every
+# pair; gpucomm's own sockets use Python timeouts, which leave it 0). Each group's timeout carries a tag
+# of its own (a multiple of TAG_STEP_MS more), so that a group built at the same time by another thread is
+# told apart; the kernel keeps the timeout in clock ticks (1-10 ms), rounded up. Sockets are named by inode,
+# which never changes while a socket lives: a file descriptor number may be closed by Gloo and reused for
+# another socket.
+
+
+def open_sockets() -> dict[int, int]:
+    """``{inode: fd}`` of the sockets this process holds (empty where ``/proc`` is not mounted)."""
+    found: dict[int, int] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed meanwhile (or the directory's own descriptor)
+            continue
+        if target.startswith("socket:["):
+            found[int(target[8:-1])] = int(name)
+    return found
+
+
+@contextlib.contextmanager
+def _socket_of(inode: int, fd: int) -> Iterator[socket.socket | None]:
+    """A duplicate of ``fd`` as a socket if ``fd`` still names socket ``inode``, else None. The
+    duplicate holds the socket itself, so what it names cannot change while it is used."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        yield None
+        return
+    try:
+        st = os.fstat(dup)
+        sock = socket.socket(fileno=dup) if stat.S_ISSOCK(st.st_mode) and st.st_ino == inode else None
+    except OSError:
+        sock = None
+    if sock is None:
+        os.close(dup)
+        yield None
+        return
+    with sock:  # closes the duplicate only
+        yield sock
+
+
+def _is_gloo_pair(sock: socket.socket, timeout: datetime.timedelta) -> bool:
+    """A connected socket whose receive timeout is ``timeout`` up to the kernel's rounding (Gloo's own,
+    on its pairs)."""
+    try:
+        sock.getpeername()
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.calcsize("ll"))
+    except OSError:
+        return False
+    seconds, micros = struct.unpack("ll", raw)
+    above = datetime.timedelta(seconds=seconds, microseconds=micros) - timeout
+    ms = datetime.timedelta(milliseconds=1)  # torch hands Gloo whole milliseconds
+    return -ms < above < datetime.timedelta(milliseconds=TAG_STEP_MS // 2)
+
+
+def pair_sockets(before: dict[int, int], timeout: datetime.timedelta) -> frozenset[int]:
+    """The inodes of the Gloo pairs among the sockets opened since ``before`` (``open_sockets()``)."""
+    pairs = set()
+    for inode, fd in open_sockets().items():
+        if inode in before:
+            continue
+        with _socket_of(inode, fd) as sock:
+            if sock is not None and _is_gloo_pair(sock, timeout):
+                pairs.add(inode)
+    return frozenset(pairs)
+
+
+def shut_sockets(inodes: frozenset[int]) -> int:
+    """``shutdown(SHUT_RDWR)`` each of these sockets still open here; returns how many were shut.
+    Gloo's own descriptor stays open: its event loop reads the end, fails what waits on the pair,
+    and closes it (the peer sees the end too)."""
+    shut = 0
+    for inode, fd in open_sockets().items():
+        if inode not in inodes:
+            continue
+        with _socket_of(inode, fd) as sock:
+            if sock is None:
+                continue
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+                shut += 1
+            except OSError:  # no longer connected: Gloo has seen its end already
+                pass
+    return shut
+
+
+def _device(hostname: str | None, interface: str | None):
+    """A Gloo TCP device that connects every pair while the group is built (never lazily, so that
+    the group's connections are known: see ``pair_sockets``)."""
+    kwargs = {"interface": interface} if interface else {"hostname": hostname} if hostname else {}
+    make = dist.ProcessGroupGloo.create_device if kwargs else dist.ProcessGroupGloo.create_default_device
+    try:
+        return make(**kwargs, lazy_init=False)
+    except TypeError:  # a torch without lazy initialization (before 2.6): always eager
+        return make(**kwargs)
 
 
 def _movable(t: torch.Tensor) -> torch.Tensor:
@@ -149,84 +314,110 @@ class GlooBackend:
                  interrupt: Callable[[], None] | None = None) -> None:
         self.rank, self.size = rank, size
         opts = dist.ProcessGroupGloo._Options()
-        if interface:
-            device = dist.ProcessGroupGloo.create_device(interface=interface)
-        elif hostname:
-            device = dist.ProcessGroupGloo.create_device(hostname=hostname)
-        else:
-            device = dist.ProcessGroupGloo.create_default_device()
-        opts._devices = [device]
-        opts._timeout = datetime.timedelta(seconds=timeout)
+        opts._devices = [_device(hostname, interface)]
+        # the tag (< 1 s more) tells this group's connections from those of one built meanwhile (pair_sockets)
+        opts._timeout = datetime.timedelta(seconds=timeout, milliseconds=TAG_STEP_MS * (next(_TAGS) % TAGS))
         self._store = StoreAdapter(client, prefix, timeout, interrupt)
         self._allreduce_opts = {}
         for op, gloo_op in _GLOO_OPS.items():
             o = dist.AllreduceOptions()
             o.reduceOp = gloo_op
             self._allreduce_opts[op] = o
+        self._in_flight = InFlight()
+        before = open_sockets()
         self.pg = dist.ProcessGroupGloo(self._store, rank, size, opts)
+        self._pairs = pair_sockets(before, opts._timeout) if size > 1 else frozenset()
+        if size > 1 and not self._pairs:
+            log.debug("Gloo group %s: its connections were not found (no /proc?); an abort cannot end its transfers",
+                      prefix)
+
+    @property
+    def connections(self) -> frozenset[int]:
+        """The inodes of the group's TCP connections, found when it was built (what an abort shuts)."""
+        return self._pairs
+
+    def _issued(self, work: dist.Work) -> GlooWork:
+        return GlooWork(self._in_flight.add(work))
 
     def allreduce(self, send: torch.Tensor, recv: torch.Tensor, *, op: BackendOp, stream: int | None = None) -> GlooWork:
         if send.data_ptr() != recv.data_ptr():
             recv.copy_(send)
-        return GlooWork(self.pg.allreduce([recv], self._allreduce_opts[op]))
+        return self._issued(self.pg.allreduce([recv], self._allreduce_opts[op]))
 
     def allgather(self, send: torch.Tensor, recv: torch.Tensor, *, stream: int | None = None) -> GlooWork:
-        return GlooWork(self.pg._allgather_base(_movable(recv), _movable(send)))
+        return self._issued(self.pg._allgather_base(_movable(recv), _movable(send)))
 
     def broadcast(self, send: torch.Tensor, recv: torch.Tensor, *, root: int, stream: int | None = None) -> GlooWork:
         if send.data_ptr() != recv.data_ptr() and self.rank == root:
             recv.copy_(send)
         opts = dist.BroadcastOptions()
         opts.rootRank = root
-        return GlooWork(self.pg.broadcast([_movable(recv)], opts))
+        return self._issued(self.pg.broadcast([_movable(recv)], opts))
 
     def alltoall(self, send: torch.Tensor, recv: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
                  *, stream: int | None = None) -> GlooWork:
         k = send.element_size() if send.dtype in _BYTE_MOVED else 1  # counts are elements; byte views scale them
-        return GlooWork(self.pg.alltoall_base(_movable(recv), _movable(send), [c * k for c in recv_counts],
-                                              [c * k for c in send_counts], dist.AllToAllOptions()))
+        return self._issued(self.pg.alltoall_base(_movable(recv), _movable(send), [c * k for c in recv_counts],
+                                                  [c * k for c in send_counts], dist.AllToAllOptions()))
 
     def reducescatter(self, send: torch.Tensor, recv: torch.Tensor, *, op: BackendOp, stream: int | None = None) -> GlooWork:
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = _GLOO_OPS[op]
-        return GlooWork(self.pg._reduce_scatter_base(recv, send, opts))
+        return self._issued(self.pg._reduce_scatter_base(recv, send, opts))
 
     def barrier(self) -> GlooWork:
-        return GlooWork(self.pg.barrier(dist.BarrierOptions()))
+        return self._issued(self.pg.barrier(dist.BarrierOptions()))
 
     def close(self, *, abort: bool = False) -> None:
-        """Release the group. ``abort`` (the job failed): break off transfers still in flight (a
-        peer that stopped would otherwise hold a graceful shutdown until Gloo's timeout)."""
+        """Release the group. ``abort`` (the job failed), or a transfer still pending after
+        ``ABORT_WAIT_S`` (it would hold the group's destructor until Gloo's timeout): end every
+        transfer now (``_abort``)."""
         pg, self.pg = self.pg, None  # type: ignore[assignment]
         if pg is None:
             return
-        if abort:
-            # Gloo cannot interrupt a transfer, and both shutdown() and the group's destructor join its
-            # worker threads, which wait for a peer that may never answer (until Gloo's timeout). Keep
-            # the group alive for the rest of the process instead: its threads end with the process. (If
-            # the peer resumes, such a transfer may still finish and write into the failed collective's
-            # tensors: after a failure their contents are undefined.) abort() first, where torch's Gloo
-            # has it: it ends what it can of the group's operations and connections, so a peer exiting
-            # later meets no open pair of a group that nothing uses any more.
-            try:
-                pg.abort()
-            except (AttributeError, RuntimeError) as e:  # an older torch, or nothing to abort
-                log.debug("Gloo abort: %s", e)
-            _abandoned.append(pg)
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))  # never destroyed, not even at interpreter exit
+        if abort or self._in_flight.drain(ABORT_WAIT_S):
+            self._abort(pg)
             return
+        works = self._in_flight.take()  # alive until the group is gone: no Gloo thread drops a last reference
         try:
             pg.shutdown()
         except RuntimeError:
             pass
+        del pg, works
+
+    def _abort(self, pg: dist.ProcessGroupGloo) -> None:
+        """End the group's transfers while the interpreter is alive, and keep it to the end of the process.
+
+        Its connections are shut (torch's ``abort()`` is called too, but does nothing in torch 2.13), so
+        every pending transfer fails now, on a Gloo thread, with the GIL to be had; and no peer that
+        exits later can end one at this process's own exit, when a Gloo thread that needs the GIL is
+        killed in the middle of C++ and takes the process with it. The group is then idle but not
+        destroyed: its destructor joins its threads while holding the GIL, which one of them may need
+        (a work's last reference can hold a Python tensor), and it would wait for Gloo's timeout if a
+        transfer had not ended. So it and its works are kept, never destroyed, not even at exit."""
+        shut = shut_sockets(self._pairs)
+        pending = self._in_flight.drain(ABORT_WAIT_S)
+        try:
+            pg.abort()
+        except (AttributeError, RuntimeError) as e:  # an older torch, or nothing to abort
+            log.debug("Gloo abort: %s", e)
+        if pending:
+            log.warning("gpucomm: a closed Gloo group must have no transfer left, but %d still ran %g s after %d of "
+                        "its %d connection(s) found were shut. If a peer ends one at this process's exit, the process "
+                        "may die of it (SIGABRT). Likely cause: its connections could not be found (no /proc/self/fd, "
+                        "or a torch whose Gloo pairs carry no receive timeout); check that /proc is mounted.",
+                        len(pending), ABORT_WAIT_S, shut, len(self._pairs))
+        retired = (pg, self._in_flight.take())
+        _abandoned.append(retired)
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(retired))  # never destroyed, not even at interpreter exit
 
 
-_abandoned: list = []  # Gloo groups left behind by failed jobs (see GlooBackend.close)
+_abandoned: list = []  # Gloo groups of failed jobs, with their works: aborted and idle (see GlooBackend._abort)
 
 
 def gloo_iface(env) -> str | None:
     """The network interface Gloo should use across hosts (``GPUCOMM_GLOO_IFACE`` / Horovod's name)."""
-    return env.get("GPUCOMM_GLOO_IFACE") or env.get("HOROVOD_GLOO_IFACE")
+    return GLOO_IFACE.read(env)
 
 
 def gloo_group(client: RendezvousClient, prefix: str, rank: int, size: int, *, timeout: float, one_host: bool,

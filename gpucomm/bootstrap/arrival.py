@@ -22,7 +22,8 @@ import threading
 import time
 from typing import Callable
 
-from ..errors import GpucommError
+from ..errors import GpucommError, RendezvousUnreachable
+from ..settings import DEFAULT_LIVENESS_S, RENDEZVOUS_BIND, REQUIRE_SECRET
 from .key_exchange import KeyPair, SealError, seal, unseal
 from .netaddr import address_towards
 from .rendezvous import RendezvousClient, RendezvousError, RendezvousServer, RendezvousTimeout, wait_for_ranks
@@ -30,8 +31,8 @@ from .world import GPUCOMM_SECRET, World
 
 log = logging.getLogger("gpucomm.bootstrap")
 
-REQUIRE_SECRET_VAR = "GPUCOMM_REQUIRE_SECRET"
-BIND_VAR = "GPUCOMM_RENDEZVOUS_BIND"
+REQUIRE_SECRET_VAR = REQUIRE_SECRET.names[0]
+BIND_VAR = RENDEZVOUS_BIND.names[0]
 CONFLICT_WATCH_SECONDS = 10.0  # rank 0 re-asks the store for a conflict this often (one request, no traffic)
 _SECRET_HOW = (f"export {GPUCOMM_SECRET}=$(python3 -c 'import secrets; print(secrets.token_hex(32))') and pass "
                f"it to every rank (mpirun -x {GPUCOMM_SECRET}, srun --export=ALL; launch/mpirun.sh and "
@@ -160,17 +161,20 @@ def _context(base: str, rank: int) -> bytes:
 
 
 def open_store(world: World, gen: int, start_timeout: float, timeout: float, *, prefix: str = "",
-               record: dict | None = None, require_secret: bool = False, bind: str | None = None):
+               record: dict | None = None, require_secret: bool = False, bind: str | None = None,
+               dead_peer_after: float | None = DEFAULT_LIVENESS_S):
     """Start (rank 0) and connect to the rendezvous store; returns (server, client).
 
     ``require_secret``: refuse a derived secret (``check_secret``); ``bind``: where rank 0's store
-    listens instead of the address the ranks are told. A rank 0 that finds the port held by a store
+    listens instead of the address the ranks are told; ``dead_peer_after``: a store host (or a
+    rank's) that acknowledges nothing for that long is given up (``keepalive.py``). A rank 0 that finds the port held by a store
     of this very job (same secret) is a second rank 0: with ``prefix`` and ``record`` it claims rank
     0 there, which fails it and the job naming both processes."""
     if world.launcher == "none":
         secret = secrets.token_bytes(32)
         server = RendezvousServer(secret, "127.0.0.1", 0)
-        return server, RendezvousClient("127.0.0.1", server.port, secret, connect_timeout=start_timeout, timeout=timeout)
+        return server, RendezvousClient("127.0.0.1", server.port, secret, connect_timeout=start_timeout, timeout=timeout,
+                                        dead_peer_after=dead_peer_after)
     check_secret(world, require_secret)
     if world.port_via_torch_store:
         server, host, port, secret = torch_store_rendezvous(world, gen, start_timeout)
@@ -184,7 +188,7 @@ def open_store(world: World, gen: int, start_timeout: float, timeout: float, *, 
         if world.rank == 0 and not world.rendezvous_hosted:
             listen = bind_address(host, world.local_size == world.size, bind)
             try:
-                server = RendezvousServer(secret, listen, port)
+                server = RendezvousServer(secret, listen, port, dead_peer_after=dead_peer_after)
             except OSError as e:
                 if e.errno == errno.EADDRINUSE and prefix and record is not None:
                     _second_root(world, host, port, secret, prefix, record, start_timeout)
@@ -196,9 +200,16 @@ def open_store(world: World, gen: int, start_timeout: float, timeout: float, *, 
         server.put(_store_marker(prefix), b"1")
     try:
         if world.rank != 0 and prefix and not world.rendezvous_hosted and not world.port_via_torch_store:
-            client = _this_generations_store(host, port, secret, prefix, start_timeout, timeout)
+            client = _this_generations_store(host, port, secret, prefix, start_timeout, timeout, dead_peer_after)
         else:
-            client = RendezvousClient(host, port, secret, connect_timeout=start_timeout, timeout=timeout)
+            client = RendezvousClient(host, port, secret, connect_timeout=start_timeout, timeout=timeout,
+                                      dead_peer_after=dead_peer_after)
+    except RendezvousUnreachable as e:
+        if server is not None:
+            server.close()
+        if world.rank == 0 or world.rendezvous_hosted:
+            raise
+        raise RendezvousUnreachable(f"{e} {rank0_output_hint(world)}") from None
     except Exception:
         if server is not None:
             server.close()
@@ -206,19 +217,39 @@ def open_store(world: World, gen: int, start_timeout: float, timeout: float, *, 
     return server, client
 
 
+# where a launcher shows rank 0's output, by ``World.launcher``
+_RANK0_OUTPUT = {
+    "gpucomm": "the output of the process started with GPUCOMM_RANK=0",
+    "horovod": "the output of the process started with HOROVOD_RANK=0",
+    "torchrun": "torchrun's output for rank 0 (torchrun --tee 3 shows it, or its --log-dir)",
+    "openmpi": "mpirun's output for rank 0 (mpirun --tag-output labels each line with its rank)",
+    "mpich": "mpiexec's output for rank 0 (mpiexec -prepend-rank labels each line with its rank)",
+    "slurm": "srun's output for task 0 (srun --label labels each line; under sbatch, the job's output file)",
+}
+
+
+def rank0_output_hint(world: World) -> str:
+    """For a rank that cannot reach the store rank 0 serves: rank 0 may have failed at start, and
+    where its own output (which says why) is."""
+    where = _RANK0_OUTPUT.get(world.launcher, "rank 0's own output")
+    return (f"In this {world.launcher} launch rank 0 serves the store: if it failed at start (for example on a "
+            f"GPUCOMM_*/HOROVOD_* setting it refused, which ranks sharing its environment refuse too, at once), its "
+            f"error is in {where}.")
+
+
 def _store_marker(prefix: str) -> str:
     return f"{prefix}store"
 
 
 def _this_generations_store(host: str, port: int, secret: bytes, prefix: str, start_timeout: float,
-                            timeout: float) -> RendezvousClient:
+                            timeout: float, dead_peer_after: float | None = DEFAULT_LIVENESS_S) -> RendezvousClient:
     """A client of the store rank 0 serves for this init. After a re-init, rank 0's previous store
     may still answer on the same port for a moment (it serves the last ranks shutting down); a rank
     that reached it waits for it to close and connects again, so its keys land in the new one."""
     deadline = time.monotonic() + start_timeout
     while True:
         client = RendezvousClient(host, port, secret, connect_timeout=max(0.1, deadline - time.monotonic()),
-                                  timeout=timeout)
+                                  timeout=timeout, dead_peer_after=dead_peer_after)
         try:
             client.wait([_store_marker(prefix)], max(0.0, deadline - time.monotonic()))
             return client
@@ -302,9 +333,13 @@ def claim_arrival(client: RendezvousClient, prefix: str, world: World, record: d
 
 
 def watch_conflicts(client: RendezvousClient, prefix: str, on_conflict: Callable[[str], None],
-                    on_exit: Callable[[], None] | None = None) -> threading.Thread:
+                    on_exit: Callable[[], None] | None = None,
+                    on_lost: Callable[[str], None] | None = None) -> threading.Thread:
     """Rank 0: a daemon thread that calls ``on_conflict(message)`` once a second claimant of some
-    rank has written ``conflict_key(prefix)``; it ends (calling ``on_exit``) when the client closes."""
+    rank has written ``conflict_key(prefix)``; it ends (calling ``on_exit``) when the client closes.
+    Its request is always open at the store, so it also finds a store that went away while the
+    client was still in use (the launcher exited, or its host dropped off the network: the client's
+    keepalive ends the request): ``on_lost(error)`` then."""
     key = conflict_key(prefix)
 
     def watch() -> None:
@@ -316,7 +351,9 @@ def watch_conflicts(client: RendezvousClient, prefix: str, on_conflict: Callable
                     break
                 except RendezvousTimeout:
                     continue
-                except RendezvousError:
+                except RendezvousError as e:
+                    if on_lost is not None and not client.closed:
+                        on_lost(str(e))
                     return  # closed (gpucomm shut down) or the store is gone
             on_conflict(message)
         finally:
@@ -351,4 +388,5 @@ def cross_placement(world: World, records: list[dict]) -> tuple[int, int]:
 
 
 __all__ = ["BIND_VAR", "REQUIRE_SECRET_VAR", "arrive", "bind_address", "check_secret", "claim_arrival", "conflict_key",
-           "cross_placement", "duplicate_claim", "open_store", "torch_store_rendezvous", "watch_conflicts"]
+           "cross_placement", "duplicate_claim", "open_store", "rank0_output_hint", "torch_store_rendezvous",
+           "watch_conflicts"]

@@ -15,6 +15,7 @@ from collections import defaultdict
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from ..errors import DevicePinningError
+from ..settings import CPU_AFFINITY, SINGLE_GPU_TEST
 
 __all__ = [
     "DevicePinningError", "GpuInfo", "PinnedDevice", "normalize_bus_id", "nvml_gpus",
@@ -25,7 +26,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_TRUE = {"1", "true", "yes", "on"}
 _BUS_ID_RE = re.compile(
     r"^(?:(?P<domain>[0-9a-f]{1,8}):)?(?P<bus>[0-9a-f]{1,2}):(?P<dev>[0-9a-f]{1,2})(?:\.(?P<fn>[0-7]))?$"
 )
@@ -332,15 +332,14 @@ def pin_local_gpu(
     # is not the bus-id order.
     ordinal = cuda_ordinal_for_bus_id(gpu.pci_bus_id)
     select_device(ordinal)
-    if env.get("GPUCOMM_CPU_AFFINITY", "").strip().lower() in _TRUE:
+    if CPU_AFFINITY.read(env, False):
         bind_cpu_affinity(gpu)
     return PinnedDevice(gpu=gpu, cuda_ordinal=ordinal)
 
 
 def single_gpu_test_enabled(env: Mapping[str, str] | None = None) -> bool:
     """Whether ``GPUCOMM_SINGLE_GPU_TEST`` asks for several ranks on one GPU."""
-    env = os.environ if env is None else env
-    return env.get("GPUCOMM_SINGLE_GPU_TEST", "").strip().lower() in _TRUE
+    return SINGLE_GPU_TEST.read(env, False)
 
 
 def apply_single_gpu_test_env(rank: int, env: MutableMapping[str, str]) -> None:

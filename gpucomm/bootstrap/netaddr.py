@@ -1,8 +1,10 @@
 """Which address this host is reached on: a named interface's IPv4 address, or the address on the
-route towards a peer."""
+route towards a peer; and whether a host name or address names this host."""
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 import socket
 
 
@@ -28,4 +30,37 @@ def address_towards(host: str, port: int = 9) -> str:
             return socket.gethostbyname(socket.gethostname())
 
 
-__all__ = ["address_towards", "interface_ipv4"]
+def interface_of(address: str) -> str | None:
+    """The name of the local interface that holds IPv4 ``address`` (None: no interface does)."""
+    import psutil  # noqa: PLC0415
+
+    for nic, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == address for a in addrs):
+            return nic
+    return None
+
+
+def local_addresses() -> frozenset[str]:
+    """Every IPv4 and IPv6 address of this host's network interfaces (in this network namespace)."""
+    import psutil  # noqa: PLC0415
+
+    return frozenset(a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+                     if a.family in (socket.AF_INET, socket.AF_INET6))
+
+
+@functools.lru_cache(maxsize=256)
+def resolves_here(name: str) -> bool:
+    """Whether ``name`` (a host name or an address) resolves to a loopback address or to an address
+    of one of this host's interfaces: Horovod's rule for a host that needs no ssh. A name that does
+    not resolve is not this host. Cached per name (a launcher asks about the same hosts often)."""
+    try:
+        infos = socket.getaddrinfo(name.strip("[]"), None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False
+    resolved = {info[4][0].split("%")[0] for info in infos}
+    if any(ipaddress.ip_address(a).is_loopback for a in resolved):
+        return True
+    return bool(resolved & local_addresses())
+
+
+__all__ = ["address_towards", "interface_ipv4", "interface_of", "local_addresses", "resolves_here"]

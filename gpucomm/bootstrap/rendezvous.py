@@ -29,6 +29,7 @@ dropped without being kept, and answered ``REFUSED`` with the reason, which the 
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -37,10 +38,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from ..settings import env_number
+from ..settings import DEFAULT_LIVENESS_S, STORE_MAX_BYTES
+from .keepalive import bound_dead_peer
 from .framing import (DENY, HELLO_BYTES, MAC_BYTES, MAGIC, NONCE_BYTES, VERSION, FrameError, FramedChannel,
                       decode_fields, encode_fields, recv_exact)
-from ..errors import RendezvousError, RendezvousAuthError, RendezvousRefused, RendezvousTimeout
+from ..errors import RendezvousError, RendezvousAuthError, RendezvousRefused, RendezvousTimeout, RendezvousUnreachable
 
 log = logging.getLogger("gpucomm.rendezvous")
 
@@ -50,7 +52,7 @@ FIRST_FRAME_SECONDS = 5.0  # connect -> first authenticated frame
 FRAME_SECONDS = 30.0  # first byte -> last byte of any later frame
 MAX_PENDING = 512  # connections not yet authenticated; beyond it the oldest is closed
 MAX_CONNECTIONS = 4096  # authenticated connections
-MAX_BYTES_VAR = "GPUCOMM_STORE_MAX_BYTES"
+MAX_BYTES_VAR = STORE_MAX_BYTES.names[0]
 DEFAULT_MAX_BYTES = 128 << 20  # values written by ranks, and (separately) frames being received
 SMALL_FRAME = 64 << 10  # frames up to this size need no reservation (NCCL ids, addresses, arrival records)
 
@@ -144,9 +146,9 @@ class _Budget:
 
 
 def max_store_bytes(env: Mapping[str, str] | None = None) -> int:
-    """The store's byte cap: ``GPUCOMM_STORE_MAX_BYTES`` (a positive integer), else 128 MiB."""
-    value = env_number(os.environ if env is None else env, (MAX_BYTES_VAR,), DEFAULT_MAX_BYTES)
-    return int(value)  # type: ignore[arg-type]
+    """The store's byte cap: ``GPUCOMM_STORE_MAX_BYTES`` (a whole number of bytes, at least one small
+    frame), else 128 MiB."""
+    return STORE_MAX_BYTES.read(env, DEFAULT_MAX_BYTES)
 
 
 class _RateLimitedLog:
@@ -177,10 +179,12 @@ class RendezvousServer:
     """Serves the store on ``host:port`` (port 0 picks a free one) from daemon threads. ``max_bytes``
     caps what ranks may store and what may be in flight at once (default: ``max_store_bytes()``);
     no frame is larger than ``min(max_frame, max_bytes)``. ``host`` is where it listens: pass the
-    address the ranks are told (``0.0.0.0`` listens on every interface)."""
+    address the ranks are told (``0.0.0.0`` listens on every interface). ``dead_peer_after``: a
+    connection whose peer's host acknowledged nothing for that long is dropped (``keepalive.py``),
+    so a rank on a host that fell off the network does not hold a thread here for ~15 minutes."""
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0, *, max_frame: int = DEFAULT_MAX_FRAME,
-                 max_bytes: int | None = None):
+                 max_bytes: int | None = None, dead_peer_after: float | None = DEFAULT_LIVENESS_S):
         if not secret:
             raise ValueError("RendezvousServer needs a non-empty job secret")
         max_bytes = max_store_bytes() if max_bytes is None else max_bytes
@@ -194,6 +198,7 @@ class RendezvousServer:
         self._pending: dict[socket.socket, float] = {}  # not yet authenticated -> accept time (oldest first)
         self._lock = threading.Lock()
         self._rejections = _RateLimitedLog()
+        self._dead_peer_after = dead_peer_after
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="gpucomm-rendezvous", daemon=True)
         self._thread.start()
@@ -271,6 +276,7 @@ class RendezvousServer:
         authenticated = False
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            bound_dead_peer(conn, self._dead_peer_after)
             conn.settimeout(FIRST_FRAME_SECONDS)
             conn.sendall(MAGIC + bytes([VERSION]) + nonce)
             while not self._closed:
@@ -431,16 +437,20 @@ def _shut(conn: socket.socket) -> None:
 
 class RendezvousClient:
     """Talks to the store. Thread-safe: concurrent requests use separate pooled connections, so a
-    blocking ``get`` on one thread never holds up a ``set`` on another."""
+    blocking ``get`` on one thread never holds up a ``set`` on another. ``dead_peer_after``: a
+    request to a store whose host stopped acknowledging (a cut link, a host that is gone) fails
+    after about that long (``keepalive.py``), never after TCP's ~15 minutes or, idle, never."""
 
     def __init__(self, host: str, port: int, secret: bytes, *, connect_timeout: float = 60.0,
-                 timeout: float = 300.0, max_frame: int = DEFAULT_MAX_FRAME):
+                 timeout: float = 300.0, max_frame: int = DEFAULT_MAX_FRAME,
+                 dead_peer_after: float | None = DEFAULT_LIVENESS_S):
         if not secret:
             raise ValueError("RendezvousClient needs a non-empty job secret")
         self.host, self.port = host, port
         self.timeout = timeout
         self._secret, self._max_frame = secret, max_frame
         self._connect_timeout = connect_timeout
+        self._dead_peer_after = dead_peer_after
         self._idle: list[FramedChannel] = []
         self._busy: set[FramedChannel] = set()  # channels with a request in flight (close() interrupts them)
         self._lock = threading.Lock()
@@ -458,6 +468,7 @@ class RendezvousClient:
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=max(0.1, min(10.0, deadline - time.monotonic())))
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                bound_dead_peer(sock, self._dead_peer_after)
                 hello = recv_exact(sock, HELLO_BYTES)
                 if hello[:4] != MAGIC or hello[4] != VERSION:
                     sock.close()
@@ -490,10 +501,11 @@ class RendezvousClient:
             except OSError as e:
                 last_error = e
             if time.monotonic() + delay > deadline:
-                raise RendezvousError(
+                raise RendezvousUnreachable(
                     f"could not reach the gpucomm rendezvous store at {self.host}:{self.port} within "
                     f"{self._connect_timeout:.0f} s (last error: {last_error}). Rank 0 (or the launcher) serves it. "
-                    f"Likely causes: rank 0 has not started or has died; the address is not reachable from this "
+                    f"Likely causes: rank 0 has not started, failed at start (for example on a setting it refused) "
+                    f"or has died, and its own output says why; the address is not reachable from this "
                     f"host (firewall, wrong interface); ranks disagree on GPUCOMM_RENDEZVOUS_ADDR/PORT. "
                     f"Raise the limit with GPUCOMM_START_TIMEOUT if rank 0 starts slowly.")
             time.sleep(delay)
@@ -557,7 +569,9 @@ class RendezvousClient:
         for c in busy:
             _shut(c.sock)
 
-    def _request(self, op: int, fields: Sequence[bytes]) -> tuple[int, list[bytes]]:
+    def _request(self, op: int, fields: Sequence[bytes], within: float | None = None) -> tuple[int, list[bytes]]:
+        """Send one request and read its answer; ``within``: the answer must arrive in that many
+        seconds (else ``RendezvousError``), for calls that must not wait on a store that may be gone."""
         body = encode_fields(op, fields)
         if len(body) > self._max_frame:
             raise RendezvousRefused(
@@ -567,7 +581,7 @@ class RendezvousClient:
         chan = self._acquire()
         try:
             chan.send(body)
-            status, out = decode_fields(chan.recv(None))
+            status, out = decode_fields(chan.recv(None, deadline=None if within is None else time.monotonic() + within))
         except FrameError as e:
             self._release(chan, broken=True)
             if str(e) == "DENY":
@@ -580,7 +594,7 @@ class RendezvousClient:
         except OSError as e:
             self._release(chan, broken=True)
             raise RendezvousError(f"rendezvous store at {self.host}:{self.port} failed: {e}. "
-                                  f"{self._lost_why()}") from None
+                                  f"{self._lost_why(e)}") from None
         self._release(chan)
         if status == ST_REFUSED:
             raise RendezvousRefused(out[0].decode(errors="replace") if out else "the store refused the request")
@@ -588,9 +602,13 @@ class RendezvousClient:
             raise RendezvousError(out[0].decode(errors="replace") if out else "store error")
         return status, out
 
-    def _lost_why(self) -> str:
+    def _lost_why(self, error: OSError | None = None) -> str:
         if self._closed:
             return "This client was closed meanwhile (gpucomm was shut down)."
+        if error is not None and error.errno in (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH):
+            limit = f"{self._dead_peer_after:g} s" if self._dead_peer_after else "TCP's retransmission limit"
+            return (f"The store's host {self.host} stopped answering (nothing acknowledged for {limit}): its link is "
+                    f"cut or the host is gone, and with it the launcher or rank 0 that serves the store.")
         return ("Rank 0 (or the launcher), which serves the store, has probably exited or failed (a frame the "
                 "store will not take is answered with the reason, not a closed connection).")
 
@@ -606,8 +624,9 @@ class RendezvousClient:
             raise RendezvousTimeout(f"key {key!r} was not set within {t:.1f} s", [key])
         return out[0]
 
-    def add(self, key: str, delta: int) -> int:
-        return _I64.unpack(self._request(OP_ADD, [key.encode(), _I64.pack(delta)])[1][0])[0]
+    def add(self, key: str, delta: int, *, within: float | None = None) -> int:
+        """Add ``delta`` to the counter ``key`` and return its new value (``within``: see ``_request``)."""
+        return _I64.unpack(self._request(OP_ADD, [key.encode(), _I64.pack(delta)], within)[1][0])[0]
 
     def wait(self, keys: Sequence[str], timeout: float | None = None) -> None:
         """Block until every key exists; ``RendezvousTimeout.missing`` lists the absent ones."""

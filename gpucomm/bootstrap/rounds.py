@@ -20,10 +20,10 @@ Keys (under ``{run_id}/elastic/``):
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict
 from typing import Mapping
 
+from ..settings import ELASTIC, ELASTIC_TIMEOUT
 from .placement import Placement
 
 DEFAULT_ELASTIC_TIMEOUT = 600.0  # Horovod's default
@@ -31,14 +31,12 @@ DEFAULT_ELASTIC_TIMEOUT = 600.0  # Horovod's default
 
 def elastic_mode(env: Mapping[str, str] | None = None) -> bool:
     """True in a worker started by ``gpucomm-run`` in elastic mode (``env``: default this process's)."""
-    env = os.environ if env is None else env
-    return env.get("GPUCOMM_ELASTIC", env.get("HOROVOD_ELASTIC", "")) == "1"
+    return ELASTIC.read(env, False)
 
 
 def elastic_timeout(env: Mapping[str, str]) -> float:
     """Seconds to wait for enough workers after a change (GPUCOMM_/HOROVOD_ELASTIC_TIMEOUT, default 600)."""
-    raw = env.get("GPUCOMM_ELASTIC_TIMEOUT") or env.get("HOROVOD_ELASTIC_TIMEOUT")
-    return float(raw) if raw else DEFAULT_ELASTIC_TIMEOUT
+    return ELASTIC_TIMEOUT.read(env, DEFAULT_ELASTIC_TIMEOUT)
 
 
 def base(run_id: str) -> str:

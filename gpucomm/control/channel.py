@@ -67,8 +67,38 @@ def readable(socks: list[socket.socket | int], timeout: float, spin: float = 0.0
             ready, timeout = poll(socks, timeout, min(spin, timeout))
             if ready:
                 return ready
-    ready, _, _ = select.select(socks, [], [], timeout)
-    return ready
+    return wait_readable(socks, timeout)
+
+
+def wait_readable(socks: list[socket.socket | int], timeout: float) -> list[socket.socket | int]:
+    """``select`` on ``socks`` for up to ``timeout`` s, tolerating a socket that another thread closed
+    meanwhile (a peer that left, closed by the thread serving it while this one took the list): the
+    closed ones are dropped and the rest are asked again, at once. What is closed has nothing to
+    read; the caller takes its list again on its next round. (Before: ``OSError: [Errno 9] Bad
+    file descriptor`` ended the control thread at shutdown.)"""
+    try:
+        ready, _, _ = select.select(socks, [], [], timeout)
+        return ready
+    except (OSError, ValueError):
+        alive = [s for s in socks if _is_open(s)]
+        if len(alive) == len(socks):
+            raise  # not a closed socket: a real error
+        if not alive:
+            return []
+        ready, _, _ = select.select(alive, [], [], 0.0)
+        return ready
+
+
+def _is_open(sock: socket.socket | int) -> bool:
+    """Whether ``sock`` (a socket or an fd) still names an open file descriptor."""
+    fd = sock if isinstance(sock, int) else sock.fileno()
+    if fd < 0:
+        return False
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def poll(socks: list[socket.socket | int], timeout: float, spin: float) -> tuple[list[socket.socket | int], float]:
@@ -79,7 +109,10 @@ def poll(socks: list[socket.socket | int], timeout: float, spin: float) -> tuple
     end = start + spin
     backwards = BACKWARDS  # read on every poll without a call: the loop adds no Python call per poll
     while True:
-        ready, _, _ = select.select(socks, [], [], 0.0)
+        try:
+            ready, _, _ = select.select(socks, [], [], 0.0)
+        except (OSError, ValueError):  # a socket closed meanwhile (a peer left): what is left, once
+            return wait_readable(socks, 0.0), max(0.0, timeout - (time.perf_counter() - start))
         if ready:
             return ready, 0.0
         now = time.perf_counter()

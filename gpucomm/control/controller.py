@@ -75,7 +75,9 @@ class Controller:
         self._hub = None  # rank 0: the coordinator and the channels to the others
         if coordinator is not None:
             self._hub = CoordinatorHub(size, coordinator, links.workers, config, apply=self._apply,
-                                       stopping=lambda: self._closed, failed=lambda: self._failure is not None)
+                                       stopping=lambda: self._closed, failed=lambda: self._failure is not None,
+                                       hosts=links.hosts)
+        self._root_host = links.where(0)  # " on HOST": where rank 0 runs, for the errors that name it
         self._on_done = on_done or (lambda kind, name, value: None)
         self._tracer = tracer
         self._liveness = (Liveness([0], config.liveness_timeout)  # other ranks: is rank 0 still there?
@@ -260,8 +262,8 @@ class Controller:
             try:
                 channel.send(self._link, items)
             except OSError as e:
-                self._fail(f"the control connection to rank 0 broke while sending requests ({e}); rank 0 has "
-                           f"probably exited or failed.")
+                self._fail(f"the control connection to rank 0 broke while sending requests ({e}); rank 0"
+                           f"{self._root_host} has probably exited or failed, or its host is unreachable.")
 
     def _receive(self, timeout: float) -> None:
         socks = self._sockets()
@@ -282,7 +284,8 @@ class Controller:
             if not self._closed:
                 self.coordinator_lost = True
                 self._fail(f"the control connection to rank 0 (the coordinator) closed ({e or 'end of stream'}): "
-                           f"rank 0 exited or failed. Its own output says why.")
+                           f"rank 0{self._root_host} exited or failed, or its host is unreachable. Its own output "
+                           f"says why.")
             self._link.sock.close()
             self._link = None
             return
@@ -447,9 +450,10 @@ class Controller:
         """Other ranks: fail if rank 0 has fallen silent."""
         for _, seconds in self._liveness.silent():
             self.coordinator_lost = True
-            self._fail(f"rank 0 (the coordinator) stopped responding: nothing heard from it for {seconds:.0f} s. "
-                       f"Likely causes: rank 0 was stopped (SIGSTOP, a debugger), its host froze or lost the "
-                       f"network. GPUCOMM_LIVENESS_TIMEOUT sets this limit (0 turns the check off).")
+            self._fail(f"rank 0 (the coordinator) stopped responding: nothing heard from rank 0{self._root_host} for "
+                       f"{seconds:.0f} s. Likely causes: rank 0 was stopped (SIGSTOP, a debugger), its host froze or "
+                       f"lost the network (a cut link, a partition). GPUCOMM_LIVENESS_TIMEOUT sets this limit (0 turns "
+                       f"the check off).")
 
     # ------------------------------------------------------------------ background thread
 

@@ -25,8 +25,10 @@ class CoordinatorHub:
     shuts down (a lost rank is then no failure); ``failed()`` once the job has failed."""
 
     def __init__(self, size: int, coordinator: Coordinator, workers: Mapping[int, Any], config: ControlConfig, *,
-                 apply: Callable[[tuple], None], stopping: Callable[[], bool], failed: Callable[[], bool]) -> None:
+                 apply: Callable[[tuple], None], stopping: Callable[[], bool], failed: Callable[[], bool],
+                 hosts: tuple[str, ...] = ()) -> None:
         self.size = size
+        self._hosts = hosts  # the host each rank runs on (errors name it)
         self.coordinator = coordinator
         self._workers = dict(workers)
         self._rank_of = {c.sock: r for r, c in self._workers.items()}
@@ -97,7 +99,8 @@ class CoordinatorHub:
             return
         cause = self._failed_reports.get(rank)
         self.abort_all(f"rank {rank} failed: {cause}" if cause else
-                       f"rank {rank} exited or crashed without shutting gpucomm down ({what})")
+                       f"rank {rank} exited or crashed without shutting gpucomm down ({what}; it ran"
+                       f"{self._on(rank) or ' on an unnamed host'})")
 
     def dispatch(self, outgoing: list[Outgoing]) -> None:
         """Send each response to its ranks (one frame per rank) and apply rank 0's own."""
@@ -136,10 +139,19 @@ class CoordinatorHub:
         if silent:
             rank, seconds = silent[0]
             liveness.forget(rank)
-            self.abort_all(f"rank {rank} stopped responding: nothing heard from it for {seconds:.0f} s "
-                           f"({self._where(rank)}). Likely causes: the process was stopped (SIGSTOP, a debugger), "
-                           f"its host froze or lost the network, or it hangs in a call that holds the GIL. "
-                           f"GPUCOMM_LIVENESS_TIMEOUT sets this limit (0 turns the check off).")
+            # ranks that missed a beat too: on the same cut host, they cross the limit a beat later
+            quiet = [f"rank {r}{self._on(r)} for {s:.0f} s" for r, s in liveness.quiet_for(2 * liveness.interval)
+                     if r != rank and r not in self.left]
+            also = f"; also silent: {', '.join(quiet)}" if quiet else ""
+            self.abort_all(f"rank {rank} stopped responding: nothing heard from rank {rank}{self._on(rank)} for "
+                           f"{seconds:.0f} s ({self._where(rank)}{also}). Likely causes: the process was stopped "
+                           f"(SIGSTOP, a debugger), its host froze or lost the network (a cut link, a partition), or "
+                           f"it hangs in a call that holds the GIL. GPUCOMM_LIVENESS_TIMEOUT sets this limit (0 turns "
+                           f"the check off).")
+
+    def _on(self, rank: int) -> str:
+        """`` on HOST`` for ``rank`` when its host is known."""
+        return f" on {self._hosts[rank]}" if 0 <= rank < len(self._hosts) else ""
 
     def _where(self, rank: int) -> str:
         """The collective ``rank`` was in: one the others wait for it to submit, or the last it was told to run."""

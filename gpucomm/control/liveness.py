@@ -16,9 +16,11 @@ import threading
 import time
 from typing import Callable, Iterable
 
+from ..settings import DEFAULT_LIVENESS_S
+
 __all__ = ["Liveness", "DEFAULT_TIMEOUT", "start_beating"]
 
-DEFAULT_TIMEOUT = 30.0  # s of silence before a rank is declared stopped (GPUCOMM_LIVENESS_TIMEOUT; 0 = off)
+DEFAULT_TIMEOUT = DEFAULT_LIVENESS_S  # s of silence before a rank is declared stopped (GPUCOMM_LIVENESS_TIMEOUT; 0 = off)
 
 
 class Liveness:
@@ -47,6 +49,11 @@ class Liveness:
             self._heard = dict.fromkeys(self._heard, now)
         self._checked = now
         return [(p, now - t) for p, t in self._heard.items() if now - t > self.timeout]
+
+    def quiet_for(self, seconds: float) -> list[tuple[int, float]]:
+        """Peers not heard from for more than ``seconds`` (below the timeout too), with how long."""
+        now = self._clock()
+        return [(p, now - t) for p, t in self._heard.items() if now - t > seconds]
 
 
 def start_beating(interval: float, send: Callable[[], None], name: str) -> "threading.Event":

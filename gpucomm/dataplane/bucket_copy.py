@@ -15,18 +15,18 @@ rounding to the destination dtype.
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any, Sequence
 
 import torch
 
 from ..kernels import availability, rules
+from ..settings import FUSION_KERNELS
 from .finite import FirstNonFinite
 
 __all__ = ["BucketCopy", "KERNELS_ENV", "TorchCopy", "kernels_wanted", "pack_bucket", "stream_context",
            "torch_pack", "torch_unpack", "unpack_bucket"]
 
-KERNELS_ENV = "GPUCOMM_FUSION_KERNELS"  # "0": pack CUDA buckets with torch ops instead of the kernels
+KERNELS_ENV = FUSION_KERNELS.names[0]  # "0": pack CUDA buckets with torch ops instead of the kernels
 
 
 def kernels_wanted(flat: torch.Tensor) -> bool:
@@ -38,7 +38,7 @@ def kernels_wanted(flat: torch.Tensor) -> bool:
 def _wants_kernels(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
-    return os.environ.get(KERNELS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return FUSION_KERNELS.read(None, True)
 
 
 class TorchCopy:

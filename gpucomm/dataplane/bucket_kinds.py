@@ -17,8 +17,8 @@ two-phase buckets and ZeRO's reduce-scattered ones subclass ``Bucket``):
   packed the same way). Measured on CPU (2 ranks, a 9.4 M-parameter MLP), freeing and packing
   once costs less than zeroing and accumulating in place, which reads and writes the buffer once
   more: 1.03x against 1.09x DDP at its best's step. The kind for float gradients sent
-  uncompressed (on a GPU, without the finite check, whose search the pack kernel does in the same
-  pass).
+  uncompressed; with the finite check the buffer is read once more for it and summed (NCCL's AVG
+  would divide the slots), after one scaling pass.
 - ``FusedBucket``: one pack into the fusion buffer at launch and one unpack after (the Numba
   kernels on a GPU, ``bucket_copy``), with a cast for an fp16/bf16 wire and the finite check
   fused into the pack.
@@ -32,7 +32,6 @@ Bucket 0 carries one extra element after its gradients, the *training flag* (see
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -41,6 +40,7 @@ import torch
 from ..counters import COUNTERS
 from ..kernels.rules import CASTS
 from ..reduce_op import ReduceOp
+from ..settings import GRADIENT_VIEWS
 from . import cuda_calls, fusion
 from .bucket_copy import BucketCopy
 from .buffers import FusionBuffers
@@ -57,9 +57,9 @@ VIEWS_ENV = "GPUCOMM_GRADIENT_VIEWS"  # "0": gradients are packed into and unpac
 WireOf = Callable[[torch.dtype], "torch.dtype | None"]  # a gradient dtype -> the dtype it travels in (None: compress)
 
 
-def views_wanted(environ: Any = os.environ) -> bool:
+def views_wanted(environ: Any = None) -> bool:
     """Whether float gradients sent uncompressed live in their buckets (default), per ``GPUCOMM_GRADIENT_VIEWS``."""
-    return environ.get(VIEWS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return GRADIENT_VIEWS.read(environ, True)
 
 
 def fused_wire(dtype: torch.dtype, wire: torch.dtype | None) -> torch.dtype | None:
@@ -443,15 +443,16 @@ VIEW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def bucket_kind(plan: fusion.Bucket, wire: torch.dtype | None, settings: BucketSettings) -> type[Bucket]:
     """Which kind a planned bucket is: its gradients live in the buffer (``ViewBucket``) when they
-    are floats sent uncompressed: on a GPU when views are wanted (``GPUCOMM_GRADIENT_VIEWS``) and the
-    finite check is off (the pack kernel finds non-finite values in the same pass); on the CPU for
+    are floats sent uncompressed: on a GPU when views are wanted (``GPUCOMM_GRADIENT_VIEWS``; the
+    finite check is then one read of the bucket, ``finite.FirstNonFinite``); on the CPU for
     float32/float64 always (with views off, ``zero_grad`` frees them and each step copies them in,
-    as a pack would). Fused when the kernels can fuse the compressor; compressed otherwise."""
+    as a pack would). Fused when the kernels can fuse the compressor (the finite check then rides
+    the pack kernel); compressed otherwise."""
     if wire is None:
         return CompressedBucket
     if wire == plan.dtype:
         if cuda_calls.is_gpu(plan.device):
-            if settings.views and settings.check is None and plan.dtype in VIEW_DTYPES:
+            if settings.views and plan.dtype in VIEW_DTYPES:
                 return ViewBucket
         elif plan.dtype in (torch.float32, torch.float64):
             return ViewBucket

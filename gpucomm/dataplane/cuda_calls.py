@@ -73,6 +73,14 @@ class CudaCalls:
             self._streams[handle] = stream
         return handle
 
+    def destroy_stream(self, handle: int) -> None:
+        """Let go of a stream made by ``new_stream`` (its executor ended; work still queued on it runs
+        first: CUDA frees the stream once that work is done)."""
+        with self._lock:
+            stream = self._streams.pop(handle, None)
+        if stream is not None:
+            self._rt().streamDestroy(handle)
+
     def torch_stream(self, index: int, handle: int) -> Any:
         """Raw stream ``handle`` of GPU ``index`` as a torch stream object (the timeline's events,
         torch's stream context and ``record_stream`` need one; off the hot path). Handle 0 is the
@@ -92,6 +100,26 @@ class CudaCalls:
         """Tell torch's caching allocator that ``tensor`` is used on stream ``handle``: its memory is
         not handed out again until the work queued there so far has run."""
         tensor.record_stream(self.torch_stream(index, handle))
+
+    def read_later(self, tensor: torch.Tensor) -> Any:
+        """Start copying ``tensor`` (a few values) to pinned host memory on the current stream; what
+        ``read_if_done`` takes (no host sync now)."""
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)  # queued on the current stream of the tensor's device
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(tensor.device))
+        return host, done
+
+    def read_if_done(self, token: Any) -> torch.Tensor | None:
+        """The host copy started by ``read_later`` once it has arrived, else None (never waits)."""
+        host, done = token
+        return host if done.query() else None
+
+    def read_now(self, token: Any) -> torch.Tensor:
+        """The host copy started by ``read_later``, waiting for it."""
+        host, done = token
+        done.synchronize()
+        return host
 
     # -- events ------------------------------------------------------------------------------------
     # CUDA records an event only on its own device's streams, and a stream waits only on its own
@@ -152,8 +180,10 @@ class CudaCalls:
 
 
 def _on_device(rt: Any, index: int) -> ContextManager:
-    """GPU ``index`` current for a ``with`` block (torch's guard, which restores the thread's device
-    without making a context where it had none), or nothing when it already is."""
+    """GPU ``index`` current for a ``with`` block, or nothing when it already is. torch's guard: on
+    exit it gives torch's own view of the thread's device back, without making a context on a GPU
+    that had none; the CUDA runtime's current device may stay ``index`` (what CuPy and Numba then
+    see), which gpucomm's calls never rely on: each compares the device it needs first."""
     if rt.getDevice() == index:
         return nullcontext()
     return torch.cuda.device(index)

@@ -11,6 +11,7 @@ Every other kind plans its buffers on the communication stream when it runs.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any, Callable, Sequence
 
 import torch
@@ -103,6 +104,7 @@ class Executor:
         self._watch = watch
         self._streams: dict[int, int] = {}  # device index -> this executor's communication stream (raw)
         self._completions: dict[int, StreamCompletion] = {}
+        self._made = threading.Lock()  # a device's stream and completion are made once, whatever thread asks
 
     def __call__(self, req: Request, meta: dict) -> Issued:
         group = self._groups(req.set_id)
@@ -139,8 +141,21 @@ class Executor:
         """This executor's communication stream on GPU ``index`` (made at first use), raw."""
         stream = self._streams.get(index)
         if stream is None:
-            stream = self._streams[index] = cuda_calls.calls().new_stream(index)
+            with self._made:
+                stream = self._streams.get(index)
+                if stream is None:
+                    stream = self._streams[index] = cuda_calls.calls().new_stream(index)
         return stream
+
+    def _completion(self, index: int, stream: int) -> StreamCompletion:
+        completion = self._completions.get(index)
+        if completion is None:
+            with self._made:
+                completion = self._completions.get(index)
+                if completion is None:
+                    completion = self._completions[index] = StreamCompletion(self._events, self._watch, index,
+                                                                             stream)
+        return completion
 
     def _cuda(self, req: Request, meta: dict, group, tracer) -> Issued:
         backend = group.nccl()
@@ -168,10 +183,9 @@ class Executor:
             trace.submit(req.tensors[0].dtype if req.tensors else None,
                          req.tensors[0].shape if len(req.tensors) == 1 else f"[{len(req.tensors)} tensors]")
         if req.per_step:  # a fixed schedule's launch: its step's one done event completes it
-            completion = self._completions.get(index)
-            if completion is None:
-                completion = self._completions[index] = StreamCompletion(self._events, self._watch, index, comm)
-            return Issued(works, None, after, results_on_comm=on_comm, covered=completion.launched(req))
+            # (its inputs are the bucket's persistent buffer, or its result, which the waiter keeps alive)
+            covered = self._completion(index, comm).launched(req)
+            return Issued(works, None, after, results_on_comm=on_comm, covered=covered)
         done = self._events.record(comm, index)
         if on_comm:
             for t in req.tensors:
@@ -180,14 +194,22 @@ class Executor:
                       release_done=self._watch(done, index, req, comm))
 
     def seal_step(self) -> None:
-        """A fixed schedule's step has issued its launches: its one done event per stream now."""
-        for completion in self._completions.values():
+        """A fixed schedule's launches so far get their done event now (one per stream), watched from
+        here: at the end of backward, and again when the step ends if more were launched since."""
+        for completion in list(self._completions.values()):
             completion.seal(completion.last_request)
 
     def close(self) -> None:
         """Hand the last done events back (the executor's schedule or job ends)."""
-        for completion in self._completions.values():
+        for completion in list(self._completions.values()):
             completion.close()
+
+    def destroy_streams(self) -> None:
+        """Let go of the communication streams (after their work was drained: a schedule's release)."""
+        with self._made:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            cuda_calls.calls().destroy_stream(stream)
 
     def _plan(self, req: Request, meta: dict, group, backend, stream: int | None) -> Plan:
         return getattr(self, "_" + req.kind)(req, meta, group, backend, stream)

@@ -14,11 +14,14 @@ result is written into a 1-element tensor, in the slot encoding of ``FiniteSlots
 from __future__ import annotations
 
 import math
-from typing import Sequence
+import time
+from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["FiniteSlots", "FirstNonFinite", "exact_limit"]
+__all__ = ["AUTO_BUDGET", "FiniteSlots", "FirstNonFinite", "exact_limit"]
+
+AUTO_BUDGET = 0.005  # the default mode's search costs at most this share of the step, on average
 
 
 class FirstNonFinite:
@@ -84,16 +87,58 @@ class FiniteSlots:
     """The finite check as a DistributedOptimizer's buckets run it: this rank's index ``rank`` among
     the ``size`` ranks of the set (its slot in every bucket's tail), and the search used where the
     checked pack kernels do not run (CPU view buckets, torch ops, a user compressor). ``mode``: the
-    front's ("raise" or "warn"), carried for its report."""
+    front's ("raise", "warn" or "auto"), carried for its report.
 
-    def __init__(self, mode: str, rank: int, size: int) -> None:
+    ``budget`` (the default mode's: ``AUTO_BUDGET``): the share of the step the search may cost, on
+    average. The search's own host time is measured against the steps' (``step_done``); while it fits,
+    every step is searched, else the steps are searched in turn, as often as the budget allows (a
+    token bucket), so a model whose gradients take long to read (a large MLP on a CPU) pays at most
+    that share and a non-finite gradient, which stays non-finite once it reached the weights, is
+    still reported within a few steps. A rank that skips a step writes 0 ("nothing found") into its
+    slot: ranks need not agree on which steps they search. None: every step (the explicit modes)."""
+
+    def __init__(self, mode: str, rank: int, size: int, budget: float | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.mode, self.rank, self.size = mode, rank, size
+        self.deferred = mode != "raise"  # a GPU's slots are read a step later, with no host sync
+        self.budget, self._clock = budget, clock
         self._search = FirstNonFinite()
+        self._searching = True  # this step's buckets are searched
+        self._spent = 0.0  # host seconds the search took this step
+        self._cost = 0.0  # ... in the last step searched
+        self._credit = 0.0  # seconds of search the budget has paid for so far
+        self._last_step: float | None = None  # when the last step ended
+        self.searched_steps = self.skipped_steps = 0
 
     def search(self, pieces: Sequence[torch.Tensor], out: torch.Tensor, whole: torch.Tensor | None = None) -> None:
         """``out`` := this rank's slot value for a bucket made of ``pieces`` (``whole``: their data as
-        one tensor, when consecutive; see ``FirstNonFinite``)."""
+        one tensor, when consecutive; see ``FirstNonFinite``); 0 when this step is not searched."""
+        if not self._searching:
+            out.zero_()
+            return
+        start = self._clock()
         self._search(pieces, out, self.limit(out.dtype), whole)
+        self._spent += self._clock() - start
+
+    def step_done(self) -> None:
+        """A step's buckets were all filled: account for what the search cost and decide whether the
+        next step is searched (always without a budget)."""
+        now = self._clock()
+        step = now - self._last_step if self._last_step is not None else None
+        self._last_step = now
+        if self._searching:
+            self.searched_steps += 1
+            self._cost = self._spent
+        else:
+            self.skipped_steps += 1
+        self._spent = 0.0
+        if self.budget is None or step is None:
+            self._searching = True
+            return
+        self._credit = min(self._credit + self.budget * step, self._cost + self.budget * step)  # no hoarding
+        self._searching = self._credit >= self._cost
+        if self._searching:
+            self._credit -= self._cost
 
     @staticmethod
     def limit(dtype: torch.dtype) -> int:

@@ -15,12 +15,13 @@ launched strictly in index order on every rank.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+
+from ..settings import FUSION_FIRST_BUCKET, FUSION_THRESHOLD
 
 __all__ = [
     "DEFAULT_FIRST_BUCKET_BYTES", "DEFAULT_BUCKET_CAP_BYTES", "THRESHOLD_ENV", "FIRST_BUCKET_ENV", "FusionLimits",
@@ -31,8 +32,8 @@ log = logging.getLogger("gpucomm.fusion")
 
 DEFAULT_FIRST_BUCKET_BYTES = 1 << 20
 DEFAULT_BUCKET_CAP_BYTES = 25 << 20
-THRESHOLD_ENV = ("GPUCOMM_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD")  # first one set wins
-FIRST_BUCKET_ENV = "GPUCOMM_FUSION_FIRST_BUCKET"
+THRESHOLD_ENV = FUSION_THRESHOLD.names  # first one set wins
+FIRST_BUCKET_ENV = FUSION_FIRST_BUCKET.names[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -48,13 +49,7 @@ class FusionLimits:
 
 
 def _byte_count(value: Any, source: str) -> int:
-    if isinstance(value, str):
-        text = value.strip().replace("_", "")
-        if not text.isdigit():
-            raise ValueError(
-                f"{source}={value!r} is not a byte count. Set it to a non-negative integer number of bytes, e.g. "
-                f"{64 << 20} for 64 MiB (0 turns fusion off: one tensor per bucket).")
-        return int(text)
+    """An argument's byte count (the environment's go through ``settings``)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{source} must be an int number of bytes, got {type(value).__name__} {value!r}")
     if value < 0:
@@ -71,18 +66,14 @@ def fusion_limits(*, first_bucket_bytes: int | None = None, bucket_cap_bytes: in
     ``GPUCOMM_FUSION_FIRST_BUCKET``, else 1 MiB. The first bucket never exceeds the cap, so a
     threshold below 1 MiB (or 0) applies to every bucket.
     """
-    env = os.environ if env is None else env
     if bucket_cap_bytes is not None:
         cap = _byte_count(bucket_cap_bytes, "bucket_cap_bytes")
     else:
-        name = next((n for n in THRESHOLD_ENV if env.get(n, "").strip()), None)
-        cap = _byte_count(env[name], name) if name else DEFAULT_BUCKET_CAP_BYTES
+        cap = FUSION_THRESHOLD.read(env, DEFAULT_BUCKET_CAP_BYTES)
     if first_bucket_bytes is not None:
         first = _byte_count(first_bucket_bytes, "first_bucket_bytes")
-    elif env.get(FIRST_BUCKET_ENV, "").strip():
-        first = _byte_count(env[FIRST_BUCKET_ENV], FIRST_BUCKET_ENV)
     else:
-        first = DEFAULT_FIRST_BUCKET_BYTES
+        first = FUSION_FIRST_BUCKET.read(env, DEFAULT_FIRST_BUCKET_BYTES)
     return FusionLimits(first_bucket_bytes=min(first, cap), bucket_cap_bytes=cap)
 
 

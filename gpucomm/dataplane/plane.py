@@ -14,7 +14,6 @@ requests to ``run`` and tells ``fail`` when the job failed.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Any, Callable
 
@@ -22,6 +21,7 @@ import torch
 
 from ..backends.nccl import nccl_module, nccl_version
 from ..errors import CollectiveError, ShutdownError
+from ..settings import ISSUE_ORDER
 from . import cuda_calls
 from .events import EventPool
 from .executor import Executor
@@ -33,7 +33,7 @@ from .watchdog import NcclWatchdog
 
 log = logging.getLogger("gpucomm")
 
-ORDER_ENV = "GPUCOMM_ISSUE_ORDER"  # "cuda" (default): order CUDA collectives; "all": CPU ones too (tests, debugging)
+ORDER_ENV = ISSUE_ORDER.names[0]  # "cuda" (default): order CUDA collectives; "all": CPU ones too (tests, debugging)
 
 
 class DataPlane:
@@ -56,7 +56,7 @@ class DataPlane:
         self._orders: dict[Any, IssueOrder] = {}
         self._lock = threading.Lock()
         if order_cpu is None:
-            order_cpu = os.environ.get(ORDER_ENV, "cuda").strip().lower() == "all"
+            order_cpu = ISSUE_ORDER.read(None, "cuda") == "all"
         self.orders_cpu = order_cpu
         self.watchdog = NcclWatchdog(rank, timeout, self.events, health=self._health, fail=self._watchdog_failed,
                                      select_device=select_device)

@@ -48,6 +48,12 @@ if TYPE_CHECKING:  # the optimizer hands its schedule in; the reducer never buil
 
 __all__ = ["GradientBuckets", "MakeBuckets"]
 
+
+def _nonzero_slots(values: list[float], where: list[int], size: int) -> list[tuple[int, int, int]]:
+    """``(index in the set, bucket, slot value)`` of each non-zero finite-check slot (``values``: the
+    buckets' slots in order, ``size`` per bucket; ``where``: those buckets' indices)."""
+    return [(i % size, where[i // size], int(v)) for i, v in enumerate(values) if v != 0]
+
 MakeBuckets = Callable[[Sequence[fusion.Bucket], Sequence[torch.Tensor], BucketSettings], list[Bucket]]
 
 
@@ -74,6 +80,7 @@ class GradientBuckets:
         self._pending = list(self._sizes)  # gradients each bucket still waits for this step
         self._next = 0
         self._in_backward = False
+        self._pending_checks: list[tuple[int, list[int], Any]] = []  # finite slots on their way to the host
 
     @property
     def tracer(self) -> Any:
@@ -132,12 +139,14 @@ class GradientBuckets:
             self._in_backward = False
             activity.backward_ended()
 
-    def finish(self) -> list[tuple[int, int, int]]:
+    def finish(self, step: int = 0) -> list[tuple[int, list[tuple[int, int, int]]]]:
         """Wait for every bucket in order and write the averaged gradients into ``p.grad`` (a
         two-phase bucket's second phase is launched as soon as its first is back, in one more step
         of the schedule, and waited for in order after). With the finite check, returns what the
-        ranks reported: ``(index in the set, bucket, slot value)`` for each non-zero slot (one read
-        of every bucket's slots: a host sync on a GPU)."""
+        ranks reported, per step: ``(step, [(index in the set, bucket, slot value) for each non-zero
+        slot])``: this ``step``'s on the CPU and in ``"raise"`` mode (one read of every bucket's
+        slots: a host sync on a GPU), else those of earlier steps whose copy to the host has arrived
+        (``check_reports``)."""
         second: list[tuple[Bucket, Handle]] = []
         try:
             for bucket in self.buckets:
@@ -158,12 +167,30 @@ class GradientBuckets:
         check = self.settings.check
         if check is None:
             return []
+        check.step_done()
         checked = [b for b in self.buckets if b.checks is not None]
         if not checked:
-            return []
-        values = torch.cat([b.checks.float() for b in checked]).tolist()
-        size = check.size
-        return [(i % size, checked[i // size].plan.index, int(v)) for i, v in enumerate(values) if v != 0]
+            return self.check_reports()
+        values = torch.cat([b.checks.float() for b in checked])
+        where = [b.plan.index for b in checked]
+        if check.deferred and cuda_calls.is_gpu(values.device):
+            earlier = self.check_reports()  # read at the next step: this copy has only just been queued
+            self._pending_checks.append((step, where, cuda_calls.calls().read_later(values)))
+            return earlier
+        return self.check_reports() + [(step, _nonzero_slots(values.tolist(), where, check.size))]
+
+    def check_reports(self, wait: bool = False) -> list[tuple[int, list[tuple[int, int, int]]]]:
+        """The finite check's reports of earlier steps whose slots have reached the host (all of
+        them, waiting, with ``wait``: before a new layout, or at the optimizer's close)."""
+        reports, calls, size = [], cuda_calls.calls(), self.settings.check.size if self.settings.check else 0
+        while self._pending_checks:
+            step, where, token = self._pending_checks[0]
+            values = calls.read_now(token) if wait else calls.read_if_done(token)
+            if values is None:
+                break
+            self._pending_checks.pop(0)
+            reports.append((step, _nonzero_slots(values.tolist(), where, size)))
+        return reports
 
     def stride_of(self, p: torch.Tensor) -> tuple[int, ...]:
         """The strides ``p``'s gradient travels in (``layout_of``; those of size-1 dimensions as 0,

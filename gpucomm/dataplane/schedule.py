@@ -106,6 +106,12 @@ class Schedule:
     def failure(self) -> CollectiveError | None:
         return self._plane.failure()
 
+    def seal(self) -> None:
+        """The launches so far (a backward has ended) get their done event now, so the watchdog
+        watches them before anything waits: a host blocked on the GPU meanwhile (a device sync, the
+        allocator freeing memory) with a dead peer is reported, never left hanging."""
+        self._executor.seal_step()
+
     @property
     def has_peers(self) -> bool:
         """Whether another rank takes part (a failed transfer may then be another rank's failure)."""
@@ -116,6 +122,7 @@ class Schedule:
         self.end_step()
         self._executor.close()
         self._plane.release(self.group)
+        self._executor.destroy_streams()
 
 
 __all__ = ["Schedule"]

@@ -61,6 +61,7 @@ class NcclWatchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._query_error: str | None = None  # a failed query, to report outside the lock
+        self._reported = False  # the job's failure was reported (once)
         self.failed = False  # a failure was found (then nothing counts as drained)
         self.retired = 0  # done events returned to the pool
         events.reclaim = self.reclaim
@@ -84,10 +85,11 @@ class NcclWatchdog:
 
     def reclaim(self) -> None:
         """Return the events of the collectives finished so far to the pool (the pool asks before it
-        makes a new event)."""
+        makes a new event). A failed query found here is reported by the watchdog's thread at its
+        next tick, not on the caller's (a hook inside backward, a thread holding a completion's or
+        an issue order's lock): failing the job aborts every communicator and settles queued work."""
         with self._lock:
             self._retire_finished()
-        self._report_query_error()
 
     def _waited(self, entry: _InFlight) -> None:
         with self._lock:
@@ -114,9 +116,10 @@ class NcclWatchdog:
                 try:
                     done = query(entry.event)
                 except Exception as e:  # noqa: BLE001 - CUDA's error: the job's failure, reported once
-                    if self._query_error is None:
+                    if self._query_error is None and not self._reported:
                         self._query_error = (f"CUDA reported an error while {entry.request.describe()} was in flight "
                                              f"on rank {self.rank} (GPU {entry.device}): {e}")
+                    self.failed = True  # nothing counts as drained from now on
                     return False
                 if not done:
                     break
@@ -132,9 +135,9 @@ class NcclWatchdog:
         """Report a failed query as the job's failure (once), after the lock is let go."""
         with self._lock:
             text, self._query_error = self._query_error, None
-            if text is None or self.failed:
+            if text is None or self._reported:
                 return
-            self.failed = True  # nothing counts as drained from now on
+            self._reported = self.failed = True  # nothing counts as drained from now on
         self._stop.set()
         self._fail(text + ". The NCCL communicators were aborted. " + NCCL_HINT)
 
@@ -151,6 +154,8 @@ class NcclWatchdog:
         self._report_query_error()
         if oldest is None or self.failed:
             return
+        if self._reported:
+            return
         error = self._health(oldest.request.set_id)
         if error is None and (time.monotonic() - oldest.started <= self.timeout or self._finished_since(oldest)):
             return  # in time, or it finished meanwhile
@@ -163,7 +168,7 @@ class NcclWatchdog:
                    f"{self.rank}: at least one of the ranks it needs ({who}) never reached it — that rank died, "
                    f"hangs before this collective, or cannot reach this one")
         with self._lock:
-            self.failed = True  # before clearing: a drain after this never reports "all finished"
+            self.failed = self._reported = True  # before clearing: a drain after this never reports "all finished"
             self._queues.clear()
         self._stop.set()
         self._fail(why + ". The NCCL communicators were aborted. " + NCCL_HINT)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 from .. import failures
 from ..bootstrap.rounds import elastic_mode
 from ..errors import NotInitializedError
-from ..settings import env_flag
+from ..settings import TIMELINE, TIMELINE_MARK_CYCLES
 from .elastic import Membership
 
 if TYPE_CHECKING:
@@ -65,11 +65,10 @@ def init(process_sets: Sequence[Sequence[int]] | str | None = None) -> Job:
             os.environ.update(joined.env)
         job = _job = build_job(os.environ, _generation, process_sets, joined)
         failures.set_reporter(lambda exc: _report(job, exc))
-        path = os.environ.get("GPUCOMM_TIMELINE") or os.environ.get("HOROVOD_TIMELINE")
+        path = TIMELINE.read(os.environ)
         if path and path.upper() != "DYNAMIC":
             try:
-                job.start_timeline(path, mark_cycles=env_flag(os.environ, ("GPUCOMM_TIMELINE_MARK_CYCLES",
-                                                                           "HOROVOD_TIMELINE_MARK_CYCLES")))
+                job.start_timeline(path, mark_cycles=TIMELINE_MARK_CYCLES.read(os.environ, False))
             except BaseException:
                 _job = None
                 job.close()

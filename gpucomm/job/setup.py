@@ -15,9 +15,8 @@ from ..backends.gloo import gloo_group, gloo_iface
 from ..backends.local import SelfBackend
 from ..backends.mpi import mpi_world
 from ..bootstrap import devices
-from ..bootstrap.arrival import (BIND_VAR, REQUIRE_SECRET_VAR, arrive, claim_arrival, conflict_key, cross_placement,
-                                open_store, watch_conflicts)
-from ..bootstrap.netaddr import address_towards, interface_ipv4
+from ..bootstrap.arrival import arrive, claim_arrival, conflict_key, cross_placement, open_store, watch_conflicts
+from ..bootstrap.netaddr import address_towards, interface_ipv4, interface_of
 from ..bootstrap.rendezvous import RendezvousClient, RendezvousError, wait_for_ranks
 from ..bootstrap.world import World, detect_world
 from ..control.channel import ControlListener, connect as connect_control
@@ -25,7 +24,7 @@ from ..control.controller import ControlConfig, ControlLinks
 from ..errors import GpucommError
 from ..logs import SetupSteps, configure_logging
 from ..process_sets import init_sets
-from ..settings import env_flag, env_seconds
+from ..settings import AUTOTUNE, RENDEZVOUS_BIND, REQUIRE_SECRET, START_TIMEOUT, TIMEOUT, check_settings
 from .elastic import JoinedRound, round_interrupt
 from .state import SHUTDOWN_GRACE, Job
 
@@ -33,6 +32,7 @@ log = logging.getLogger("gpucomm")
 
 DEFAULT_TIMEOUT = 300.0  # seconds a collective may take before it is declared failed
 DEFAULT_START_TIMEOUT = 120.0  # seconds all ranks have to reach init()
+_autotune_explained = False  # the one-rank job's "autotune is off" is said once per process
 
 
 def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None,
@@ -42,20 +42,22 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None,
     elastic_round = joined.number if joined is not None else 0
     if joined is not None:
         env = joined.env
+    check_settings(env)  # every setting, on every rank, before rank 0 serves the store: all fail alike, at once
     world = detect_world(env)
     configure_logging(env, world.rank)
     steps = SetupSteps()
+    _explain_autotune_off(world, env)
     static_sets, dynamic_sets = init_sets(process_sets, world.size, env)
-    control = ControlConfig.from_env(env, env_seconds(env, ("GPUCOMM_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS"),
-                                                      DEFAULT_TIMEOUT), local_size=world.local_size)
+    control = ControlConfig.from_env(env, TIMEOUT.read(env, DEFAULT_TIMEOUT), local_size=world.local_size)
     timeout = control.timeout
-    start_timeout = env_seconds(env, ("GPUCOMM_START_TIMEOUT", "HOROVOD_START_TIMEOUT"), DEFAULT_START_TIMEOUT)
+    start_timeout = START_TIMEOUT.read(env, DEFAULT_START_TIMEOUT)
     t0 = time.monotonic()
     prefix = f"{world.run_id}/e{elastic_round}/" if elastic_round else f"{world.run_id}/g{generation}/"
     record: dict[str, Any] = {"host": world.hostname, "local_rank": world.local_rank, "pid": os.getpid()}
     transport = _decide_cpu_operations(world, env)  # before the store: it may initialize MPI (see there)
     server, client = open_store(world, generation, start_timeout, timeout, prefix=prefix, record=record,
-                                require_secret=env_flag(env, (REQUIRE_SECRET_VAR,)), bind=env.get(BIND_VAR) or None)
+                                require_secret=REQUIRE_SECRET.read(env, False), bind=RENDEZVOUS_BIND.read(env),
+                                dead_peer_after=control.liveness_timeout)
     steps.done(f"rendezvous store at {client.host}:{client.port} reached (launcher: {world.launcher})")
     # a replaced round stops the waits
     interrupt = round_interrupt(client, world.run_id, elastic_round) if elastic_round else None
@@ -73,7 +75,7 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None,
         cross_rank, cross_size = cross_placement(world, records)
         hosts = [rec["host"] for rec in records]
         one_host = len(set(hosts)) == 1
-        iface = gloo_iface(env)
+        iface = gloo_iface(env) or (None if one_host else _interface_towards_store(world))
         cpu = _cpu_backend(choice, world, client, prefix, timeout, one_host, iface, interrupt, steps)
         try:
             links, listener = _connect_control(client, prefix, world, client.secret, one_host, iface, start_timeout,
@@ -104,6 +106,19 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None,
     return job
 
 
+def _explain_autotune_off(world: World, env: Mapping[str, str]) -> None:
+    """Autotune tunes how gradients are communicated; a one-rank job communicates nothing, so the
+    optimizer never starts it. Say so once per process when the environment asks for it."""
+    global _autotune_explained
+    given = AUTOTUNE.given(env)
+    if world.size > 1 or given is None or not AUTOTUNE.read(env) or _autotune_explained:
+        return
+    _autotune_explained = True
+    log.warning("gpucomm autotune: %s=%s asks for autotune, but autotune is off in a one-rank job: there is no "
+                "communication to tune (DistributedOptimizer reduces nothing at one rank). Run with 2 or more ranks "
+                "to tune, or unset %s.", given[0], given[1].strip(), given[0])
+
+
 def _cpu_backend(choice: CpuOperations | None, world: World, client: RendezvousClient, prefix: str, timeout: float,
                  one_host: bool, iface: str | None, interrupt, steps: SetupSteps):
     """The job's CPU backend: inline in a one-rank job (``choice`` None); else an MPI communicator
@@ -124,13 +139,25 @@ def _cpu_backend(choice: CpuOperations | None, world: World, client: RendezvousC
 
 def _fail_on_second_claims(job: Job, listener: ControlListener) -> None:
     """Rank 0: once a second process claims a rank (at the store or the control listener), fail
-    the job on every rank with its message; the watch ends with the job (its client closes)."""
+    the job on every rank with its message; the watch ends with the job (its client closes). Where
+    the launcher serves the store, losing it fails the job too (``_store_lost``)."""
     def fail(message: str) -> None:
         controller = job.controller
         if controller is not None and controller.failure() is None:
             controller.abort(message)  # the job's failure as such, not "rank 0 failed: ..."
 
-    watch_conflicts(job.client, job.prefix, fail, on_exit=listener.close)
+    on_lost = (lambda error: fail(_store_lost(job, error))) if job.server is None else None
+    watch_conflicts(job.client, job.prefix, fail, on_exit=listener.close, on_lost=on_lost)
+
+
+def _store_lost(job: Job, error: str) -> str:
+    """The job's error when rank 0 lost the store its launcher serves: the launcher then follows the
+    job no more (its output, its failures, its next elastic round), so the job must not go on."""
+    return (f"rank 0 lost the job's rendezvous store at {job.client.host}:{job.client.port}, which the launcher "
+            f"serves on that host: {error} Without it the launcher cannot follow the job (its output, its failures), "
+            f"so the job ends on every rank. Likely causes: the launcher's host lost the network (a cut link, a "
+            f"partition) or went down, or the launcher was killed. GPUCOMM_LIVENESS_TIMEOUT bounds how long an "
+            f"unanswered store is waited for.")
 
 
 def _pin_gpu(client: RendezvousClient, server, prefix: str, world: World, record: dict, single_gpu: bool,
@@ -213,6 +240,7 @@ def _connect_control(client: RendezvousClient, prefix: str, world: World, secret
     if world.size == 1:
         return ControlLinks(), None
     key = f"{prefix}control"
+    hosts = tuple(str(rec.get("host")) for rec in records)
     if world.rank == 0:
         host = "127.0.0.1" if one_host else (_interface_address(iface) if iface else
                                              address_towards(world.rendezvous_addr or "8.8.8.8"))
@@ -228,7 +256,7 @@ def _connect_control(client: RendezvousClient, prefix: str, world: World, secret
 
         workers = listener.accept(list(range(1, world.size)), start_timeout, interrupt, claimants=claimants,
                                   on_conflict=conflict)
-        return ControlLinks(workers=workers), listener
+        return ControlLinks(workers=workers, hosts=hosts), listener
     if interrupt is not None:
         deadline = time.monotonic() + start_timeout
         while not client.check([key]) and time.monotonic() < deadline:
@@ -236,7 +264,16 @@ def _connect_control(client: RendezvousClient, prefix: str, world: World, secret
             time.sleep(0.05)
     where = json.loads(client.get(key, start_timeout))
     return ControlLinks(to_root=connect_control(where["host"], where["port"], secret, world.rank, start_timeout,
-                                                me=world.hostname)), None
+                                                me=world.hostname), hosts=hosts), None
+
+
+def _interface_towards_store(world: World) -> str | None:
+    """Across hosts without a chosen interface: the one on the route to the store, where rank 0's
+    control listener binds too. Gloo would otherwise take the address this host's name resolves to,
+    which on many hosts is 127.0.1.1 (Debian's /etc/hosts): it then listens on loopback and tells
+    the other hosts to connect there (``connectFullMesh failed ... remote=[127.0.1.1]``). None when
+    no interface holds that address (Gloo's own choice then)."""
+    return interface_of(address_towards(world.rendezvous_addr or "8.8.8.8"))
 
 
 def _interface_address(iface: str) -> str:

@@ -342,7 +342,8 @@ class Job:
         self.cpu.close(abort=failed)
         release_results()
         try:
-            self.client.add(f"{self.prefix}shutdown", 1)
+            # after a failure the store's host may be the one that failed: wait for it only as long as for the ranks
+            self.client.add(f"{self.prefix}shutdown", 1, within=grace if failed else None)
             if self.server is not None:
                 self._wait_for_others_to_leave(grace)
         except RendezvousError as e:

@@ -24,6 +24,8 @@ from typing import Callable
 
 import numpy as np
 
+from ..settings import NUMBA_COMPAT
+
 __all__ = ["REMOVED_NUMPY_NAMES", "prepare_numba_cuda", "applied_shims"]
 
 # NumPy name -> what it was an alias of (for the stand-in's docstring); extend as NumPy removes more
@@ -58,7 +60,7 @@ def prepare_numba_cuda() -> tuple[str, ...]:
         if "applied" in _state:
             return _state["applied"]
         missing = tuple(n for n in REMOVED_NUMPY_NAMES if not hasattr(np, n))
-        enabled = os.environ.get("GPUCOMM_NUMBA_COMPAT", "1").strip().lower() not in ("0", "false", "no", "off")
+        enabled = NUMBA_COMPAT.read(None, True)
         if not missing or not enabled or _simulator():
             _state["applied"] = ()
             return ()

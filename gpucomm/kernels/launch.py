@@ -37,6 +37,7 @@ import torch
 from numba import cuda
 
 from ..errors import KernelUnavailableError
+from ..settings import KERNEL_LAUNCH
 from . import compat
 from .devicefns import SIMULATOR
 from .specs import KernelSpec
@@ -61,7 +62,7 @@ _numba_configs: dict[tuple[str, int, int], Any] = {}  # (spec, grid, stream) -> 
 _core_configs: dict[int, Any] = {}  # grid -> cuda.core LaunchConfig
 _thread = threading.local()  # .devices: GPUs with a context made current in this thread
 _broken: set[str] = set()  # launch paths given up in this process
-_modes: dict[str, str] = {}  # GPUCOMM_KERNEL_LAUNCH value -> the path it resolves to now
+_modes: dict[Any, str] = {}  # GPUCOMM_KERNEL_LAUNCH as set (None: unset) -> the path it resolves to now
 
 try:  # what Numba itself launches with; missing pieces only disable those paths
     from cuda.core import LaunchConfig as _LaunchConfig, Stream as _CoreStream, launch as _core_launch
@@ -78,20 +79,15 @@ def launch_mode() -> str:
     next one if it was given up; the simulator always uses ``numba``. (Cached per setting.)"""
     if SIMULATOR:
         return "numba"
-    raw = os.environ.get("GPUCOMM_KERNEL_LAUNCH", "")
-    mode = _modes.get(raw)
+    given = KERNEL_LAUNCH.given(os.environ)
+    mode = _modes.get(given)
     if mode is None:
-        mode = _modes[raw] = _resolve_mode(raw)
+        mode = _modes[given] = _resolve_mode(KERNEL_LAUNCH.read(os.environ, "driver"))
     return mode
 
 
-def _resolve_mode(raw: str) -> str:
-    mode = raw.strip().lower() or "driver"
-    if mode == "direct":  # the name of the fast path in earlier releases
-        mode = "driver"
-    if mode not in MODES:
-        raise ValueError(f"GPUCOMM_KERNEL_LAUNCH={mode!r} is not a launch path; use 'driver' (default), 'core' or "
-                         f"'numba'.")
+def _resolve_mode(mode: str) -> str:
+    """The first path from ``mode`` on (driver, core, numba) that was not given up."""
     for candidate in MODES[MODES.index(mode):]:
         if candidate not in _broken:
             return candidate

@@ -10,17 +10,18 @@ with the rank, and stops the whole job when any rank fails.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import secrets
 import shlex
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from .. import __version__
 from ..failures import read_failures
 from ..bootstrap.netaddr import address_towards, interface_ipv4
 from ..bootstrap.rendezvous import RendezvousServer
-from ..settings import env_seconds
+from ..settings import GLOO_IFACE, MAX_SECONDS, START_TIMEOUT, SettingError, liveness_seconds, settings_problems
 from .check_build import check_build_report
 from .discovery import DiscoveryScript, FixedHosts
 from .elastic_driver import ElasticDriver, make_limits
@@ -34,14 +35,19 @@ DEFAULT_START_TIMEOUT = 120.0
 DEFAULT_GRACE = 10.0
 
 
-def _number(kind: type, *, allow_zero: bool):
+def _number(kind: type, *, allow_zero: bool, maximum: float | None = None):
+    """An argparse type: a finite ``kind`` above 0 (or from 0), at most ``maximum``."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
         if value < 0 or (value == 0 and not allow_zero):
             raise argparse.ArgumentTypeError(f"{text!r} must be {'non-negative' if allow_zero else 'positive'}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{text!r} must be at most {maximum:g}")
         return value
     parse.__name__ = kind.__name__
     return parse
@@ -53,6 +59,11 @@ def _positive(kind: type):
 
 def _non_negative(kind: type):
     return _number(kind, allow_zero=True)
+
+
+def _seconds(*, allow_zero: bool = False, scale: float = 1.0):
+    """A duration flag: finite, at most what the ranks accept (``MAX_SECONDS``, times ``scale`` for ms)."""
+    return _number(float, allow_zero=allow_zero, maximum=MAX_SECONDS * scale)
 
 
 _REFUSED_FLAGS = {
@@ -91,13 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Python on the remote hosts that has gpucomm installed (default: this launcher's, %(default)s)")
     p.add_argument("--network-interface", "--network-interfaces", dest="nics", action="append",
                    help="network interface(s) for NCCL and Gloo traffic, e.g. eth0 or ib0,eth0 (repeatable)")
-    p.add_argument("--start-timeout", type=_positive(float),
+    p.add_argument("--start-timeout", type=_seconds(),
                    help=f"seconds the ranks have to start and meet in init() (default {DEFAULT_START_TIMEOUT:g}, "
                         f"or GPUCOMM_START_TIMEOUT / HOROVOD_START_TIMEOUT)")
-    p.add_argument("--timeout", "--gloo-timeout-seconds", dest="timeout", type=_positive(float),
+    p.add_argument("--timeout", "--gloo-timeout-seconds", dest="timeout", type=_seconds(),
                    help="seconds one collective may take before it fails on every rank (default 300, or "
                         "GPUCOMM_TIMEOUT)")
-    p.add_argument("--stop-grace", type=_positive(float), default=DEFAULT_GRACE,
+    p.add_argument("--stop-grace", type=_seconds(), default=DEFAULT_GRACE,
                    help="seconds ranks get between SIGTERM and SIGKILL when the job stops (default %(default)g)")
     p.add_argument("--output-filename", metavar="DIR",
                    help="also write each rank's output to DIR/rank.<N>/stdout and stderr")
@@ -139,14 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--timeline-filename", help="write a Chrome-trace timeline to this file (rank 0)")
     tune.add_argument("--timeline-mark-cycles", action="store_true",
                       help="mark each control-plane cycle in the timeline (GPUCOMM_TIMELINE_MARK_CYCLES)")
-    tune.add_argument("--cycle-time-ms", type=_non_negative(float),
+    tune.add_argument("--cycle-time-ms", type=_seconds(allow_zero=True, scale=1000.0),
                       help="how long async requests wait to share one control round (GPUCOMM_CYCLE_TIME, default 1)")
     tune.add_argument("--cache-capacity", type=_non_negative(int),
                       help="response cache entries; 0 disables it (GPUCOMM_CACHE_CAPACITY, default 1024)")
-    tune.add_argument("--stall-check-warning-time-seconds", type=_positive(float),
+    tune.add_argument("--stall-check-warning-time-seconds", type=_seconds(),
                       help="warn when some ranks have waited this long for others to submit an operation "
                            "(GPUCOMM_STALL_CHECK_TIME_SECONDS, default 60)")
-    tune.add_argument("--stall-check-shutdown-time-seconds", type=_non_negative(float),
+    tune.add_argument("--stall-check-shutdown-time-seconds", type=_seconds(allow_zero=True),
                       help="turn such a stall into an error on every rank after this long "
                            "(GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS; default 0: never)")
     tune.add_argument("--no-stall-check", action="store_true", help="disable the stall inspector")
@@ -166,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="most workers the job grows to (default: unbounded)")
     elastic.add_argument("--slots-per-host", dest="slots_per_host", type=_positive(int),
                          help="slots of a discovered host printed without a count (default 1)")
-    elastic.add_argument("--elastic-timeout", type=_positive(float),
+    elastic.add_argument("--elastic-timeout", type=_seconds(),
                          help="seconds to wait for --min-np slots after a change (default 600, or "
                               "HOROVOD_ELASTIC_TIMEOUT)")
     elastic.add_argument("--reset-limit", type=_non_negative(int),
@@ -178,14 +189,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def tunables_env(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
-    """The tunable flags as the environment variables the ranks read (Horovod's names too)."""
-    out: dict[str, str] = {}
+def refused_settings(args: argparse.Namespace, env: dict[str, str]) -> str | None:
+    """Why the settings the ranks would get (``env`` under the tunable flags) are refused, in one
+    line naming each variable, its value and what it accepts; None when every one parses."""
     try:
-        start = args.start_timeout or env_seconds(env, ("GPUCOMM_START_TIMEOUT", "HOROVOD_START_TIMEOUT"),
-                                                  DEFAULT_START_TIMEOUT)
-    except ValueError as e:
-        raise SystemExit(f"gpucomm-run: {e}") from None
+        given = {**env, **_tunables(args, env)}
+    except SettingError:  # the start timeout in ``env`` (read to forward it) is refused: report all of env's
+        given = env
+    problems = settings_problems(given)
+    if not problems:
+        return None
+    listed = " ".join(str(p) for p in problems)
+    return (listed if len(problems) == 1 else f"{len(problems)} settings are refused: {listed}") + \
+        " No rank was started."
+
+
+def tunables_env(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
+    """The tunable flags as the environment variables the ranks read (Horovod's names too).
+    Raises ``SystemExit`` with one line when a setting the ranks would get is refused."""
+    problem = refused_settings(args, env)
+    if problem is not None:
+        raise SystemExit(f"gpucomm-run: {problem}")
+    return _tunables(args, env)
+
+
+def _tunables(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
+    """``tunables_env`` unchecked: may raise ``SettingError`` for the start timeout ``env`` holds."""
+    out: dict[str, str] = {}
+    start = args.start_timeout or START_TIMEOUT.read(env, DEFAULT_START_TIMEOUT)
     out["GPUCOMM_START_TIMEOUT"] = out["HOROVOD_START_TIMEOUT"] = f"{start:g}"
     if args.timeout:
         out["GPUCOMM_TIMEOUT"] = out["HOROVOD_GLOO_TIMEOUT_SECONDS"] = f"{args.timeout:g}"
@@ -250,11 +281,13 @@ def interface_address(nic: str) -> str:
 
     addrs = psutil.net_if_addrs()
     if nic not in addrs:
-        raise SystemExit(f"gpucomm-run: --network-interface {nic!r} does not exist on this host; it has "
+        raise SystemExit(f"gpucomm-run: the network interface {nic!r} (--network-interface, or GPUCOMM_GLOO_IFACE / "
+                         f"HOROVOD_GLOO_IFACE) does not exist on this host; it has "
                          f"{', '.join(sorted(addrs)) or 'none'}.")
     address = interface_ipv4(nic)
     if address is None:
-        raise SystemExit(f"gpucomm-run: --network-interface {nic!r} has no IPv4 address.")
+        raise SystemExit(f"gpucomm-run: the network interface {nic!r} (--network-interface, or GPUCOMM_GLOO_IFACE / "
+                         f"HOROVOD_GLOO_IFACE) has no IPv4 address.")
     return address
 
 
@@ -277,6 +310,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("-np is required (the number of ranks to start)")
     if not args.command:
         parser.error("no command given: gpucomm-run -np 2 python train.py")
+    problem = refused_settings(args, dict(os.environ))  # before any rank (or the store) starts
+    if problem is not None:
+        parser.exit(2, f"gpucomm-run: {problem}\n")
     if args.host_discovery_script or args.min_np is not None:
         if args.mpi:
             parser.error("--mpi cannot start an elastic job: MPI's communicators cannot add or remove ranks; leave "
@@ -298,12 +334,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_fixed_job(args, slots, list(args.command), dict(os.environ))[0]
 
 
-def store_address(args: argparse.Namespace, tunables: dict[str, str], hosts: Sequence[str]) -> str:
-    """Where the launcher's store listens (and the ranks reach it): the --network-interface's
-    address, else this host's address towards the first remote host, else loopback."""
+def chosen_nic(tunables: Mapping[str, str], env: Mapping[str, str]) -> str | None:
+    """The interface the job's traffic is to use: ``--network-interface``'s first, else the
+    ``GPUCOMM_GLOO_IFACE``/``HOROVOD_GLOO_IFACE`` the ranks inherit from this environment (the
+    ranks bind Gloo and rank 0's control listener there, so the store belongs there too)."""
+    return tunables.get("GPUCOMM_GLOO_IFACE") or GLOO_IFACE.read(env)
+
+
+def store_address(args: argparse.Namespace, tunables: dict[str, str], hosts: Sequence[str],
+                  env: Mapping[str, str] | None = None) -> str:
+    """Where the launcher's store listens (and the ranks reach it): the chosen interface's address
+    (``chosen_nic``), else this host's address towards the first remote host, else loopback."""
     remote_hosts = [h for h in hosts if not is_local(h)]
-    if args.nics:
-        return interface_address(tunables["GPUCOMM_GLOO_IFACE"])
+    nic = chosen_nic(tunables, os.environ if env is None else env)
+    if nic:
+        return interface_address(nic)
     if remote_hosts:
         return address_towards(split_user(remote_hosts[0])[1].strip("[]"))
     return "127.0.0.1"
@@ -316,17 +361,18 @@ def run_through_mpi(args: argparse.Namespace, parser: argparse.ArgumentParser, s
                         ("--ssh-args", args.ssh_args)):
         if given:
             parser.error(f"{flag} does not apply with --mpi: the MPI launcher reaches other hosts itself; pass its own "
-                         f"options with --mpi-args (e.g. \"--mca plm_rsh_args '-p 2222'\" for Open MPI, "
-                         f"\"-launcher-exec 'ssh -p 2222'\" for MPICH)")
+                         f"options with --mpi-args (e.g. \"--mca plm_rsh_args '-p 2222'\" for Open MPI; for MPICH, "
+                         f"whose -launcher-exec takes a program and not a command line, a script that runs "
+                         f"`exec ssh -p 2222 \"$@\"`: \"-launcher-exec /path/to/that-script\")")
     hosts = [s.host for s in slots]
     tunables = tunables_env(args, env)
     threads = omp_threads(env, slots, [h for h in hosts if not is_local(h)])
     if threads is not None:
         tunables["OMP_NUM_THREADS"] = str(threads)
-    return run_mpi_job(hosts, list(args.command), env, tunables, store_addr=store_address(args, tunables, hosts),
+    return run_mpi_job(hosts, list(args.command), env, tunables, store_addr=store_address(args, tunables, hosts, env),
                        grace=args.stop_grace, output_dir=args.output_filename,
                        timestamps=args.prefix_output_with_timestamp, verbose=args.verbose,
-                       nic=tunables.get("GPUCOMM_GLOO_IFACE"), mpi_args=args.mpi_args)
+                       nic=chosen_nic(tunables, env), mpi_args=args.mpi_args)
 
 
 def run_fixed_job(args: argparse.Namespace, slots: list, command: list[str], env: dict[str, str], *,
@@ -339,7 +385,7 @@ def run_fixed_job(args: argparse.Namespace, slots: list, command: list[str], env
     tunables = tunables_env(args, env)
     remote_hosts = [s.host for s in slots if not is_local(s.host)]
     # the store listens only on the address the ranks are told to use (it holds the job's keys)
-    addr = store_address(args, tunables, [s.host for s in slots])
+    addr = store_address(args, tunables, [s.host for s in slots], env)
     secret = secrets.token_bytes(32)
     run_id = secrets.token_hex(8)
     start_timeout = float(tunables["GPUCOMM_START_TIMEOUT"])
@@ -363,11 +409,20 @@ def run_fixed_job(args: argparse.Namespace, slots: list, command: list[str], env
             secret=secret, run_id=run_id, cwd=os.getcwd(),
             ssh=SshOptions(args.ssh_port, args.ssh_identity_file, start_timeout, args.remote_python,
                            tuple(shlex.split(args.ssh_args))),
-            grace=args.stop_grace)
+            grace=args.stop_grace, silence=remote_silence({**env, **tunables}))
         supervisor = Supervisor(launches, sink, grace=args.stop_grace, verbose=args.verbose,
                                 reported_failures=lambda: read_failures(server.snapshot(), run_id))
         code = supervisor.run()
         return code, supervisor, collect(server, run_id) if collect is not None else None
+
+
+def remote_silence(rank_env: dict[str, str]) -> float | None:
+    """How long a remote rank's wrapper waits without gpucomm-run's heartbeat before it stops the
+    rank: twice the ranks' liveness limit (40 s by default), so that the ranks' own control plane
+    names a lost launcher host first and the wrapper only ends what is left; None with the
+    liveness check off (``GPUCOMM_LIVENESS_TIMEOUT=0``)."""
+    liveness = liveness_seconds(rank_env)
+    return 2 * liveness if liveness else None
 
 
 def run_elastic(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -385,11 +440,12 @@ def run_elastic(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         parser.error(str(e))
     tunables = tunables_env(args, env)
     secret, run_id = secrets.token_bytes(32), secrets.token_hex(8)
-    addr = interface_address(tunables["GPUCOMM_GLOO_IFACE"]) if args.nics else "0.0.0.0"
+    nic = chosen_nic(tunables, env)
+    addr = interface_address(nic) if nic else "0.0.0.0"
     sink = OutputSink(1, args.output_filename, timestamps=args.prefix_output_with_timestamp)
     with RendezvousServer(secret, addr, 0) as server:
         def store_address(host: str) -> str:  # loopback here; towards the launcher from other hosts
-            if args.nics:
+            if nic:
                 return addr
             return "127.0.0.1" if is_local(host) else address_towards(split_user(host)[1].strip("[]"))
 
@@ -408,5 +464,5 @@ def console_main() -> None:
     sys.exit(main())
 
 
-__all__ = ["build_parser", "console_main", "interface_address", "main", "omp_threads", "run_fixed_job", "run_through_mpi",
-           "store_address", "tunables_env"]
+__all__ = ["build_parser", "chosen_nic", "console_main", "interface_address", "main", "omp_threads", "refused_settings",
+           "remote_silence", "run_fixed_job", "run_through_mpi", "store_address", "tunables_env"]

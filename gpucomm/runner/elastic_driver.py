@@ -13,7 +13,8 @@ from their last commit (``hvd.elastic.run``); removed workers exit with status 0
 every worker of the round has exited 0, and fails with a message naming the cause when fewer than
 ``--min-np`` slots remain for ``--elastic-timeout`` seconds, when the job had to be re-formed more
 than ``--reset-limit`` times, or when no worker of the previous round survives (nobody holds the
-state). Nothing is left running: stopping uses the same process-tree kill as the fixed launcher.
+state) -- at once, also while it waits for slots: a job with no worker left never waits for hosts.
+Nothing is left running: stopping uses the same process-tree kill as the fixed launcher.
 """
 
 from __future__ import annotations
@@ -181,6 +182,11 @@ class ElasticDriver:
         self._blacklist[w.host] = cause
         self._reform_reasons.append(cause)
 
+    def _drain_exits(self) -> None:
+        """Take every worker exit already reported (``_collect_exits`` takes one at a time)."""
+        while not self._events.empty():
+            self._collect_exits(timeout=0)
+
     def _finish(self) -> None:
         """Training has ended on some worker: no more rounds. Workers started for a round that
         never formed (they hold no state and nobody will meet them) are stopped as removed."""
@@ -271,11 +277,9 @@ class ElasticDriver:
                                       f"--reset-limit to tolerate more changes.")
             self._resets += 1
         previous = set(self._members)
-        if previous and not self._surviving_holders():
-            raise ElasticJobError(f"no worker that holds the trained state survives ({why}): the workers of the "
-                                  f"last round that finished a sync are all gone, so there is no state to hand to "
-                                  f"new workers.")
-        members = self._wait_for_members(why)
+        if previous:
+            self._check_state_survives(why)
+        members = self._wait_for_members(why, previous)
         if previous and not set(members) & set(self._surviving_holders()):
             raise ElasticJobError(f"no worker that holds the trained state survives ({why}).")
         new = [wid for wid in members if wid not in self._workers or self._workers[wid].exit_code is not None]
@@ -305,9 +309,32 @@ class ElasticDriver:
         return [wid for wid in self._members if wid in holders and self._is_running(wid)
                 and self._workers[wid].removed is None]
 
-    def _wait_for_members(self, why: str) -> list[str]:
+    def _check_state_survives(self, why: str) -> None:
+        """A re-formed job continues from a worker of the last round that holds the trained state; when
+        none is running any more the job cannot go on, whatever hosts may still come: end it now."""
+        if self._surviving_holders():
+            return
+        if not self._alive():
+            raise ElasticJobError(
+                f"no worker is left ({why}): every worker has exited ({self._exits()}), so nobody holds the "
+                f"trained state and no new worker could start from it; waiting for hosts cannot help. Look at the "
+                f"workers' errors above and fix them: an elastic job survives failures only while a worker of its "
+                f"last round is alive.")
+        raise ElasticJobError(f"no worker that holds the trained state survives ({why}): the workers of the "
+                              f"last round that finished a sync are all gone, so there is no state to hand to "
+                              f"new workers.")
+
+    def _exits(self) -> str:
+        """How each worker ever started ended, in start order."""
+        ended = [(w, w.exit_code if w.exit_code is not None else w.proc.poll()) for w in self._started
+                 if w.proc is not None]
+        return "; ".join(f"worker {w.number} ({w.wid}) " + ("removed, " if w.removed else "") + describe_exit(code)
+                         for w, code in ended if code is not None)
+
+    def _wait_for_members(self, why: str, previous: set[str]) -> list[str]:
         """Survivors that hold the state first (in their old rank order, so rank 0 holds it), then
-        the other survivors, then new slots, up to --max-np; waits up to --elastic-timeout for --min-np."""
+        the other survivors, then new slots, up to --max-np; waits up to --elastic-timeout for --min-np
+        (a re-form stops waiting as soon as no worker holding the state is left: ``_check_state_survives``)."""
         deadline = time.monotonic() + self._limits.elastic_timeout
         said = False
         while True:
@@ -333,6 +360,9 @@ class ElasticDriver:
             self._collect_exits(timeout=0.05)
             if self._signal is not None:
                 raise _Stopped()
+            if previous:
+                self._drain_exits()
+                self._check_state_survives(why)
             time.sleep(min(self._interval, 0.5))
             try:
                 self._hosts = self._discover(first=False)

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from ..bootstrap.netaddr import resolves_here
 from ..bootstrap.placement import Placement
-from .remote import encode_request
+from .remote import SERVER_ALIVE_COUNT, SERVER_ALIVE_S, encode_request
 from .supervisor import Launch
 from .worker_env import forwarded_env, worker_env
 
@@ -24,13 +25,15 @@ def split_user(host: str) -> tuple[str | None, str]:
 
 
 def is_local(host: str) -> bool:
-    """Whether ``host`` names this machine. A host written ``user@host`` always goes through ssh:
-    naming a login is asking for one."""
+    """Whether ``host`` names this machine: a loopback name or address, this host's name, or a name
+    or address that resolves to one of this host's interfaces (so ``-H 10.0.0.5:2`` run on 10.0.0.5
+    starts those ranks directly, as Horovod does; every other address is reached through ssh). A
+    host written ``user@host`` always goes through ssh: naming a login is asking for one."""
     user, name = split_user(host)
     if user is not None:
         return False
     return (name in LOCAL_NAMES or (name.startswith("127.") and name.replace(".", "").isdigit())  # all of 127.0.0.0/8 is this machine's loopback
-            or name in {socket.gethostname(), socket.getfqdn()})
+            or name in {socket.gethostname(), socket.getfqdn()} or resolves_here(name))
 
 
 @dataclass(frozen=True)
@@ -43,14 +46,18 @@ class SshOptions:
 
 
 def ssh_argv(host: str, opts: SshOptions) -> list[str]:
-    """The ssh command that starts the remote wrapper on ``host`` (no secret, no environment on it)."""
-    argv = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new",
-            "-o", f"ConnectTimeout={max(1, int(opts.connect_timeout))}", "-o", "ServerAliveInterval=30"]
+    """The ssh command that starts the remote wrapper on ``host`` (no secret, no environment on it).
+    ``--ssh-args`` come first: ssh keeps the first value it is given for an option, so the user's
+    ``-o`` settings override gpucomm's defaults. Those defaults give up on a host that answers
+    nothing for ``SERVER_ALIVE_S * SERVER_ALIVE_COUNT`` s (a cut link: ssh's own default is never),
+    later than the ranks' liveness check, so that the ranks name the lost host first."""
+    argv = ["ssh", *opts.extra_args, "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new",
+            "-o", f"ConnectTimeout={max(1, int(opts.connect_timeout))}",
+            "-o", f"ServerAliveInterval={SERVER_ALIVE_S}", "-o", f"ServerAliveCountMax={SERVER_ALIVE_COUNT}"]
     if opts.port is not None:
         argv += ["-p", str(opts.port)]
     if opts.identity_file is not None:
         argv += ["-i", opts.identity_file]
-    argv += list(opts.extra_args)
     package_root = str(Path(__file__).resolve().parents[2])  # so the wrapper imports this very gpucomm
     remote = (f"exec env PYTHONPATH={shlex.quote(package_root)} {shlex.quote(opts.python)} "
               f"-m gpucomm.runner.remote")
@@ -58,20 +65,22 @@ def ssh_argv(host: str, opts: SshOptions) -> list[str]:
 
 
 def launch_for(slot: Placement, command: list[str], base_env: Mapping[str, str], job_env: Mapping[str, str], *, cwd: str,
-               ssh: SshOptions, grace: float) -> Launch:
+               ssh: SshOptions, grace: float, silence: float | None = None) -> Launch:
     """How to start one process on ``slot.host`` with ``job_env`` over the launcher's environment
-    (filtered for a remote host): directly here, or through ssh and the remote wrapper."""
+    (filtered for a remote host): directly here, or through ssh and the remote wrapper. ``silence``
+    (only for a caller that sends ``remote.HEARTBEAT`` every ``remote.BEAT_S``): see ``build_launches``."""
     if is_local(slot.host):
         return Launch(slot, list(command), dict(base_env) | dict(job_env))
-    payload = encode_request(command, cwd, forwarded_env(base_env) | dict(job_env), grace)
+    payload = encode_request(command, cwd, forwarded_env(base_env) | dict(job_env), grace, silence)
     return Launch(slot, ssh_argv(slot.host, ssh), dict(base_env), True, payload)
 
 
 def build_launches(slots: list[Placement], command: list[str], base_env: Mapping[str, str], tunables: Mapping[str, str],
                    *, rendezvous_addr: str, rendezvous_port: int, secret: bytes, run_id: str, cwd: str,
-                   ssh: SshOptions, grace: float) -> list[Launch]:
+                   ssh: SshOptions, grace: float, silence: float | None = None) -> list[Launch]:
     """One ``Launch`` per slot. Local ranks get their environment directly; remote ranks get it
-    through the wrapper's stdin."""
+    through the wrapper's stdin. ``silence``: a remote wrapper stops its rank after that long
+    without the launcher's heartbeat (``remote.py``; the ``Supervisor`` sends them)."""
     launches = []
     for slot in slots:
         remote = not is_local(slot.host)
@@ -80,7 +89,7 @@ def build_launches(slots: list[Placement], command: list[str], base_env: Mapping
         env = worker_env(base_env, exported, tunables, remote=remote, rendezvous_addr=rendezvous_addr,
                          rendezvous_port=rendezvous_port, secret=secret, run_id=run_id)
         if remote:
-            payload = encode_request(command, cwd, env, grace)
+            payload = encode_request(command, cwd, env, grace, silence)
             launches.append(Launch(slot, ssh_argv(slot.host, ssh), dict(base_env), True, payload))
         else:
             launches.append(Launch(slot, list(command), env))

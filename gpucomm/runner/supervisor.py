@@ -24,6 +24,7 @@ from . import proctree
 from ..failures import Failure
 from ..bootstrap.placement import Placement
 from .output import OutputSink
+from .remote import BEAT_S, HEARTBEAT, SERVER_ALIVE_COUNT, SERVER_ALIVE_S
 
 SSH_UNREACHABLE = 255  # ssh's own exit code when it cannot connect or authenticate
 REMOTE_EXTRA_GRACE = 5.0  # seconds a remote rank gets beyond the grace to report its exit over ssh
@@ -83,16 +84,19 @@ class Supervisor:
         self._signals_seen = 0
         self._first_failure: tuple[int, int] | None = None  # (rank, returncode)
         self._die_with_launcher = proctree.die_with_parent_hook()  # a SIGKILLed launcher takes its ranks along
+        self._stdin_lock = threading.RLock()  # a remote rank's stdin: its request, heartbeats, the stop's close
 
     # ------------------------------------------------------------------ public
 
     def run(self) -> int:
         proctree.become_subreaper()
         previous = proctree.install_stop_handlers(self._on_signal)
+        beating = self._beat_remote_ranks()
         try:
             self._start_all()
             self._watch()
         finally:
+            beating.set()
             try:
                 self._stop_all()  # a second signal meanwhile means "kill now", so handlers stay ours
                 self._sweep_leftovers()
@@ -125,10 +129,13 @@ class Supervisor:
         launch = r.launch
         rank = launch.slot.rank
         try:
-            r.proc = subprocess.Popen(
-                launch.argv, env=launch.env, start_new_session=True, preexec_fn=self._die_with_launcher,
-                stdin=subprocess.PIPE if launch.stdin_payload is not None else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            with self._stdin_lock:  # a heartbeat must not go before the request
+                r.proc = subprocess.Popen(
+                    launch.argv, env=launch.env, start_new_session=True, preexec_fn=self._die_with_launcher,
+                    stdin=subprocess.PIPE if launch.stdin_payload is not None else subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                if launch.stdin_payload is not None:
+                    self._write_stdin(r.proc, launch.stdin_payload)
         except OSError as e:
             code = 127 if isinstance(e, FileNotFoundError) else 126
             self._sink.say(f"rank {rank} on {launch.slot.host} could not be started: cannot run "
@@ -137,13 +144,6 @@ class Supervisor:
             r.start_error = True
             self._first_failure = (rank, code)
             return
-        if launch.stdin_payload is not None:
-            assert r.proc.stdin is not None
-            try:
-                r.proc.stdin.write(launch.stdin_payload)
-                r.proc.stdin.flush()
-            except OSError:
-                pass  # ssh already died; its exit status and stderr tell why
         r.pumps = [self._sink.pump(rank, "stdout", r.proc.stdout), self._sink.pump(rank, "stderr", r.proc.stderr)]
         threading.Thread(target=self._wait, args=(rank, r.proc), name=f"rank{rank}-wait", daemon=True).start()
         if self._verbose:
@@ -152,6 +152,31 @@ class Supervisor:
 
     def _wait(self, rank: int, proc: subprocess.Popen) -> None:
         self._events.put((rank, proc.wait()))
+
+    def _beat_remote_ranks(self) -> threading.Event:
+        """Write a heartbeat to every running remote rank's stdin every ``BEAT_S`` s (its wrapper
+        stops the rank when they cease: ``remote.py``) until the returned event is set."""
+        done = threading.Event()
+        if not any(r.launch.remote for r in self._ranks):
+            return done
+
+        def beat() -> None:
+            while not done.wait(BEAT_S):
+                for r in self._ranks:
+                    if r.launch.remote and r.proc is not None and r.proc.stdin is not None:
+                        self._write_stdin(r.proc, HEARTBEAT)
+
+        threading.Thread(target=beat, name="remote-heartbeats", daemon=True).start()
+        return done
+
+    def _write_stdin(self, proc: subprocess.Popen, data: bytes) -> None:
+        with self._stdin_lock:
+            try:
+                if not proc.stdin.closed:
+                    proc.stdin.write(data)
+                    proc.stdin.flush()
+            except (OSError, ValueError):
+                pass  # ssh exited (its status says why) or the stop closed it meanwhile
 
     # ------------------------------------------------------------------ watching
 
@@ -198,10 +223,11 @@ class Supervisor:
         trees = proctree.terminate(local)
         for r in running:
             if r.launch.remote and r.proc.stdin is not None:
-                try:
-                    r.proc.stdin.close()  # the remote wrapper sees EOF and terminates the rank
-                except OSError:
-                    pass
+                with self._stdin_lock:
+                    try:
+                        r.proc.stdin.close()  # the remote wrapper sees EOF and terminates the rank
+                    except OSError:
+                        pass
         remote = any(r.launch.remote for r in running)
         deadline = time.monotonic() + self._grace + (REMOTE_EXTRA_GRACE if remote else 0.0)
         while self._alive() and time.monotonic() < deadline and self._signals_seen == signals_before:
@@ -258,8 +284,10 @@ class Supervisor:
             lines.append(f"last {len(tail)} line(s) of rank {rank}'s stderr:")
             lines += [f"  | {t}" for t in tail]
         if self._ranks[rank].launch.remote and code == SSH_UNREACHABLE:
-            lines.append(f"exit code 255 is ssh's own: it could not reach or log in to {slot.host}. Check that "
-                         f"`ssh {slot.host} true` works without a password prompt (key in ~/.ssh, -i, -p).")
+            lines.append(f"exit code 255 is ssh's own: it could not reach or log in to {slot.host}, or it lost the "
+                         f"connection (no answer from {slot.host} for {SERVER_ALIVE_S * SERVER_ALIVE_COUNT} s or more: "
+                         f"a cut link, a partition, a host that went down). Check that `ssh {slot.host} true` works "
+                         f"without a password prompt (key in ~/.ssh, -i, -p) and that the host is up.")
         proc = self._ranks[rank].proc
         own = proc.returncode if proc is not None else None
         if rank != self._first_failure[0] and own is not None and own > 0:

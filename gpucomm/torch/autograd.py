@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..process_sets import ProcessSet, global_process_set
-from .compression import Compression, NoneCompressor
+from .compression import Compression, NoneCompressor, resolve as resolve_compression
 from .collectives import alltoall_now
 from .submission import (Average, Sum, check_root, check_tensor_arg, check_tensor_list, current_job, execute,
                          handle_average_backwards_compatibility, reduce_op_of, reduction, set_id)
@@ -168,6 +168,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         if not (tensor.requires_grad and torch.is_grad_enabled()):
             return _allreduce_now(tensor, rop, prescale_factor, postscale_factor, name, process_set)
         return _Allreduce.apply(tensor, rop, float(prescale_factor), float(postscale_factor), name, process_set)
+    compression = resolve_compression(compression)  # Compression.powersgd without its call: its wire
     compressed, cctx = compression.compress(tensor)
     reduced = _Allreduce.apply(compressed, rop, float(prescale_factor), float(postscale_factor), name, process_set)
     return compression.decompress(reduced, cctx)
@@ -179,6 +180,7 @@ def grouped_allreduce(tensors, average: bool | None = None, name: str | None = N
     """Reduce several tensors in one fused operation. Differentiable."""
     tensors = check_tensor_list("allreduce", tensors)
     rop = handle_average_backwards_compatibility(op, average)
+    compression = resolve_compression(compression)
     pairs = [compression.compress(t) for t in tensors]
     outs = _GroupedAllreduce.apply(rop, float(prescale_factor), float(postscale_factor), name, process_set,
                                    *[p[0] for p in pairs])
@@ -227,6 +229,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression=Com
                   postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce over ranks, each rank keeping its share of dim 0. Differentiable."""
     check_tensor_arg("reducescatter", tensor)
+    compression = resolve_compression(compression)  # Compression.powersgd without its call: its wire
     compressed, cctx = compression.compress(tensor)
     out = _Reducescatter.apply(compressed, reduce_op_of(op), float(prescale_factor), float(postscale_factor), name,
                                process_set)
@@ -237,6 +240,7 @@ def grouped_reducescatter(tensors, name: str | None = None, compression=Compress
                           process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
     tensors = check_tensor_list("reducescatter", tensors)
+    compression = resolve_compression(compression)
     pairs = [compression.compress(t) for t in tensors]
     outs = _GroupedReducescatter.apply(reduce_op_of(op), float(prescale_factor), float(postscale_factor), name,
                                        process_set, *[p[0] for p in pairs])

@@ -30,21 +30,16 @@ from __future__ import annotations
 
 import csv
 import logging
-import os
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Mapping, Sequence
 
 from ..counters import COUNTERS
-from ..settings import env_flag, env_number
+from ..settings import AUTOTUNE, AUTOTUNE_LOG, AUTOTUNE_STEPS_PER_SAMPLE, AUTOTUNE_WARMUP_SAMPLES
 from ..tuning import AlphaBeta, FitError, Overheads, fit_alpha_beta, medians, optimal_plan, simulate
 
 log = logging.getLogger("gpucomm")
 
-ENABLE_VARS = ("GPUCOMM_AUTOTUNE", "HOROVOD_AUTOTUNE")
-LOG_VARS = ("GPUCOMM_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG")
-WARMUP_VARS = ("GPUCOMM_AUTOTUNE_WARMUP_SAMPLES", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES")
-STEPS_VARS = ("GPUCOMM_AUTOTUNE_STEPS_PER_SAMPLE", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE")
 CALIBRATION_REPEATS = 3
 MIN_GAIN = 0.02  # a plan replaces the one in use only if its step is at least this much shorter
 ROUNDS = 4  # interleaved rounds (an even number: ABC CBA ABC CBA puts a steady drift on each alike)
@@ -65,16 +60,9 @@ class AutotuneSettings:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "AutotuneSettings | None":
         """The settings when autotune is on in ``env`` (default: this process's), else None."""
-        env = os.environ if env is None else env
-        if not env_flag(env, ENABLE_VARS):
+        if not AUTOTUNE.read(env, False):
             return None
-        warmup = env_number(env, WARMUP_VARS, 3, allow_zero=True)
-        steps = env_number(env, STEPS_VARS, 10)
-        if warmup != int(warmup) or steps != int(steps) or steps < 2:
-            raise ValueError(f"autotune: {WARMUP_VARS[0]}={warmup:g} must be a whole number of steps >= 0 and "
-                             f"{STEPS_VARS[0]}={steps:g} a whole number >= 2 (a median needs samples).")
-        path = next((env[name] for name in LOG_VARS if env.get(name, "").strip()), None)
-        return cls(int(warmup), int(steps), path)
+        return cls(AUTOTUNE_WARMUP_SAMPLES.read(env, 3), AUTOTUNE_STEPS_PER_SAMPLE.read(env, 10), AUTOTUNE_LOG.read(env))
 
 
 @dataclass

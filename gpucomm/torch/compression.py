@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -81,8 +82,10 @@ class PowerSGD(Compressor):
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise ValueError(f"Compression.powersgd: start_iter must be an integer >= 0 (steps averaged "
                              f"uncompressed first), got {start_iter!r}.")
-        if not isinstance(min_compression_rate, (int, float)) or min_compression_rate < 0:
-            raise ValueError(f"Compression.powersgd: min_compression_rate must be a number >= 0, got "
+        if (isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, (int, float))
+                or not math.isfinite(min_compression_rate) or min_compression_rate < 0):
+            raise ValueError(f"Compression.powersgd: min_compression_rate must be a finite number >= 0 (a matrix is "
+                             f"compressed when rows * columns >= min_compression_rate * (rows + columns) * rank), got "
                              f"{min_compression_rate!r}.")
         if wire not in (NoneCompressor, FP16Compressor, BF16Compressor):
             raise ValueError(f"Compression.powersgd: wire must be Compression.none, Compression.fp16 or "
@@ -103,6 +106,12 @@ class PowerSGD(Compressor):
 
     def __repr__(self) -> str:
         return "Compression.powersgd(" + ", ".join(f"{k}={v!r}" for k, v in self.describe().items()) + ")"
+
+
+def resolve(compression: Any) -> Any:
+    """``compression`` as the buckets and collectives use it: ``Compression.powersgd`` written without
+    its call (as ``Compression.fp16`` is written) means PowerSGD with its defaults."""
+    return PowerSGD() if compression is PowerSGD else compression
 
 
 def wire_of(compression: Any) -> Callable[[torch.dtype], "torch.dtype | None"]:

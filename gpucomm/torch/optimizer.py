@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 import warnings
@@ -43,15 +42,16 @@ from ..tuning.plans import to_fusion_buckets
 from .autotune import Autotuner, AutotuneSettings
 from . import finite_check
 from .adasum import adasum_optimizer
-from .compression import Compression, PowerSGD, wire_of
+from .compression import Compression, PowerSGD, resolve as resolve_compression, wire_of
 from .powersgd import PowerSGDState, powersgd_buckets
-from .zero import ZeroSettings, check_elementwise, sharded_steps
+from .zero import ZeroSettings, check_closure_free, check_elementwise, sharded_steps
 from ..errors import CollectiveError as HorovodInternalError, NonFiniteGradientError
-from ..settings import env_flag, env_flag_default_on
+from ..settings import AUTOTUNE, FUSION_BY_READINESS, ONE_RANK_REDUCER
 from .functions import allgather_object, broadcast_object
 from .collectives import barrier
-from .submission import (Adasum, Average, BucketSettings, FiniteSlots, GradientBuckets, MakeBuckets, Sum, active_job,
-                         current_job, fused_wire, plan_buckets, plan_by_readiness, plan_groups, set_id, views_wanted)
+from .submission import (AUTO_BUDGET, Adasum, Average, BucketSettings, FiniteSlots, GradientBuckets, MakeBuckets, Sum,
+                         active_job, current_job, fused_wire, plan_buckets, plan_by_readiness, plan_groups, set_id,
+                         views_wanted)
 from .parameters import (STEP_AFTER_SYNC_WARNING, TWICE_ERROR, ZERO_GRAD_ERROR, check_passes,  # noqa: F401
                          check_same_parameters, parameter_names, shared_steps)
 from .sparse_grads import SparseGradients
@@ -65,13 +65,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     ``_bucket_maker``, ``_settle_parameters`` and ``_tunable`` are the points it changes)."""
 
     _tunable = True  # autotune may re-cut the buckets
+    _kind = "DistributedOptimizer"  # what errors call this optimizer
     _reduces_at_one_rank = True  # GPUCOMM_ONE_RANK_REDUCER may run the schedule at size 1
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, groups, sparse_as_dense, process_set, check_finite=None):
         super(self.__class__, self).__init__(params)  # the wrapped class's __init__ with its defaults
         self._check_mode = finite_check.resolve_mode(check_finite)
-        self.last_nonfinite: list[finite_check.Finding] = []  # the finite check's findings of the last step
+        self.last_nonfinite: list[finite_check.Finding] = []  # the finite check's latest findings (see _report_checks)
+        self._pending_reports: list = []  # the finite check's reports of the step just synchronized, until settled
+        self._warned_nonfinite = False  # the default mode warns once
         self._steps = 0  # steps synchronized (the finite check's report names the step)
         self._compression = compression
         self._sparse_as_dense = sparse_as_dense
@@ -115,7 +118,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # a one-rank job runs no reducer, unless GPUCOMM_ONE_RANK_REDUCER asks for its full schedule (as
         # DDP runs its reducer at size 1): what the reducer itself costs is then measured on one GPU
         self._reducing = self._size > 1 or (self._reduces_at_one_rank and one_rank_reducer())
-        self._finite = (FiniteSlots(self._check_mode, group.rank, self._size)
+        self._finite = (FiniteSlots(self._check_mode, group.rank, self._size,
+                                    budget=AUTO_BUDGET if self._check_mode == finite_check.DEFAULT_MODE else None)
                         if self._check_mode is not None and self._reducing else None)
         # Average: 1/f before the sum (packed in), f/size after (unpacked out), Horovod's predivide rule
         self._prescale = 1.0 / self._predivide if self._op == Average else 1.0
@@ -140,12 +144,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # (``fusion.plan_by_readiness``), once, from rank 0's timings (DDP rebuilds after step 1 too).
         self._watch: dict[torch.Tensor, float] | None = None
         self._tuner_watches = False  # the watched step is the autotuner's
-        if (self._size > 1 and self._groups is None and env_flag_default_on("GPUCOMM_FUSION_BY_READINESS")
+        if (self._size > 1 and self._groups is None and FUSION_BY_READINESS.read(None, True)
                 and all(b.plan.device.type == "cpu" for b in self._buckets.buckets)):
             self._watch = {}
         # autotune (``autotune.py``) starts once that first re-cut is done
         self._autotune = (AutotuneSettings.from_env() if self._size > 1 and self._groups is None and self._tunable
                           else None)
+        if self._autotune is None and self._size > 1 and AUTOTUNE.read(None, False):
+            why = ("its buckets are the groups= given" if self._groups is not None
+                   else f"a {self._kind} reduce-scatters its buckets; autotune times allreduces")
+            log.warning("gpucomm autotune: GPUCOMM_AUTOTUNE/HOROVOD_AUTOTUNE asks for it, but it is off for this %s: %s.",
+                        self._kind, why)
         self._tuner: Autotuner | None = None
         if self._schedule is not None:
             # every device it may launch on, in parameter order (building a backend is a collective)
@@ -218,17 +227,26 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         describe = getattr(self._compression, "describe", None)
         mine = {"params": params, "buckets": layout, "schedule": self._schedule.number, "sparse": sparse,
                 "compression": describe() if callable(describe) else getattr(self._compression, "__name__", "user"),
-                "sparse_as_dense": self._sparse_as_dense, "check_finite": self._finite is not None,
-                "strides": [list(buckets.stride_of(p)) for p in self._params if p in buckets.bucket_of]}
+                "sparse_as_dense": self._sparse_as_dense,
+                "check_finite": self._finite.mode if self._finite is not None else None,
+                "strides": [list(buckets.stride_of(p)) for p in self._params if p in buckets.bucket_of],
+                "optimizer": self._agreed_optimizer()}
         COUNTERS.layout_checks += 1
         every = allgather_object(mine, name=f"DistributedOptimizer.layout.{self._schedule.number}.{self._layouts}",
                                  process_set=self._process_set)
         for rank, theirs in enumerate(every):
-            check_same_parameters(every[0]["params"], theirs["params"], rank)
+            check_same_parameters(every[0]["params"], theirs["params"], rank, self._kind)
+        for rank, theirs in enumerate(every):
+            if theirs["optimizer"] != every[0]["optimizer"]:
+                raise ValueError(
+                    f"{self._kind}: ranks disagree on the optimizer class that steps the parameters: rank 0 has "
+                    f"{every[0]['optimizer'].get('class')}, rank {rank} has {theirs['optimizer'].get('class')}. Each "
+                    f"rank steps its own shard of the parameters with its own optimizer, so different classes would "
+                    f"silently train each shard differently. Build it with the same optimizer class on every rank.")
         for rank, theirs in enumerate(every):
             if theirs != every[0]:
                 raise ValueError(
-                    f"DistributedOptimizer: ranks disagree on the gradient buckets (rank 0: {_layout_text(every[0])}; "
+                    f"{self._kind}: ranks disagree on the gradient buckets (rank 0: {_layout_text(every[0])}; "
                     f"rank {rank}: {_layout_text(theirs)}), although their parameters match. Every rank must plan the "
                     f"same buckets, or their allreduces would pair unrelated data. Likely causes: "
                     f"GPUCOMM_FUSION_THRESHOLD / HOROVOD_FUSION_THRESHOLD / GPUCOMM_FUSION_FIRST_BUCKET, groups=, "
@@ -237,6 +255,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     f"model in channels_last memory format on some ranks only (gradients travel in the parameters' "
                     f"memory order), or DistributedOptimizers built in a different order. Set them alike on every "
                     f"rank.")
+
+    def _agreed_optimizer(self) -> dict:
+        """What of the wrapped optimizer the ranks must share (DistributedOptimizer: nothing; every
+        rank steps every parameter, as Horovod's does)."""
+        return {}
 
     def _layout_changed(self) -> bool:
         return [p.requires_grad for p in self._params] != self._requires
@@ -252,6 +275,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._tuner = None
         self._planned = None
         before = set(self._trainable)
+        self._drain_checks()  # the old layout's reports still on their way, decoded against it
         self._buckets = self._agree_on_layout(current_job())
         added = [p for p in self._trainable if p not in before]
         if added and self._reducing:
@@ -318,7 +342,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         with self._lock:
             self._launch_step()
         try:
-            reports = self._buckets.finish()
+            reports = self._buckets.finish(self._steps + 1)
             self._sparse.finish()
         finally:
             self._reset_step()
@@ -326,7 +350,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._steps += 1
         if self._powersgd is not None:
             self._powersgd.step_done()
-        self.last_nonfinite = self._findings(reports) if reports else []
+        self._pending_reports = reports
         self._synchronized = True
         span, self._backward_span = self._backward_span, None
         tracer = current_job().tracer
@@ -348,15 +372,32 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         elif self._layout_changed():
             self._adopt_new_layout()
         self._sparse.hand_back()
-        if self.last_nonfinite:
-            self._report_nonfinite(self.last_nonfinite)
+        reports, self._pending_reports = self._pending_reports, []
+        self._report_checks(reports)
 
-    def _findings(self, reports: list[tuple[int, int, int]]) -> list[finite_check.Finding]:
+    def _report_checks(self, reports: list, buckets: Any = None) -> None:
+        """The finite check's reports, per step (``GradientBuckets.finish``; on a GPU outside "raise"
+        mode, an earlier step's arriving now): decoded against ``buckets`` (default: the current
+        layout), kept in ``last_nonfinite`` and reported."""
+        for step, slots in reports:
+            findings = self._findings(slots, buckets or self._buckets)
+            if findings:
+                self.last_nonfinite = findings
+                self._report_nonfinite(findings, step)
+
+    def _drain_checks(self) -> None:
+        """Report what the finite check still has on its way to the host (a GPU's last step), before
+        the buckets it refers to are replaced or released."""
+        buckets = getattr(self, "_buckets", None)
+        if buckets is not None and self._finite is not None:
+            self._report_checks(buckets.check_reports(wait=True), buckets)
+
+    def _findings(self, reports: list[tuple[int, int, int]], buckets: Any) -> list[finite_check.Finding]:
         """The finite check's slots, decoded: each reporting rank's first non-finite parameter, the
         earliest in backward order first (the same list on every rank)."""
         findings = []
         for index, bucket_index, value in reports:
-            bucket = self._buckets.buckets[bucket_index]
+            bucket = buckets.buckets[bucket_index]
             param = value - 1 if value - 1 < len(bucket.params) else -1
             limit = finite_check.exact_limit(bucket.wire_dtype or torch.float32)
             if value >= limit and len(bucket.params) > limit:
@@ -366,19 +407,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             findings.append(finite_check.Finding(self._ranks[index], bucket_index, param, name))
         return sorted(findings, key=lambda f: (f.bucket, f.param if f.param >= 0 else 1 << 62, f.rank))
 
-    def _report_nonfinite(self, findings: list[finite_check.Finding]) -> None:
+    def _report_nonfinite(self, findings: list[finite_check.Finding], step: int) -> None:
         """Raise or warn on every rank (the same step, the same findings); AMP's GradScaler in use:
-        its overflow steps are expected (it skips them), so only report them."""
+        its overflow steps are expected (it skips them), so only report them. The default mode
+        warns at the first non-finite step and logs the later ones at INFO."""
         COUNTERS.nonfinite_steps += 1
-        text = finite_check.describe(self._steps, findings)
+        text = finite_check.describe(step, findings, self._check_mode)
         if finite_check.active_grad_scaler() is not None:
             COUNTERS.nonfinite_skipped += 1
             log.info("%s (torch.amp.GradScaler is in use: it skips this step and lowers its scale; not raised)", text)
             return
         if self._check_mode == "raise":
-            raise NonFiniteGradientError(text, self._steps, findings)
-        if self._ranks[0] == current_job().world.rank:
-            warnings.warn(text, RuntimeWarning, stacklevel=3)
+            raise NonFiniteGradientError(text, step, findings)
+        first = not self._warned_nonfinite
+        self._warned_nonfinite = True
+        if self._ranks[0] == current_job().world.rank and (self._check_mode == "warn" or first):
+            warnings.warn(text, RuntimeWarning, stacklevel=4)
+        elif self._check_mode == "auto" and self._ranks[0] == current_job().world.rank:
+            log.info("%s", text)
         else:
             log.debug("%s", text)
 
@@ -458,6 +504,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _recut(self, plan: list[list[int]]) -> None:
         """Adopt the autotuner's ``plan`` (agreed across ranks like every layout)."""
         self._planned = plan
+        self._drain_checks()  # the old layout's reports still on their way, decoded against it
         self._buckets = self._agree_on_layout(current_job())
         COUNTERS.autotune_recuts += 1
 
@@ -494,6 +541,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _backward_ended(self) -> None:
         self._buckets.end_backward()
+        schedule = self._schedule
+        if schedule is not None:
+            schedule.seal()  # the buckets launched in backward are watched from now, before any wait
         with self._backward_cv:
             self._in_backward = False
             self._backward_cv.notify_all()
@@ -503,6 +553,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         point). Without it, the communicator lives until ``hvd.shutdown()``; it is never released
         when the optimizer is garbage-collected, which happens at a different moment on every rank."""
         self._settle_parameters()
+        self._drain_checks()
         job = self._job_ref() if self._job_ref is not None else None
         if self._schedule is not None and job is not None and job is active_job():
             # a collective point: no member may still be building the communicator this releases
@@ -592,10 +643,7 @@ def one_rank_reducer(environ: Any = None) -> bool:
     """Whether a one-rank job runs the reducer's full schedule (``GPUCOMM_ONE_RANK_REDUCER=1``): hooks,
     buckets and a one-rank communicator, as DDP runs its reducer at size 1, so that the reducer's
     own cost can be measured on one GPU. Off by default: a one-rank job has nothing to average."""
-    return env_flag(os.environ if environ is None else environ, (ONE_RANK_REDUCER_ENV,))
-
-
-ONE_RANK_REDUCER_ENV = "GPUCOMM_ONE_RANK_REDUCER"
+    return ONE_RANK_REDUCER.read(environ, False)
 
 
 def _zero_others(param_groups: list[dict], kept: set, set_to_none: bool) -> None:
@@ -667,12 +715,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     carried over, as in Horovod). ``check_finite`` (gpucomm's; default ``GPUCOMM_CHECK_FINITE``):
     ``"raise"``/True or ``"warn"`` names, on every rank in the same step, the rank and parameter
     whose gradient first went NaN or Inf (``finite_check.py``)."""
+    compression = resolve_compression(compression)  # Compression.powersgd without its call: its defaults
     if op == Adasum:  # Horovod's delta optimizer (gpucomm/torch/adasum.py)
         if isinstance(compression, PowerSGD):
             raise NotImplementedError("Compression.powersgd is not supported with op=hvd.Adasum (its delta optimizer "
                                       "reduces weight changes, not gradients, in one request); use op=hvd.Average or "
                                       "hvd.Sum, or Compression.fp16 / bf16 with Adasum.")
-        if finite_check.resolve_mode(check_finite) is not None:
+        if finite_check.resolve_mode(check_finite) in finite_check.MODES:  # asked for (the default is off here)
             raise NotImplementedError("check_finite is not supported with op=hvd.Adasum (its delta optimizer "
                                       "reduces weight changes, not gradients); use op=hvd.Average or hvd.Sum.")
         if current_job().world.size > 1:
@@ -729,6 +778,7 @@ def ZeroRedundancyOptimizer(params: Any, optimizer_class: type | None = None, *,
         raise TypeError(f"ZeroRedundancyOptimizer(params, optimizer_class, **defaults): optimizer_class must be a "
                         f"torch.optim.Optimizer subclass such as torch.optim.Adam, got {optimizer_class!r}.")
     check_elementwise(optimizer_class, elementwise)
+    check_closure_free(optimizer_class)
     if op not in (Average, Sum):
         raise ValueError(f"ZeroRedundancyOptimizer op must be hvd.Average or hvd.Sum, got {op!r}.")
     if gradient_predivide_factor != 1.0 and op != Average:

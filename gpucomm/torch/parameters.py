@@ -53,8 +53,9 @@ def parameter_names(named_parameters, params_in_order: list[torch.Tensor]) -> di
     return {p: by_id[id(p)] for p in params_in_order}
 
 
-def check_same_parameters(reference: list, theirs: list, rank: int) -> None:
-    """Raise on every rank when ``rank``'s parameter list differs from rank 0's, naming the first difference."""
+def check_same_parameters(reference: list, theirs: list, rank: int, who: str = "DistributedOptimizer") -> None:
+    """Raise on every rank when ``rank``'s parameter list differs from rank 0's, naming the first
+    difference (``who``: the optimizer the user built, named in the error)."""
     if theirs == reference:
         return
     for i in range(max(len(theirs), len(reference))):
@@ -62,7 +63,7 @@ def check_same_parameters(reference: list, theirs: list, rank: int) -> None:
         b = theirs[i] if i < len(theirs) else None
         if a != b:
             raise ValueError(
-                f"DistributedOptimizer: ranks disagree on the parameters to average. Parameter #{i} is "
+                f"{who}: ranks disagree on the parameters to average. Parameter #{i} is "
                 f"{describe_param(a)} on rank 0 but {describe_param(b)} on rank {rank} (name, shape, "
                 f"dtype, requires_grad). Every rank must build the same model and pass its parameters in "
                 f"the same order; otherwise ranks would average unrelated tensors or wait for each other "

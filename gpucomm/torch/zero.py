@@ -36,6 +36,7 @@ cut its new shards).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import warnings
 import weakref
@@ -55,6 +56,39 @@ from .parameters import STEP_AFTER_SYNC_WARNING
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
                torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.ASGD,
                torch.optim.Rprop)
+
+
+def plain_option(value: Any) -> Any:
+    """An optimizer option as plain data every rank can compare (a one-element tensor as its number)."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else f"tensor of shape {list(value.shape)}"
+    if isinstance(value, (list, tuple)):
+        return [plain_option(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def options_text(groups: list[dict]) -> str:
+    return "; ".join("[" + ", ".join(f"{k}={v}" for k, v in sorted(g.items())) + "]" for g in groups)
+
+
+def check_closure_free(optimizer_class: type) -> None:
+    """Refuse an optimizer class whose ``step`` needs a closure (LBFGS): it re-evaluates the loss
+    and its gradients several times inside one step, and a shard's step cannot run the model's
+    forward and backward, nor reduce the gradients again, for every rank in between."""
+    try:
+        closure = inspect.signature(optimizer_class.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(
+            f"ZeroRedundancyOptimizer: {optimizer_class.__name__}.step needs a closure (it re-evaluates the loss "
+            f"and its gradients inside one step), which a sharded step cannot give it: each rank steps only its "
+            f"shard, after the gradients were reduced once. Use {optimizer_class.__name__} with "
+            f"hvd.DistributedOptimizer, or a closure-free optimizer (SGD, Adam, AdamW, ...) with "
+            f"ZeroRedundancyOptimizer. An optional closure (torch's step(closure=None)) is run before the step, "
+            f"as torch's optimizers run it.")
 
 
 def check_elementwise(optimizer_class: type, elementwise: bool | None) -> None:
@@ -433,6 +467,7 @@ class ShardedSteps:
     is the full one."""
 
     _tunable = False  # autotune times allreduces; ZeRO's buckets are reduce-scattered
+    _kind = "ZeroRedundancyOptimizer"
     _reduces_at_one_rank = False  # one rank: the wrapped optimizer steps the parameters, nothing is sharded
 
     def _prepare(self) -> None:
@@ -443,6 +478,7 @@ class ShardedSteps:
         self._frozen_scalars: dict = {}  # step counts of parameters frozen in this step, before it (keeping_frozen)
         self._gathers: list = []  # parameter allgathers in flight: (handle, bucket shard), launch order
         self._consolidated: dict | None = None
+        self._options_agreed = False  # the groups' options checked alike on every rank (the first step)
         self._consolidated_to: int | None = None
         self._state_calls = 0
         model = self._zero_settings.overlap_with_forward
@@ -450,6 +486,32 @@ class ShardedSteps:
             self._hook_model(model)
 
     # -- the layout ----------------------------------------------------------------------------------
+    def _agreed_optimizer(self) -> dict:
+        """The optimizer class, agreed with the layout: each rank steps its own shard with its own
+        optimizer. (Its options are agreed at the first step, ``_agree_on_options``: Horovod's
+        pattern builds the optimizer first and then broadcasts rank 0's options to the others.)"""
+        cls = self._zero_settings.optimizer_class
+        return {"class": f"{cls.__module__}.{cls.__qualname__}"}
+
+    def _agree_on_options(self) -> None:
+        """(every rank, at its first step) Every parameter group's options must be alike: each rank
+        steps its shard with them, so a different learning rate on one rank would train its shard
+        differently without a word. One gather, once."""
+        self._options_agreed = True
+        if self._size == 1:
+            return
+        mine = [{k: plain_option(v) for k, v in group.items() if k != "params"} for group in self.param_groups]
+        every = allgather_object(mine, name=f"ZeroRedundancyOptimizer.options.{self._schedule.number}",
+                                 process_set=self._process_set)
+        for rank, theirs in enumerate(every):
+            if theirs != every[0]:
+                raise ValueError(
+                    f"ZeroRedundancyOptimizer: ranks disagree on the optimizer's options at the first step: rank 0 "
+                    f"has {options_text(every[0])}, rank {rank} has {options_text(theirs)}. Each rank steps its own "
+                    f"shard of the parameters with these options, so different ones would silently train each shard "
+                    f"differently. Build the optimizer with the same options on every rank, or call "
+                    f"hvd.broadcast_optimizer_state(opt, root_rank=0) before the first step.")
+
     def _bucket_maker(self) -> MakeBuckets:
         return self._make_sharded
 
@@ -500,6 +562,8 @@ class ShardedSteps:
                 warnings.warn(STEP_AFTER_SYNC_WARNING)
             self.synchronize()
         self._synchronized = False
+        if not self._options_agreed:
+            self._agree_on_options()
         self._shard_step()
         if self._size > 1:
             self._settle_step()  # a changed layout re-cuts the shards (moving the state over)
@@ -688,4 +752,4 @@ def sharded_steps() -> dict:
 
 
 __all__ = ["ELEMENTWISE", "BucketShard", "Piece", "Segment", "ShardedBucket", "ShardedSteps", "Shards", "ZeroSettings",
-           "check_elementwise", "per_element", "sharded_steps", "travel_order"]
+           "check_closure_free", "check_elementwise", "per_element", "plain_option", "sharded_steps", "travel_order"]

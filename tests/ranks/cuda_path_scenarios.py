@@ -49,6 +49,13 @@ def cuda_path() -> Iterator[StandInCuda]:
         cuda_calls.install(previous)
 
 
+def job_state_of_current():
+    """The initialized job (what the data plane's watchdog hangs off)."""
+    from gpucomm import job as jobs
+
+    return jobs.current()
+
+
 def _delta(before: dict, after: dict) -> dict:
     return {k: after[k] - before[k] for k in after}
 
@@ -168,12 +175,18 @@ def training_steps(steps: int = 6, views: str = "1", set_to_none: bool = True) -
                 opt.zero_grad(set_to_none=set_to_none)
                 loss = nn.functional.mse_loss(model(half(x, r, n)), half(y, r, n))
                 if last:
+                    stand_in.hold = True  # its events stay in flight until the step is over
                     sys.setprofile(counting.profile)
                 try:
                     loss.backward()
                 finally:
                     sys.setprofile(None)
+                if last:  # the step's done event, recorded when backward ended: watched before any wait
+                    watched = len(job_state_of_current().data.watchdog)
                 opt.step()
+                if last:
+                    stand_in.hold = False
+                    stand_in.finish_all()
                 d = _delta(before, hvd.stats())
                 per_step.append({k: d[k] for k in ("grad_bucket_views", "grad_bucket_packs", "grad_bucket_unpacks",
                                                    "cuda_event_records", "cuda_stream_waits", "cuda_events_created",
@@ -185,7 +198,7 @@ def training_steps(steps: int = 6, views: str = "1", set_to_none: bool = True) -
             result = {"kinds": kinds, "buckets": len(opt._buckets.buckets), "per_step": per_step, "diff": diff,
                       "hook_calls": counting.per_entry("gradient_ready"), "hooks": counting.entries["gradient_ready"],
                       "launch_calls": counting.per_entry("_launch"), "launches": counting.entries["_launch"],
-                      "grads_are_views": grads_are_views}
+                      "grads_are_views": grads_are_views, "watched_after_backward": watched}
             hvd.shutdown()
             result["stand_in_calls"] = dict(stand_in.calls)
             return result
@@ -319,3 +332,40 @@ def cpu_views(steps: int = 4, set_to_none: bool = False) -> dict:
     hvd.shutdown()
     return {"views": views, "packs_after_first": packs, "steps": steps, "buckets": len(opt._buckets.buckets),
             "diff": diff}
+
+
+def default_check_on_the_cuda_path(steps: int = 5, nan_step: int = 2) -> dict:
+    """The default finite check on the CUDA path (stand-ins): rank 1's gradient goes NaN at step
+    ``nan_step`` (1-based); every rank learns it one step later, with no host sync."""
+    import warnings
+
+    from gpucomm.errors import NonFiniteGradientError  # noqa: F401 - the default mode never raises
+
+    with cuda_path() as stand_in:
+        hvd.init()
+        r, n = hvd.rank(), hvd.size()
+        model = make_model()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                       named_parameters=[(f"{k}", v) for k, v in model.named_parameters()])
+        opt._finite.budget = None  # every step searched, whatever this busy machine's timing (the budget has its own test)
+        reported_at, findings, poisoned = None, [], [False]
+        first = list(model.parameters())[0]  # "0.weight": rank 1's NaN starts there, inside backward
+        first.register_hook(lambda g: g.clone().fill_(float("nan")) if poisoned[0] else g)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for s in range(1, steps + 1):
+                x, y = batch(s)
+                opt.zero_grad()
+                poisoned[0] = s == nan_step and r == 1
+                nn.functional.mse_loss(model(half(x, r, n)), half(y, r, n)).backward()
+                opt.step()
+                if opt.last_nonfinite and reported_at is None:
+                    reported_at = s
+                    findings = [[f.rank, f.name] for f in opt.last_nonfinite]
+        ours = [w for w in caught if "non-finite gradient" in str(w.message)]
+        out = {"mode": opt._check_mode, "kinds": sorted({type(b).__name__ for b in opt._buckets.buckets}),
+               "steps": steps, "nan_step": nan_step, "reported_at": reported_at, "findings": findings,
+               "warnings": len(ours), "read_later": stand_in.calls["read_later"],
+               "host_syncs": stand_in.calls["read_now"]}
+        hvd.shutdown()
+    return out

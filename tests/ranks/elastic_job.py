@@ -12,8 +12,11 @@ Linear regression with SGD, committed every step. Two data modes:
 Faults come from the environment: ``ELASTIC_KILL=worker@step`` SIGKILLs that worker in the middle
 of that step (after the forward pass, before backward sends its gradients); ``ELASTIC_KILL_IN_RESET=worker``
 SIGKILLs it when the job re-forms, before its optimizer rebinds (the others are then in that collective);
-``ELASTIC_STOP=worker@step`` SIGSTOPs it instead (a hung worker); ``ELASTIC_ADD=step@host:slots`` makes rank 0
-append a host to the discovery file at that step. Rank 0 writes ``result.json`` at the end.
+``ELASTIC_STOP=worker@step`` SIGSTOPs it instead (a hung worker); ``ELASTIC_RAISE=worker@step`` makes it raise a
+``RuntimeError`` there, out of the training function, so that it exits 1 (Horovod's ``exit_mode='exception'``);
+``ELASTIC_INTERNAL=worker@step`` makes it raise ``HorovodInternalError`` there once (a fault nobody dies of: the
+job re-forms with the same workers); ``ELASTIC_ADD=step@host:slots`` makes rank 0 append a host to the discovery
+file at that step. Rank 0 writes ``result.json`` at the end.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ def at_plan(var: str) -> tuple[int, str] | None:
 
 
 KILL = kill_plan()
+RAISE = os.environ.get("ELASTIC_RAISE", "")
+INTERNAL = os.environ.get("ELASTIC_INTERNAL", "")
 ADD = at_plan("ELASTIC_ADD")
 REMOVE = at_plan("ELASTIC_REMOVE")
 
@@ -74,6 +79,11 @@ def maybe_die(step: int) -> None:
     if KILL.get(WORKER) == step:
         (OUT / f"killed.{WORKER}.json").write_text(json.dumps({"worker": WORKER, "step": step, "time": time.time()}))
         os.kill(os.getpid(), signal.SIGKILL)
+    if RAISE == f"{WORKER}@{step}":
+        raise RuntimeError(f"worker {WORKER} fails at step {step} (ELASTIC_RAISE)")
+    if INTERNAL == f"{WORKER}@{step}" and not (OUT / f"internal.{WORKER}").exists():
+        (OUT / f"internal.{WORKER}").write_text(str(time.time()))
+        raise hvd.elastic.HorovodInternalError(f"worker {WORKER} reports a fault at step {step} (ELASTIC_INTERNAL)")
 
 
 def change_hosts(step: int) -> None:

@@ -181,3 +181,19 @@ def join_and_nonfinite() -> dict:
         out["nonfinite"] = [(f.rank, f.name) for f in e.findings]
     hvd.shutdown()
     return out
+
+
+def uncalled_powersgd(steps: int = 3) -> dict:
+    """``compression=hvd.Compression.powersgd`` (the class, not a call): PowerSGD with its defaults."""
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(), compression=hvd.Compression.powersgd)
+    for s in range(steps):
+        opt.zero_grad()
+        model(torch.randn(8, 64)).sum().backward()
+        opt.step()
+    out = {"steps": steps, "kinds": sorted({type(b).__name__ for b in opt._buckets.buckets})}
+    hvd.shutdown()
+    return out

@@ -218,3 +218,27 @@ def join_elastic_and_broadcast() -> dict:
     out["clipped"] = max_diff(a, b)
     hvd.shutdown()
     return out
+
+
+def disagreeing_ranks(what: str) -> str:
+    """Rank 1 builds its ZeroRedundancyOptimizer unlike rank 0 (``what``: "class", "lr" or "params");
+    returns the error every rank raises at construction."""
+    hvd.init()
+    r = hvd.rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    cls = torch.optim.Adam if what == "class" and r == 1 else torch.optim.SGD
+    lr = 0.2 if what == "lr" and r == 1 else 0.1
+    named = list(model.named_parameters())
+    if what == "params" and r == 1:
+        named = named[::-1]
+    try:
+        opt = hvd.ZeroRedundancyOptimizer([p for _, p in named], cls, named_parameters=named, lr=lr)
+        opt.zero_grad()
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()  # the options are agreed at the first step (after a broadcast_optimizer_state, if any)
+        message = ""
+    except ValueError as e:
+        message = str(e)
+    hvd.shutdown()
+    return message

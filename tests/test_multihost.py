@@ -1,0 +1,369 @@
+"""Multi-host jobs for real (issue 37): ``gpucomm-run`` over ssh between hosts made of network
+namespaces (``tests/cluster.py``), each with its own address, host name and sshd.
+
+The namespace tests carry the ``netns`` marker and run in their own step (``pytest -m netns``, as
+root; ``.ci/run`` does it); elsewhere they skip with the reason. The checks of the pieces they rely
+on (which hosts are this one, the ssh command, the remote wrapper's heartbeat, keepalive) run
+everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from gpucomm.bootstrap.keepalive import bound_dead_peer, keepalive_options
+from gpucomm.bootstrap.netaddr import interface_of, local_addresses, resolves_here
+from gpucomm.runner.cli import chosen_nic, remote_silence
+from gpucomm.runner.remote import BEAT_S, SERVER_ALIVE_COUNT, SERVER_ALIVE_S, encode_request
+from gpucomm.runner.spawn import SshOptions, is_local, ssh_argv
+from gpucomm.settings import DEFAULT_LIVENESS_S, liveness_seconds
+from tests.cluster import Cluster, admin, cluster, require_netns
+from tests.harness import PYTHON, launcher_cmd, started
+from tests.ranks import netfault_job, partition_job
+
+NETFAULT = str(Path(netfault_job.__file__))
+PARTITION = str(Path(partition_job.__file__))
+netns = pytest.mark.netns
+
+
+@pytest.fixture
+def hosts_allowed(request):
+    """Skips the test (saying why) unless namespace hosts were asked for and can be made here."""
+    require_netns(request.config)
+
+
+def gpucomm_run(c: Cluster, *flags: str, command: tuple[str, ...], env: dict[str, str] | None = None,
+                timeout: float = 180.0, ssh: bool = True):
+    """``gpucomm-run FLAGS python COMMAND`` on the first host, with the cluster's ssh key (``ssh``;
+    under ``--mpi`` the MPI launcher's own options carry it)."""
+    keys = c.launcher_flags() if ssh else []
+    return c.run(c.hosts[0], launcher_cmd(*flags, *keys, PYTHON, *command), env=env, timeout=timeout)
+
+
+def placed(stdout: str) -> dict[int, str]:
+    """Each rank's ``placed ...`` line (tests/ranks/netfault_job.py), by rank."""
+    return {int(m.group(1)): m.group(0) for m in re.finditer(r"placed rank (\d+)/.*", stdout)}
+
+
+def sockets(stdout: str) -> dict[int, dict]:
+    return {int(m.group(1)): json.loads(m.group(2)) for m in re.finditer(r"sockets rank (\d+): (\{.*\})", stdout)}
+
+
+# ------------------------------------------------------------------------------------------ the pieces
+
+
+def test_addresses_of_this_host_are_local_and_others_are_remote():
+    mine = sorted(a for a in local_addresses() if ":" not in a)
+    assert "127.0.0.1" in mine
+    for address in mine:
+        assert is_local(address), address
+    assert is_local("localhost") and resolves_here("localhost")
+    assert not is_local("192.0.2.1")  # TEST-NET-1: never this host's
+    assert not is_local("no-such-host.invalid") and not resolves_here("no-such-host.invalid")
+    assert not is_local("root@127.0.0.1")  # a login always goes through ssh
+    assert interface_of("127.0.0.1") is not None and interface_of("192.0.2.1") is None
+
+
+def test_ssh_args_come_first_so_that_the_user_overrides_the_defaults():
+    argv = ssh_argv("node1", SshOptions(extra_args=("-o", "StrictHostKeyChecking=no", "-o", "ServerAliveInterval=3")))
+    assert argv[1:5] == ["-o", "StrictHostKeyChecking=no", "-o", "ServerAliveInterval=3"]  # ssh keeps the first value
+    assert f"ServerAliveInterval={SERVER_ALIVE_S}" in argv and f"ServerAliveCountMax={SERVER_ALIVE_COUNT}" in argv
+    # the launcher's ssh gives up on a silent host only after the ranks' liveness check has named it
+    assert SERVER_ALIVE_S * SERVER_ALIVE_COUNT > DEFAULT_LIVENESS_S
+
+
+def test_liveness_default_and_the_remote_wrappers_limit():
+    assert liveness_seconds({}) == DEFAULT_LIVENESS_S == 20.0
+    assert liveness_seconds({"GPUCOMM_TIMEOUT": "16"}) == 8.0 and liveness_seconds({"GPUCOMM_TIMEOUT": "4"}) == 5.0
+    assert liveness_seconds({"GPUCOMM_LIVENESS_TIMEOUT": "0"}) is None
+    assert remote_silence({}) == 40.0 and remote_silence({"GPUCOMM_LIVENESS_TIMEOUT": "0"}) is None
+    assert json.loads(encode_request(["x"], "/", {}, 1.0, 40.0))["silence"] == 40.0
+    assert "silence" not in json.loads(encode_request(["x"], "/", {}, 1.0))  # no heartbeats promised: none expected
+
+
+def test_the_chosen_interface_comes_from_the_flag_or_the_environment():
+    assert chosen_nic({"GPUCOMM_GLOO_IFACE": "eth1"}, {"GPUCOMM_GLOO_IFACE": "eth2"}) == "eth1"
+    assert chosen_nic({}, {"HOROVOD_GLOO_IFACE": "eth2"}) == "eth2"
+    assert chosen_nic({}, {"NCCL_SOCKET_IFNAME": "eth3"}) is None  # NCCL's own variable stays NCCL's
+
+
+def test_keepalive_bounds_a_dead_peer():
+    with socket.socket() as sock:
+        bound_dead_peer(sock, 20.0)
+        for level, option, value in keepalive_options(20.0):
+            assert sock.getsockopt(level, option) == value
+        if hasattr(socket, "TCP_USER_TIMEOUT"):
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 20000
+
+
+def test_the_remote_wrapper_stops_its_rank_when_the_launcher_falls_silent(tmp_path):
+    """No heartbeat on stdin for ``silence`` s (the launcher's host dropped off the network: no EOF
+    ever comes): the wrapper stops the rank and says why."""
+    request = encode_request([PYTHON, "-c", "import time; time.sleep(600)"], str(tmp_path), dict(os.environ), 1.0,
+                             silence=1.5)
+    with started([PYTHON, "-m", "gpucomm.runner.remote"], stdin=subprocess.PIPE, text=False, timeout=120) as wrapper:
+        wrapper.proc.stdin.write(request)
+        wrapper.proc.stdin.flush()
+        t0 = time.monotonic()
+        wrapper.proc.wait(timeout=60)  # stdin stays open (no EOF): only the silence can stop it
+        took = time.monotonic() - t0
+        err = wrapper.proc.stderr.read()
+    assert b"nothing heard from gpucomm-run for 1.5 s" in err and b"unreachable" in err, err
+    assert wrapper.proc.returncode == 128 + 15  # the rank got SIGTERM
+    assert wrapper.leftovers == []
+    print(f"\nremote wrapper: rank stopped {took:.1f} s after its last heartbeat (limit 1.5 s; beats every {BEAT_S:g} s)")
+
+
+def test_the_remote_wrapper_keeps_a_rank_that_hears_heartbeats(tmp_path):
+    request = encode_request([PYTHON, "-c", "import time; time.sleep(2.5)"], str(tmp_path), dict(os.environ), 1.0,
+                             silence=1.0)
+    with started([PYTHON, "-m", "gpucomm.runner.remote"], stdin=subprocess.PIPE, text=False, timeout=120) as wrapper:
+        wrapper.proc.stdin.write(request)
+        wrapper.proc.stdin.flush()
+        deadline = time.monotonic() + 60
+        while wrapper.proc.poll() is None and time.monotonic() < deadline:
+            wrapper.proc.stdin.write(b"\n")
+            wrapper.proc.stdin.flush()
+            time.sleep(0.2)
+        assert wrapper.proc.wait(timeout=10) == 0, wrapper.proc.stderr.read()
+
+
+# ------------------------------------------------------------------------------------------ the fixture
+
+
+@netns
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_fixture_starts_and_stops_n_hosts(hosts_allowed, n):
+    with cluster(n) as c:
+        made = c.start_seconds
+        names = [h.netns for h in c.hosts] + [c.switch]
+        sshd = [h.sshd.proc.pid for h in c.hosts]
+        for h in c.hosts:
+            r = c.run(c.hosts[0], c.ssh_argv(h, "hostname; ip -4 -o addr show dev eth0"), timeout=60)
+            assert r.returncode == 0, r.stderr
+            assert r.stdout.split()[0] == h.name and f"{h.address}/24" in r.stdout
+    listed = admin("ip", "netns", "list").stdout
+    assert not [name for name in names if name in listed]
+    assert not [name for name in names if os.path.exists(f"/etc/netns/{name}")]
+    assert not [pid for pid in sshd if _running(pid)]
+    print(f"\nfixture, {n} hosts: started (namespaces, links, sshd, first ssh login to each) in {made:.2f} s, "
+          f"stopped in {c.stop_seconds:.2f} s")
+
+
+@netns
+def test_the_fixture_tears_everything_down_when_a_test_fails(hosts_allowed):
+    with pytest.raises(RuntimeError, match="the test failed"):
+        with cluster(2) as c:
+            names = [h.netns for h in c.hosts] + [c.switch]
+            # a process that escaped its ssh session: only the namespace says it is the test's
+            r = c.run(c.hosts[0], c.ssh_argv(c.hosts[1], "setsid sleep 600 </dev/null >/dev/null 2>&1 &"), timeout=60)
+            assert r.returncode == 0, r.stderr
+            escaped = [pid for pid in c.pids(c.hosts[1]) if _cmdline(pid) == "sleep 600"]
+            assert escaped
+            raise RuntimeError("the test failed")
+    assert not [pid for pid in escaped if _running(pid)]
+    listed = admin("ip", "netns", "list").stdout
+    assert not [name for name in names if name in listed]
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+# ------------------------------------------------------------------------------------------ placement
+
+
+@netns
+def test_hosts_by_name_ranks_local_and_cross_ranks_agree_with_the_placement(hosts_allowed):
+    with cluster(2) as c:
+        r = gpucomm_run(c, "-np", "4", "-H", "node0:2,node1:2", "--verbose", command=("examples/hello_allreduce.py",))
+        left = c.leftovers()
+    assert r.returncode == 0, r.stderr[-4000:]
+    for rank, (local, cross, host) in enumerate([("0/2", "0/2", "node0"), ("1/2", "0/2", "node0"),
+                                                 ("0/2", "1/2", "node1"), ("1/2", "1/2", "node1")]):
+        assert f"[{rank}]<stdout>:rank {rank}/4 local {local} cross {cross} on {host} (cpu)" in r.stdout, r.stdout
+    assert "allreduce over 4 ranks OK" in r.stdout
+    # the launcher's own host runs its ranks directly; the other host through ssh
+    assert re.search(r"rank 1: host node0 local 1/2 cross 0/2\n", r.stderr), r.stderr
+    assert "rank 2: host node1 local 0/2 cross 1/2 (ssh)" in r.stderr
+    assert r.leftovers == [] and left == []
+
+
+@netns
+def test_a_hostfile_of_addresses_with_an_uneven_layout(hosts_allowed, tmp_path):
+    """Addresses, not names; the launcher's own address runs locally (Horovod's rule: an address of
+    one of this host's interfaces); 1 + 2 + 1 slots make local and cross ranks differ."""
+    hostfile = tmp_path / "hosts"
+    with cluster(3) as c:
+        hostfile.write_text("".join(f"{h.address} slots={s}\n" for h, s in zip(c.hosts, (1, 2, 1))))
+        r = gpucomm_run(c, "-np", "4", "--hostfile", str(hostfile), "--verbose", command=(NETFAULT,),
+                        env={"NETFAULT_SECONDS": "1"})
+        left = c.leftovers()
+    assert r.returncode == 0, r.stderr[-4000:]
+    want = {0: "placed rank 0/4 local 0/1 cross 0/3 on 10.213.0.2", 1: "placed rank 1/4 local 0/2 cross 1/3 on 10.213.0.3",
+            2: "placed rank 2/4 local 1/2 cross 0/1 on 10.213.0.3", 3: "placed rank 3/4 local 0/1 cross 2/3 on 10.213.0.4"}
+    got = placed(r.stdout)
+    for rank, line in want.items():
+        assert got[rank].startswith(line), (rank, got)
+    assert "started rank 0 (local" in r.stderr and "started rank 1 (ssh to 10.213.0.3" in r.stderr
+    assert r.leftovers == [] and left == []
+
+
+# ------------------------------------------------------------------------------------------ interfaces
+
+
+@netns
+@pytest.mark.parametrize("how", ["--network-interface", "GPUCOMM_GLOO_IFACE", "HOROVOD_GLOO_IFACE"])
+def test_the_chosen_interface_carries_all_of_the_jobs_traffic(hosts_allowed, how):
+    """Two networks; ssh and the host names are on eth0, the job is told eth1: the store, rank 0's
+    control listener and Gloo listen only on eth1 addresses and every connection of every rank goes
+    to one (a rank's sockets, read with psutil)."""
+    flags = ["--network-interface", "eth1"] if how.startswith("--") else []
+    env = {"NETFAULT_SECONDS": "1"} | ({} if flags else {how: "eth1"})
+    with cluster(3, data_network=True) as c:
+        r = gpucomm_run(c, "-np", "3", "-H", "node0:1,node1:1,node2:1", "--verbose", *flags, command=(NETFAULT,), env=env)
+        left = c.leftovers()
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert re.search(r"rendezvous store at 10\.213\.1\.2:\d+", r.stderr), r.stderr
+    seen = sockets(r.stdout)
+    assert sorted(seen) == [0, 1, 2]
+    for rank, where in seen.items():
+        addresses = where["listen"] + where["local"] + where["peers"]
+        assert addresses and all(a.startswith("10.213.1.") for a in addresses), (rank, where)
+    if flags:
+        assert all(line.endswith("NCCL_SOCKET_IFNAME=eth1") for line in placed(r.stdout).values())
+    assert r.leftovers == [] and left == []
+
+
+@netns
+def test_without_a_chosen_interface_gloo_binds_the_route_to_the_store_not_loopback(hosts_allowed):
+    """Each host's name resolves to 127.0.1.1 (Debian's /etc/hosts). Gloo's own choice would then
+    listen on loopback and send the other hosts there (connectFullMesh ... remote=[127.0.1.1]);
+    gpucomm gives it the interface on the route to the store."""
+    with cluster(3, loopback_names=True) as c:
+        r = gpucomm_run(c, "-np", "3", "-H", "node0:1,node1:1,node2:1", command=(NETFAULT,),
+                        env={"NETFAULT_SECONDS": "1"})
+        left = c.leftovers()
+    assert r.returncode == 0, r.stderr[-4000:]
+    for rank, where in sockets(r.stdout).items():
+        assert all(a.startswith("10.213.0.") for a in where["listen"] + where["local"] + where["peers"]), (rank, where)
+    assert left == []
+
+
+# ------------------------------------------------------------------------------------------ MPI
+
+
+def _openmpi() -> str | None:
+    path = shutil.which("mpirun")
+    if path is None:
+        return None
+    out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+    return path if "Open MPI" in out.stdout + out.stderr else None
+
+
+@netns
+@pytest.mark.parametrize("flavor", ["mpich", "openmpi"])
+def test_mpi_launch_across_hosts(hosts_allowed, flavor):
+    """``gpucomm-run --mpi`` across two hosts: MPICH's Hydra (the mpich wheel's mpiexec) or Open
+    MPI's mpirun starts the ranks over ssh; the CPU collectives move through MPI."""
+    env = {"NETFAULT_SECONDS": "2"}
+    if flavor == "openmpi":
+        path = _openmpi()
+        if path is None:
+            pytest.skip("Open MPI's mpirun is not installed (apt-get install openmpi-bin; .ci/run does this)")
+        env["GPUCOMM_MPIEXEC"] = path
+    with cluster(2) as c:
+        ssh = c.ssh_command()
+        mpi_args = f"-launcher ssh -launcher-exec {ssh}" if flavor == "mpich" else f"--mca plm_rsh_agent {ssh}"
+        r = gpucomm_run(c, "--mpi", "-np", "4", "-H", "node0:2,node1:2", "--mpi-args", mpi_args, command=(NETFAULT,),
+                        env=env, timeout=240, ssh=False)
+        left = c.leftovers()
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = placed(r.stdout)
+    for rank, (local, cross, host) in enumerate([("0/2", "0/2", "node0"), ("1/2", "0/2", "node0"),
+                                                 ("0/2", "1/2", "node1"), ("1/2", "1/2", "node1")]):
+        assert got[rank].startswith(f"placed rank {rank}/4 local {local} cross {cross} on {host}: mpi"), got
+    assert len(re.findall(r"done rank \d after", r.stdout)) == 4
+    assert r.leftovers == [] and left == []
+
+
+# ------------------------------------------------------------------------------------------ elastic
+
+
+@netns
+def test_an_elastic_job_gains_a_host_that_appears_and_loses_one_that_is_removed(hosts_allowed, tmp_path):
+    """The discovery script lists the hosts that exist: a namespace made mid-job (node3) joins the
+    job, and once the job has grown it is removed (its processes killed, its namespace deleted)."""
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text("node1:1\nnode2:1\n")
+    env = {"PARTITION_OUT": str(tmp_path), "PARTITION_STEPS": "250", "PARTITION_SLEEP": "0.1"}
+    with cluster(3) as c:
+        cmd = launcher_cmd("-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
+                           f"cat {hosts_file}", *c.launcher_flags(), PYTHON, PARTITION)
+        with c.watch(c.hosts[0], cmd, env=env, timeout=300) as job:
+            job.wait_for(r"step 5 size 2")
+            added_at = time.time()
+            node3 = c.add_host()
+            with open(hosts_file, "a") as f:
+                f.write(f"{node3.name}:1\n")
+            grown = job.wait_for(r"step \d+ size 3", timeout=120)[0][0]
+            removed_at = time.time()
+            c.remove_host(node3)
+            hosts_file.write_text("node1:1\nnode2:1\n")
+            # every size-2 step so far came before the growth: the next one is the first after the removal
+            shrunk = job.wait_for(r"step \d+ size 2", count=1 + _count(job, r"step \d+ size 2"), timeout=120)[-1][0]
+            code = job.wait_exit(180)
+        left = c.leftovers()
+    assert code == 0, job.text()[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    sizes = result["sizes"]
+    assert sizes[0] == 2 and 3 in sizes and sizes[-1] == 2 and sizes.index(3) < len(sizes) - sizes[::-1].index(3)
+    assert left == [] and job.handle.proc.returncode == 0
+    print(f"\nelastic over namespaces: host added -> first step at 3 workers {grown - added_at:.1f} s (a new "
+          f"worker starts over ssh); host removed -> first step at 2 workers {shrunk - removed_at:.1f} s; "
+          f"{result['resets']} resets")
+
+
+def _count(job, pattern: str) -> int:
+    rx = re.compile(pattern)
+    return sum(1 for _, _, line in job.lines if rx.search(line))
+
+
+# ------------------------------------------------------------------------------------------ benchmarks
+
+
+@netns
+def test_horovods_synthetic_benchmark_at_2_hosts_x_2_ranks(hosts_allowed):
+    """examples/synthetic_benchmark.py (Horovod's flags and output) across two hosts whose links are
+    limited to 1 Gbit/s, slower than memory."""
+    args = ("--model", "cnn", "--no-cuda", "--batch-size", "16", "--num-warmup-batches", "2",
+            "--num-batches-per-iter", "2", "--num-iters", "3")  # ResNet-50, its default, is too slow for 2 cores
+    with cluster(2, rate="1gbit") as c:
+        r = gpucomm_run(c, "-np", "4", "-H", "node0:2,node1:2", command=("examples/synthetic_benchmark.py", *args),
+                        timeout=300)
+        left = c.leftovers()
+    assert r.returncode == 0, r.stderr[-4000:]
+    total = re.search(r"Total img/sec on 4 CPU\(s\): [\d.]+ \+-[\d.]+", r.stdout)
+    assert total, r.stdout[-3000:]
+    assert left == []
+    print(f"\nsynthetic benchmark, 2 hosts x 2 ranks over 1 Gbit/s links ({' '.join(args)}): {total.group(0)}")
