@@ -316,10 +316,8 @@ def test_an_elastic_job_gains_a_host_that_appears_and_loses_one_that_is_removed(
     job, and once the job has grown it is removed (its processes killed, its namespace deleted)."""
     hosts_file = tmp_path / "hosts"
     hosts_file.write_text("node1:1\nnode2:1\n")
-    env = {"PARTITION_OUT": str(tmp_path), "PARTITION_STEPS": "250", "PARTITION_SLEEP": "0.1"}
     with cluster(3) as c:
-        cmd = launcher_cmd("-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
-                           f"cat {hosts_file}", *c.launcher_flags(), PYTHON, PARTITION)
+        cmd, env = elastic_partition_job(c, hosts_file, tmp_path, np=2, max_np=3, steps=250)
         with c.watch(c.hosts[0], cmd, env=env, timeout=300) as job:
             job.wait_for(r"step 5 size 2")
             added_at = time.time()
@@ -331,7 +329,7 @@ def test_an_elastic_job_gains_a_host_that_appears_and_loses_one_that_is_removed(
             c.remove_host(node3)
             hosts_file.write_text("node1:1\nnode2:1\n")
             # every size-2 step so far came before the growth: the next one is the first after the removal
-            shrunk = job.wait_for(r"step \d+ size 2", count=1 + _count(job, r"step \d+ size 2"), timeout=120)[-1][0]
+            shrunk = job.wait_for(r"step \d+ size 2", count=1 + count_lines(job, r"step \d+ size 2"), timeout=120)[-1][0]
             code = job.wait_exit(180)
         left = c.leftovers()
     assert code == 0, job.text()[-4000:]
@@ -344,7 +342,17 @@ def test_an_elastic_job_gains_a_host_that_appears_and_loses_one_that_is_removed(
           f"{result['resets']} resets")
 
 
-def _count(job, pattern: str) -> int:
+def elastic_partition_job(c: Cluster, hosts_file: Path, out: Path, *, np: int, max_np: int,
+                          steps: int) -> tuple[list[str], dict[str, str]]:
+    """The launcher command and environment of an elastic job of tests/ranks/partition_job.py whose
+    discovery script lists ``hosts_file`` (at least 2 workers, at most ``max_np``)."""
+    cmd = launcher_cmd("-np", str(np), "--min-np", "2", "--max-np", str(max_np), "--host-discovery-script",
+                       f"cat {hosts_file}", *c.launcher_flags(), PYTHON, PARTITION)
+    return cmd, {"PARTITION_OUT": str(out), "PARTITION_STEPS": str(steps), "PARTITION_SLEEP": "0.1"}
+
+
+def count_lines(job, pattern: str) -> int:
+    """How many of a watched launcher's lines so far match ``pattern``."""
     rx = re.compile(pattern)
     return sum(1 for _, _, line in job.lines if rx.search(line))
 

@@ -166,6 +166,15 @@ class BucketCopy:
         with stream_context(flat, stream):
             self._first_nonfinite(pieces, check_out, check_limit, whole=flat[:pos])
 
+    def checks_in_kernel(self, flat: torch.Tensor) -> bool:
+        """Whether a checked ``pack`` into ``flat`` finds non-finite values inside the pack kernel (free:
+        no pass of its own), rather than by a separate search over the packed buffer (torch ops)."""
+        if not self._check:
+            return False
+        if self._kernels is None:
+            self._kernels = kernels_wanted(flat)
+        return bool(self._kernels) and availability.kernels_usable()
+
     def unpack(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor], stream: Any = None) -> None:
         """Consecutive pieces of ``flat`` into ``tensors``, times ``unpack_scale``."""
         self._run("unpack", tensors, flat, stream)

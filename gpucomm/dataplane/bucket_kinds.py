@@ -208,7 +208,8 @@ class ViewBucket(Bucket):
         # a GPU reduces with NCCL's AVG (or a fused prescale); Gloo only sums: the CPU scales in place first
         self.by_op = gpu and settings.average and settings.check is None
         self.scale = 1.0 if self.by_op else settings.prescale * settings.postscale
-        self.copy = BucketCopy(pack_scale=self.scale)
+        # with the finite check, a pack (gradients not in their views) finds the first non-finite one itself
+        self.copy = BucketCopy(pack_scale=self.scale, check_finite=settings.check is not None)
         self.copy.prepare(self.plan.dtype, self.wire_dtype, self.plan.device)  # compiled now, not in backward
         self.full: torch.Tensor | None = None  # the fusion buffer (numel, + the tail)
         self.views: list[torch.Tensor] = []  # each parameter's slot, in its shape and layout
@@ -262,6 +263,7 @@ class ViewBucket(Bucket):
         full, numel, settings = self.full, self.plan.numel, self.settings
         tracer = settings.tracer
         start = tracer.now_us() if tracer is not None else 0.0
+        checked = False  # the finite check's slot written by the pack itself
         if self.early:
             for p in self.params:  # the gradients whose hooks did not fire (zeros if they have none)
                 if p not in self.arrived_now:
@@ -282,11 +284,17 @@ class ViewBucket(Bucket):
             strides = settings.strides
             grads = [send_view(p, strides[p]) for p in self.params]
             with torch.no_grad():
-                self.copy.pack(grads, full[:numel])
+                if settings.check is not None and self.copy.checks_in_kernel(full):
+                    # the checked pack kernel: no second pass over the gradients to search them
+                    self.copy.pack(grads, full[:numel], check_out=self.check_slots(full),
+                                   check_limit=settings.check.limit(full.dtype))
+                    checked = True
+                else:  # torch ops: packed, then searched below within the check's budget
+                    self.copy.pack(grads, full[:numel])
             self.in_flight = grads
         if self.first:
             full[numel : numel + 1].fill_(1)  # the training flag
-        if settings.check is not None:
+        if settings.check is not None and not checked:
             settings.check.search(self.pieces, self.check_slots(full), whole=full[:numel])
         if tracer is not None:
             self.trace("MEMCPY_IN_FUSION_BUFFER", start)

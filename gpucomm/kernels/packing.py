@@ -11,20 +11,22 @@ key holds both dtypes and the scale, so a hit also yields the kernel and its pre
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from ..counters import COUNTERS
 from ..errors import KernelUnavailableError
 from . import launch as _launch
 from .devicefns import SIMULATOR
 from .rules import tensor_list, validate
 from .specs import KernelSpec, select_kernel
-from .table import CHUNK_ELEMS, Table, TableCache, chunk_rows
+from .table import CHUNK_ELEMS, RowPlan, Staging, Table, TableCache
 
-__all__ = ["pack", "unpack", "clear_cache", "cache_info", "compile_variant", "Layout", "RowFlags", "new_layout",
+__all__ = ["pack", "unpack", "clear_cache", "cache_info", "compile_variant", "Layout", "RowFlags", "new_layout", "rebased_layout",
            "stream_context"]
 
 _CACHE = TableCache()
@@ -115,11 +117,18 @@ class Layout:
     table and prepared launch. A layout of a checked pack also holds its per-row flags and the
     tensor each row belongs to (``finite``)."""
 
-    __slots__ = ("spec", "total", "table", "launch", "finite")
+    __slots__ = ("spec", "total", "table", "launch", "finite", "plan", "scale", "flat_ptr", "flat_dtype", "dtype",
+                 "staging")
 
     def __init__(self, spec: KernelSpec, total: int, table: Table | None, launch: _launch.Launch | None,
-                 finite: "RowFlags | None" = None) -> None:
+                 finite: "RowFlags | None" = None, *, plan: RowPlan | None = None, scale: float = 1.0,
+                 flat_ptr: int = 0, flat_dtype: torch.dtype | None = None, dtype: torch.dtype | None = None,
+                 staging: Staging | None = None) -> None:
         self.spec, self.total, self.table, self.launch, self.finite = spec, total, table, launch, finite
+        # what ``rebased_layout`` reuses: the row plan, the scale, the flat buffer's address and dtype, the
+        # tensors' dtype and the bucket's pinned upload ring (made at the first rebase)
+        self.plan, self.scale, self.flat_ptr, self.flat_dtype = plan, scale, flat_ptr, flat_dtype
+        self.dtype, self.staging = dtype, staging
 
     def run(self, device: torch.device, stream: Any) -> None:
         """Launch on ``stream`` (None: the current stream of ``device``)."""
@@ -136,26 +145,35 @@ class Layout:
 
 
 class RowFlags:
-    """A checked pack's per-row flags (int32, set by the kernel when the row's piece holds Inf or
-    NaN) and each row's tensor index, both on the layout's device."""
+    """A checked pack's per-row flags (int32, set to 1 by the kernel when the row's piece holds Inf or
+    NaN) and each row's tensor index, both on the layout's device. ``weights``: per limit, each row's
+    weight for ``first_flagged`` (shared by the layouts of one bucket: it depends on the rows alone)."""
 
-    __slots__ = ("flags", "row_tensor", "count")
+    __slots__ = ("flags", "row_tensor", "count", "weights")
 
-    def __init__(self, flags: torch.Tensor, row_tensor: torch.Tensor, count: int) -> None:
+    def __init__(self, flags: torch.Tensor, row_tensor: torch.Tensor, count: int,
+                 weights: dict[int, torch.Tensor] | None = None) -> None:
         self.flags, self.row_tensor, self.count = flags, row_tensor, count
+        self.weights = {} if weights is None else weights
 
     def first_flagged(self, out: torch.Tensor, limit: int, stream: Any = None) -> None:
         """Write into the 1-element ``out`` 0 when no row was flagged, else 1 + the index of the first
-        tensor with a flagged row (at most ``limit``), on ``stream``: device ops, no host sync."""
+        tensor with a flagged row (at most ``limit``), on ``stream``: device ops, no host sync.
+
+        Five small launches: row r weighs ``top - min(1 + tensor(r), limit)`` (``top = limit + 1``), so the
+        largest weight among the flagged rows belongs to the first flagged tensor; ``m = max(flags * weight)``
+        is 0 when none is flagged, and ``(top - m) mod top`` is then 0, else that tensor's value."""
+        top = limit + 1
         with stream_context(stream):
-            first = torch.where(self.flags != 0, self.row_tensor, self.count).min()
-            out.copy_(torch.where(first < self.count, (first + 1).clamp(max=limit), 0).reshape(out.shape))
+            weight = self.weights.get(limit)
+            if weight is None:  # once per limit (one per wire dtype): int64, as a float64 wire's limit is 2**53
+                weight = self.weights[limit] = top - (self.row_tensor.to(torch.int64) + 1).clamp(max=limit)
+            m = torch.mul(self.flags, weight).amax()
+            out.copy_(torch.remainder(top - m, top).reshape(out.shape))
 
 
 def stream_context(stream: Any):
     """Run the torch ops of a block on ``stream`` (a CUDA stream), or where they are (None, simulator)."""
-    import contextlib  # noqa: PLC0415
-
     if stream is None or SIMULATOR:
         return contextlib.nullcontext()
     return torch.cuda.stream(stream)
@@ -177,11 +195,49 @@ def new_layout(direction: str, tensors: Sequence[torch.Tensor], flat: torch.Tens
     if device.type == "cuda":
         stream = stream_for(stream, device)
     ptrs, numels = tuple(map(_PTR, tensors)), tuple(map(_NUMEL, tensors))
-    table = _build_table(direction, spec, flat.data_ptr(), flat.element_size(), ptrs, numels, device, stream)
+    plan = RowPlan(np.fromiter(numels, dtype=np.int64, count=len(numels)), CHUNK_ELEMS)
+    COUNTERS.kernel_tables_built += 1
+    table = _build_table(direction, spec, plan, flat.data_ptr(), flat.element_size(), ptrs, device, stream)
     finite = _row_flags(numels, table.nrows, device, stream) if checked else None
     launch = _launch.Launch(spec, table.address, table.nrows, table.grid, scale, device,
                             flags_address=finite.flags.data_ptr() if finite is not None else 0)
-    return Layout(spec, total, table, launch, finite)
+    return Layout(spec, total, table, launch, finite, plan=plan, scale=scale, flat_ptr=flat.data_ptr(),
+                  flat_dtype=flat.dtype, dtype=dtype)
+
+
+def rebased_layout(base: Layout, direction: str, tensors: Sequence[torch.Tensor], flat: torch.Tensor,
+                   stream: Any) -> Layout | None:
+    """``base``'s layout for the same tensors at new addresses (the same flat buffer, element counts,
+    dtype and contiguity, checked here in three C-level passes), or None when anything else differs (the
+    caller then checks the layout in full). Only the tensors' column of the table is recomputed and
+    uploaded through the bucket's pinned ring: no validation, splitting, compilation or pinning."""
+    plan, table = base.plan, base.table
+    if (plan is None or table is None or base.launch is None or flat.data_ptr() != base.flat_ptr
+            or flat.dtype is not base.flat_dtype or not flat.is_contiguous()):
+        return None
+    dtype = _DTYPE(tensors[0])
+    if (tuple(map(_NUMEL, tensors)) != plan.numels or not all(map(_CONTIG, tensors))
+            or any(t.dtype is not dtype for t in tensors) or dtype != base.dtype):
+        return None
+    device = flat.device
+    if any(t.device != device for t in tensors):
+        return None
+    if device.type == "cuda":
+        if base.staging is None:
+            base.staging = Staging(table.rows.shape)
+    column, itemsize = (0, base.spec.src_itemsize) if direction == "pack" else (1, base.spec.dst_itemsize)
+    addrs = np.fromiter(map(_PTR, tensors), dtype=np.int64, count=len(tensors))
+    rows = plan.rebase(table.rows, column, addrs, itemsize)
+    new_table = Table(rows, table.grid, device, stream, staging=base.staging)
+    COUNTERS.kernel_tables_rebased += 1
+    finite = base.finite
+    if finite is not None:  # its own flags (a launch of the old layout may still be in flight); the same row map
+        with stream_context(stream if device.type == "cuda" else None):
+            finite = RowFlags(torch.zeros_like(finite.flags), finite.row_tensor, finite.count, finite.weights)
+    launch = _launch.Launch(base.spec, new_table.address, new_table.nrows, new_table.grid, base.scale, device,
+                            flags_address=finite.flags.data_ptr() if finite is not None else 0)
+    return Layout(base.spec, base.total, new_table, launch, finite, plan=plan, scale=base.scale,
+                  flat_ptr=base.flat_ptr, flat_dtype=base.flat_dtype, dtype=dtype, staging=base.staging)
 
 
 def _row_flags(numels: tuple, nrows: int, device: torch.device, stream: Any) -> RowFlags:
@@ -199,13 +255,13 @@ def _row_flags(numels: tuple, nrows: int, device: torch.device, stream: Any) -> 
     return RowFlags(flags, row_tensor, len(numels))
 
 
-def _build_table(direction: str, spec: KernelSpec, flat_ptr: int, flat_itemsize: int, ptrs: tuple, numels: tuple,
+def _build_table(direction: str, spec: KernelSpec, plan: RowPlan, flat_ptr: int, flat_itemsize: int, ptrs: tuple,
                  device: torch.device, stream: Any) -> Table:
     tensor_addrs = np.fromiter(ptrs, dtype=np.int64, count=len(ptrs))
-    sizes = np.fromiter(numels, dtype=np.int64, count=len(numels))
+    sizes = np.asarray(plan.numels, dtype=np.int64)
     flat_addrs = flat_ptr + (np.cumsum(sizes) - sizes) * flat_itemsize
     srcs, dsts = (tensor_addrs, flat_addrs) if direction == "pack" else (flat_addrs, tensor_addrs)
-    rows = chunk_rows(srcs, dsts, sizes, spec.src_itemsize, spec.dst_itemsize, CHUNK_ELEMS)
+    rows = plan.rows(srcs, dsts, spec.src_itemsize, spec.dst_itemsize)
     return Table(rows, _launch.grid_for(len(rows), device), device, stream)
 
 

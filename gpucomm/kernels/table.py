@@ -25,7 +25,7 @@ import torch
 
 from .devicefns import SIMULATOR
 
-__all__ = ["CHUNK_ELEMS", "Table", "TableCache", "chunk_rows"]
+__all__ = ["CHUNK_ELEMS", "RowPlan", "Staging", "Table", "TableCache", "chunk_rows"]
 
 # Elements per piece. 1024 gives a 25 MiB float32 bucket ~6k rows, i.e. ~6k warps each with eight
 # 128-byte loads in flight: enough to saturate HBM3/HBM3e (see specs.py). Halving it doubles the
@@ -41,18 +41,61 @@ def chunk_rows(src_addrs: np.ndarray, dst_addrs: np.ndarray, numels: np.ndarray,
 
     Zero-length tensors get no row. All arrays are int64 (user-space addresses are below 2**63).
     """
-    pieces = -(-numels // chunk)  # ceil; 0 for empty tensors
-    nrows = int(pieces.sum())
-    rows = np.empty((nrows, 3), dtype=np.int64)
-    if nrows == 0:
+    return RowPlan(numels, chunk).rows(src_addrs, dst_addrs, src_itemsize, dst_itemsize)
+
+
+class RowPlan:
+    """The address-free part of a table, fixed by the tensors' element counts: each row's tensor, its
+    first element within that tensor and its element count. Rows for any addresses are then a few
+    vectorized additions, so a bucket whose gradients were reallocated (``zero_grad(set_to_none=True)``)
+    gets its new table without the checks and splitting a new layout pays."""
+
+    __slots__ = ("tensor", "start", "count", "numels")
+
+    def __init__(self, numels: np.ndarray, chunk: int) -> None:
+        numels = np.asarray(numels, dtype=np.int64)
+        pieces = -(-numels // chunk)  # ceil; 0 for empty tensors
+        nrows = int(pieces.sum())
+        self.numels = tuple(int(n) for n in numels)
+        self.tensor = np.repeat(np.arange(len(numels)), pieces)
+        first_row = np.cumsum(pieces) - pieces
+        self.start = (np.arange(nrows, dtype=np.int64) - first_row[self.tensor]) * chunk
+        self.count = np.minimum(chunk, numels[self.tensor] - self.start) if nrows else np.empty(0, dtype=np.int64)
+
+    def rows(self, src_addrs: np.ndarray, dst_addrs: np.ndarray, src_itemsize: int, dst_itemsize: int) -> np.ndarray:
+        rows = np.empty((len(self.tensor), 3), dtype=np.int64)
+        if len(self.tensor):
+            rows[:, 0] = src_addrs[self.tensor] + self.start * src_itemsize
+            rows[:, 1] = dst_addrs[self.tensor] + self.start * dst_itemsize
+            rows[:, 2] = self.count
         return rows
-    tensor = np.repeat(np.arange(len(numels)), pieces)
-    first_row = np.cumsum(pieces) - pieces
-    start = (np.arange(nrows, dtype=np.int64) - first_row[tensor]) * chunk
-    rows[:, 0] = src_addrs[tensor] + start * src_itemsize
-    rows[:, 1] = dst_addrs[tensor] + start * dst_itemsize
-    rows[:, 2] = np.minimum(chunk, numels[tensor] - start)
-    return rows
+
+    def rebase(self, rows: np.ndarray, column: int, addrs: np.ndarray, itemsize: int) -> np.ndarray:
+        """A copy of ``rows`` whose ``column`` (0: sources, 1: destinations) points into tensors at ``addrs``."""
+        out = rows.copy()
+        if len(self.tensor):
+            out[:, column] = addrs[self.tensor] + self.start * itemsize
+        return out
+
+
+class Staging:
+    """A small ring of pinned host buffers for uploading one bucket's tables. A slot is reused only once
+    the upload that last read it has finished (normally long before: a step later), so writing a new
+    table never races a pending copy, and no table pays for allocating pinned memory."""
+
+    __slots__ = ("_slots", "_next")
+
+    def __init__(self, shape: tuple[int, int], slots: int = 3) -> None:
+        self._slots = [[torch.empty(shape, dtype=torch.int64).pin_memory(), None] for _ in range(slots)]
+        self._next = 0
+
+    def take(self) -> list:
+        """The next slot ``[pinned tensor, upload event or None]``, its last upload finished."""
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % len(self._slots)
+        if slot[1] is not None:
+            slot[1].synchronize()  # done long ago in steady state: returns at once
+        return slot
 
 
 class Table:
@@ -60,7 +103,8 @@ class Table:
 
     __slots__ = ("rows", "nrows", "address", "grid", "_device_rows", "_pinned", "_ready", "_streams")
 
-    def __init__(self, rows: np.ndarray, grid: int, device: torch.device, stream: Any) -> None:
+    def __init__(self, rows: np.ndarray, grid: int, device: torch.device, stream: Any,
+                 staging: Staging | None = None) -> None:
         self.rows = rows
         self.nrows = len(rows)
         self.grid = grid
@@ -69,12 +113,20 @@ class Table:
         if SIMULATOR or device.type != "cuda":
             self.address = rows.ctypes.data
             return
-        self._pinned = torch.from_numpy(rows).pin_memory()
+        slot = staging.take() if staging is not None else None
+        if slot is None:
+            self._pinned = torch.from_numpy(rows).pin_memory()  # kept: the copy below reads it later
+        else:
+            self._pinned = slot[0]
+            self._pinned.numpy()[...] = rows
         with torch.cuda.stream(stream):  # allocate and upload in the launch stream's order
             self._device_rows = torch.empty(rows.shape, dtype=torch.int64, device=device)
             self._device_rows.copy_(self._pinned, non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record(stream)
+        if slot is not None:
+            slot[1] = self._ready
+            self._pinned = None  # the ring owns it; the event says when it may be written again
         self._streams.add(stream.cuda_stream)
         self.address = self._device_rows.data_ptr()
 

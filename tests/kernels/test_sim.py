@@ -336,12 +336,62 @@ def test_bound_copy_rebuilds_only_for_new_addresses(launches):
     copy(srcs, flat)
     copy(srcs, flat)
     assert len(copy._layouts) == 1 and len(launches) == 2
-    srcs[0] = torch.randn(5)  # a new gradient: a new address, checked and tabled once
+    srcs[0] = torch.randn(5)  # a new gradient: a new address, tabled once by re-pointing the old table
     copy(srcs, flat)
     assert len(copy._layouts) == 2
     assert torch.equal(flat, torch.cat(srcs) * 2)
     with pytest.raises(ValueError, match="dst holds 3 elements"):
         copy(srcs, flat[:3])
+
+
+@pytest.mark.parametrize("direction", ["pack", "unpack"])
+@pytest.mark.parametrize("checked", [False, True])
+def test_bound_copy_repoints_its_table_when_only_addresses_change(direction, checked):
+    """zero_grad(set_to_none=True) reallocates a bucket's gradients every step: the same counts and dtype
+    at new addresses re-point the table (no full check, no new split); anything else is checked in full."""
+    from gpucomm.counters import COUNTERS
+    from gpucomm.kernels.bound import BoundCopy
+
+    if checked and direction == "unpack":
+        pytest.skip("only a pack checks")
+    copy = BoundCopy(direction, 0.5, checked=checked)
+    sizes = [5, CHUNK + 1, 0, 2 * CHUNK + 7]
+    flat = torch.randn(sum(sizes) + 3)
+    out = torch.full((1,), -1.0) if checked else None
+    built, rebased = COUNTERS.kernel_tables_built, COUNTERS.kernel_tables_rebased
+    for step in range(5):
+        tensors = [torch.randn(n) for n in sizes]  # fresh tensors: new addresses every step
+        if checked and step == 3:
+            tensors[3][CHUNK + 2] = float("nan")
+        if direction == "pack":
+            copy(tensors, flat, check_out=out)
+            torch.testing.assert_close(flat[:sum(sizes)], torch.cat(tensors) * 0.5, rtol=0, atol=0, equal_nan=True)
+            if checked:
+                assert float(out) == (4.0 if step == 3 else 0.0), step
+        else:
+            copy(tensors, flat)
+            assert torch.equal(torch.cat(tensors), flat[:sum(sizes)] * 0.5), step
+    assert COUNTERS.kernel_tables_built - built == 1
+    assert COUNTERS.kernel_tables_rebased - rebased == 4
+    # a different count at a new address is no rebase: checked in full (and refused if wrong)
+    with pytest.raises(ValueError, match="not contiguous"):
+        copy([torch.randn(n) for n in sizes[:3]] + [torch.randn(2, 2 * CHUNK + 7).t()], flat)
+
+
+def test_bound_copy_checks_a_flat_buffer_of_another_dtype_or_layout_in_full():
+    """The same flat address with another dtype or strides is no rebase: a new kernel, or a refusal."""
+    from gpucomm.kernels.bound import BoundCopy
+
+    copy = BoundCopy("pack")
+    buf = torch.zeros(40)
+    copy([torch.ones(10)], buf[:10])
+    with pytest.raises(ValueError, match="contiguous"):
+        copy([torch.ones(10)], buf[::2])
+    buf.zero_()  # (the first call's float32 ones)
+    half = buf.view(torch.float16)[:10]
+    copy([torch.ones(10)], half)  # float32 -> float16: the casting kernel, ten halves written, no more
+    assert torch.equal(half, torch.ones(10, dtype=torch.float16))
+    assert torch.equal(buf.view(torch.float16)[10:], torch.zeros(70, dtype=torch.float16))
 
 
 def test_a_bucket_copy_compiles_its_kernels_when_prepared_not_at_its_first_copy():

@@ -358,6 +358,7 @@ def cuda_job_failure(steps: int = 50) -> dict:
     """Rank 1 fails mid-training on CUDA; every rank's NCCL communicators are aborted (never destroyed)."""
     hvd.init()
     r = hvd.rank()
+    before = hvd.stats()  # the counters are process-wide: a pooled worker's earlier jobs counted too
     model = nn.Linear(16, 16).cuda()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters())
@@ -377,7 +378,8 @@ def cuda_job_failure(steps: int = 50) -> dict:
     counts = hvd.stats()
     hvd.shutdown()
     final = hvd.stats()
-    return {"error": error, "aborts": counts["nccl_aborts"], "destroys": final["nccl_destroys"], "seconds": seconds}
+    return {"error": error, "aborts": counts["nccl_aborts"] - before["nccl_aborts"],
+            "destroys": final["nccl_destroys"] - before["nccl_destroys"], "seconds": seconds}
 
 
 def contexts_per_gpu() -> dict:
