@@ -496,9 +496,11 @@ def sweep_stale() -> list[str]:
     """Delete namespaces of this module whose creating process is gone (a test run killed before
     its tear-down); returns their names."""
     out = admin("ip", "netns", "list", check=False).stdout
+    names = [line.split()[0] for line in out.splitlines() if line.strip()]
+    # a namespace deleted by hand (or by a crashed tear-down) can leave its /etc/netns folder (hosts, resolv.conf)
+    names += [n for n in (os.listdir("/etc/netns") if os.path.isdir("/etc/netns") else []) if n not in names]
     swept = []
-    for line in out.splitlines():
-        name = line.split()[0] if line.strip() else ""
+    for name in names:
         parts = name.split("-")
         if len(parts) < 3 or parts[0] != PREFIX or not parts[1].isdigit() or psutil.pid_exists(int(parts[1])):
             continue

@@ -19,6 +19,7 @@ Nothing is left running: stopping uses the same process-tree kill as the fixed l
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import signal
@@ -35,6 +36,7 @@ from . import proctree
 from .discovery import DiscoveryError
 from .hosts import HostSlots
 from .output import OutputSink
+from .remote import ELASTIC_SERVER_ALIVE_S
 from .spawn import SshOptions, launch_for
 from .supervisor import Launch, describe_exit, exit_status
 from ..errors import ElasticJobError
@@ -87,7 +89,8 @@ class ElasticDriver:
         self._secret = secret
         self._run_id = run_id
         self._sink = sink
-        self._ssh = ssh
+        # a cut host's ssh ends 15-20 s after the cut: blacklisted before the survivors ask for a new round
+        self._ssh = dataclasses.replace(ssh, server_alive_s=min(ssh.server_alive_s, ELASTIC_SERVER_ALIVE_S))
         self._grace = grace
         self._verbose = verbose
         self._interval = discovery_interval

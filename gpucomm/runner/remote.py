@@ -31,6 +31,9 @@ BEAT_S = 5.0  # gpucomm-run writes a newline to a remote rank's stdin this often
 HEARTBEAT = b"\n"
 SERVER_ALIVE_S = 10  # the launcher's ssh: ServerAliveInterval ...
 SERVER_ALIVE_COUNT = 3  # ... and ServerAliveCountMax: a host that answers nothing is given up after 30-40 s
+# An elastic job's workers: given up after 15-20 s, so that a cut host is blacklisted before the survivors'
+# liveness check (20 s) asks for a new round, which then forms without it (seen at 35 s with the default above)
+ELASTIC_SERVER_ALIVE_S = 5
 
 
 def encode_request(argv: list[str], cwd: str, env: dict[str, str], grace: float,

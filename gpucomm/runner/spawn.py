@@ -43,17 +43,19 @@ class SshOptions:
     connect_timeout: float = 30.0
     python: str = sys.executable
     extra_args: tuple[str, ...] = ()
+    server_alive_s: int = SERVER_ALIVE_S  # ssh's ServerAliveInterval (x SERVER_ALIVE_COUNT: a silent host's limit)
 
 
 def ssh_argv(host: str, opts: SshOptions) -> list[str]:
     """The ssh command that starts the remote wrapper on ``host`` (no secret, no environment on it).
     ``--ssh-args`` come first: ssh keeps the first value it is given for an option, so the user's
     ``-o`` settings override gpucomm's defaults. Those defaults give up on a host that answers
-    nothing for ``SERVER_ALIVE_S * SERVER_ALIVE_COUNT`` s (a cut link: ssh's own default is never),
-    later than the ranks' liveness check, so that the ranks name the lost host first."""
+    nothing for ``server_alive_s * SERVER_ALIVE_COUNT`` s (a cut link: ssh's own default is never),
+    by default later than the ranks' liveness check, so that the ranks name the lost host first (an
+    elastic job gives up sooner: ``remote.ELASTIC_SERVER_ALIVE_S``)."""
     argv = ["ssh", *opts.extra_args, "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new",
             "-o", f"ConnectTimeout={max(1, int(opts.connect_timeout))}",
-            "-o", f"ServerAliveInterval={SERVER_ALIVE_S}", "-o", f"ServerAliveCountMax={SERVER_ALIVE_COUNT}"]
+            "-o", f"ServerAliveInterval={opts.server_alive_s}", "-o", f"ServerAliveCountMax={SERVER_ALIVE_COUNT}"]
     if opts.port is not None:
         argv += ["-p", str(opts.port)]
     if opts.identity_file is not None:
