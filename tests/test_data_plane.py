@@ -130,6 +130,29 @@ def test_channels_last_gradients_are_packed_and_unpacked_in_place():
 
 # -- a steady-state step touches no control object ---------------------------------------------------
 
+def test_a_pack_reads_contiguous_gradients_as_they_are_and_views_the_others():
+    """``gradients_as_they_are``: the gradients themselves (no view made per gradient) only when every
+    parameter trains and has a dense contiguous gradient; else None, and each is viewed on its own."""
+    import torch
+
+    from gpucomm.dataplane.grad_layout import gradients_as_they_are
+
+    ps = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+    assert gradients_as_they_are(ps) is None  # no gradients yet
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    got = gradients_as_they_are(ps)
+    assert got is not None and all(g is p.grad for g, p in zip(got, ps))
+    ps[0].grad = torch.randn(4, 3).t()  # the right shape, not contiguous
+    assert gradients_as_they_are(ps) is None
+    ps[0].grad = torch.randn(3, 4)
+    ps[1].requires_grad_(False)  # frozen since the layout was agreed: sent as zeros, by send_view
+    assert gradients_as_they_are(ps) is None
+    ps[1].requires_grad_(True)
+    ps[1].grad = torch.randn(5).to_sparse()
+    assert gradients_as_they_are(ps) is None
+
+
 def test_a_steady_state_step_calls_nothing_of_the_control_plane():
     for seen in run_ranks(sc.control_calls_in_steady_steps, 2):
         assert seen["control"] == [], seen["control"]

@@ -45,7 +45,7 @@ from . import cuda_calls, fusion
 from .bucket_copy import BucketCopy
 from .buffers import FusionBuffers
 from .finite import FiniteSlots
-from .grad_layout import gradient_targets, gradient_to_send, send_view, slot_view, view_in_order
+from .grad_layout import gradient_targets, gradient_to_send, gradients_as_they_are, send_view, slot_view, view_in_order
 from .handles import Handle
 from .requests import Request
 
@@ -105,6 +105,7 @@ class Bucket:
         self.early = False  # takes each gradient as its hook fires (``arrived``), not only at launch
         self.in_flight: list[torch.Tensor] = []  # gradients read by the launch, kept alive
         self.checks: torch.Tensor | None = None  # finite check: one slot per rank, reduced with the bucket
+        self.contiguous = all(p.is_contiguous() for p in params)  # each travels in its own order (``gradients``)
 
     # -- the interface ---------------------------------------------------------------------------
     def arrived(self, p: torch.Tensor) -> None:
@@ -173,6 +174,17 @@ class Bucket:
         """The bucket's fusion buffer (its slot of the shared grow-only buffers)."""
         return self.settings.buffers.get(self.plan.device, self.wire_dtype, self.plan.numel + self.tail(),
                                          slot=self.plan.index)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """This step's gradients as a pack reads them: themselves when the parameters are contiguous and
+        so are their gradients (no view per gradient), else each one's view in its travel order (zeros
+        for a missing one)."""
+        if self.contiguous:
+            grads = gradients_as_they_are(self.params)
+            if grads is not None:
+                return grads
+        strides = self.settings.strides
+        return [send_view(p, strides[p]) for p in self.params]
 
     def check_slots(self, full: torch.Tensor) -> torch.Tensor | None:
         """The finite check's slots in ``full`` (zeroed; this rank's is written by the pack), or None."""
@@ -281,8 +293,7 @@ class ViewBucket(Bucket):
         else:  # the gradients are not their views: one pack (zeros for a missing gradient)
             self.bound = False
             COUNTERS.grad_bucket_packs += 1
-            strides = settings.strides
-            grads = [send_view(p, strides[p]) for p in self.params]
+            grads = self.gradients()
             with torch.no_grad():
                 if settings.check is not None and self.copy.checks_in_kernel(full):
                     # the checked pack kernel: no second pass over the gradients to search them
@@ -352,7 +363,7 @@ class FusedBucket(Bucket):
 
     def fill(self) -> list[torch.Tensor]:
         settings = self.settings
-        grads = [send_view(p, settings.strides[p]) for p in self.params]
+        grads = self.gradients()
         numel = self.plan.numel
         full = self.buffer()
         start = self.now_us()

@@ -9,12 +9,16 @@ same order because parameters' strides are verified alike across ranks with thei
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 import torch
 
-__all__ = ["gradient_targets", "gradient_to_send", "layout_of", "send_view", "significant_strides", "slot_view",
-           "view_in_order"]
+__all__ = ["gradient_targets", "gradient_to_send", "gradients_as_they_are", "layout_of", "send_view",
+           "significant_strides", "slot_view", "view_in_order"]
+
+_GRAD, _TRAINS = operator.attrgetter("grad"), operator.attrgetter("requires_grad")
+_CONTIG = torch.Tensor.is_contiguous
 
 
 def gradient_targets(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -32,6 +36,22 @@ def gradient_targets(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None
             p.grad = p.grad.to_dense()
         targets.append(p.grad)
     return targets
+
+
+def gradients_as_they_are(params: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+    """The gradients of ``params`` themselves, when every parameter trains and has a dense, contiguous
+    gradient: what a pack of contiguous parameters (whose travel order is their own) reads, with no view
+    made per gradient (C-level passes only: a step's pack on ResNet-50 otherwise makes 322 Python calls
+    for its 161 views). None otherwise: then ``send_view`` each."""
+    if not all(map(_TRAINS, params)):
+        return None
+    grads = list(map(_GRAD, params))
+    try:
+        if all(map(_CONTIG, grads)):
+            return grads
+    except (TypeError, RuntimeError):  # a parameter without a gradient (None), or a sparse one
+        pass
+    return None
 
 
 def send_view(p: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
