@@ -113,7 +113,7 @@ def build_variants(base: torch.nn.Module, caps: list[float], log_path: str, quic
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     hvd.init()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // hvd.local_size()))  # the cores this rank may use
     store = init_torch_group("gloo")
     torch.manual_seed(0)
     base, sample = models.build(args.model)

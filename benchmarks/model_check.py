@@ -1,6 +1,7 @@
 """Predicted beside measured: the step model of ``gpucomm.tuning`` against real 2-rank CPU steps.
 
     gpucomm-run -np 2 python benchmarks/model_check.py [--models mlp10m,cnn10m,resnet18] [--json model_check.json]
+    gpucomm-run -np 2 -H a:1,b:1 python benchmarks/model_check.py --processor dedicated   # across 2 hosts
 
 In one 2-rank job (one thread per rank), rank 0 fits the cost curve and both ranks profile and train:
 
@@ -26,7 +27,9 @@ In one 2-rank job (one thread per rank), rank 0 fits the cost curve and both ran
    profiles less the larger median; on a shared 2-core machine steps vary by several percent). The processor model
    is ``shared`` when ranks x threads fill the cores (here 2 x 1 on 2): Gloo's copies and sums
    need the cores backward uses, so nothing hides; the ``dedicated`` (GPU-like) prediction is
-   printed beside it. Each round's prediction is compared with that round's measured job step
+   printed beside it (``--processor dedicated|shared`` picks one: across hosts on a slow link, where
+   the collective waits on the wire rather than on the cores, ``dedicated``; see
+   ``benchmarks/shaped_links.py``). Each round's prediction is compared with that round's measured job step
    (the slower rank's median), so load that drifts while the benchmark runs (the machine may be
    shared) hits both; the report gives the medians over rounds and the range of their errors.
 
@@ -85,6 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cost", choices=["measured", "line"], default="measured",
                     help="the collective cost each round's prediction uses: the round's measured Gloo times "
                          "(costs.MeasuredCurve, default) or the α-β line fitted to them; the other is printed beside")
+    ap.add_argument("--processor", choices=["auto", "shared", "dedicated"], default="auto",
+                    help="the step model's processor (gpucomm.tuning.step): auto (default) is shared when ranks x "
+                         "threads fill the cores, else dedicated; dedicated fits a slow link, where the collective "
+                         "waits on the wire rather than on the cores")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 rounds of 2 steps, 3 samples per size")
     ap.add_argument("--json", default="model_check.json")
     args = ap.parse_args(argv)
@@ -102,13 +109,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def gloo_group() -> tuple[dist.ProcessGroupGloo, dist.TCPStore]:
-    """A raw ProcessGroupGloo on its own store (loopback), as gpucomm's CPU schedule builds one."""
+    """A raw ProcessGroupGloo on its own store, as gpucomm's CPU schedule builds one: on loopback when
+    both ranks share a host, else on the address this host's name resolves to (Gloo's default device),
+    with the store on rank 0's host (the launcher's rendezvous address)."""
+    one_host = hvd.local_size() == hvd.size()
     store = dist.TCPStore("127.0.0.1", 0, hvd.size(), True, wait_for_workers=False) if hvd.rank() == 0 else None
     port = hvd.broadcast_object(store.port if store else None, 0, name="model_check.port")
     if store is None:
-        store = dist.TCPStore("127.0.0.1", port, hvd.size(), False)
+        host = "127.0.0.1" if one_host else os.environ.get("GPUCOMM_RENDEZVOUS_ADDR", "127.0.0.1")
+        store = dist.TCPStore(host, port, hvd.size(), False)
     opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") if one_host
+                     else dist.ProcessGroupGloo.create_default_device()]
     opts._timeout = datetime.timedelta(seconds=300)
     return dist.ProcessGroupGloo(store, hvd.rank(), hvd.size(), opts), store
 
@@ -290,12 +302,14 @@ def main(argv: list[str] | None = None) -> None:
     cost, hook_Bps, samples = hvd.broadcast_object((cost, hook_Bps, samples), 0, name="model_check.fit")
     overheads = Overheads(hook_Bps=hook_Bps)
     # every core computes (ranks x threads >= cores): Gloo's work needs those cores too
-    args.processor = "shared" if hvd.size() * torch.get_num_threads() >= (os.cpu_count() or 1) else "dedicated"
+    if args.processor == "auto":
+        args.processor = "shared" if hvd.size() * torch.get_num_threads() >= (os.cpu_count() or 1) else "dedicated"
     results = [check_model(name, args, cost, overheads, probe) for name in args.models]
     load_after = os.getloadavg()
     if hvd.rank() == 0:
         busy = max(load_before[0], load_after[0]) > (os.cpu_count() or 1)
-        print(f"machine: {os.cpu_count()} CPUs, 2 ranks x 1 thread, Gloo over loopback; load average "
+        where = "over loopback" if hvd.local_size() == hvd.size() else f"across {hvd.size() // hvd.local_size()} hosts"
+        print(f"machine: {os.cpu_count()} CPUs, 2 ranks x 1 thread, Gloo {where}; load average "
               f"{load_before[0]:.1f} before, {load_after[0]:.1f} after"
               + (" (above the core count: other work shared the cores; expect noisy rounds)" if busy else ""))
         print(f"Gloo allreduce fit: alpha {cost.alpha_s * 1e6:.0f} us, beta {cost.bandwidth_Bps / 1e9:.2f} GB/s "

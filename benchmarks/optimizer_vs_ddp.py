@@ -348,7 +348,7 @@ def main() -> None:
     GpucommVariant.active = first
     device = torch.device("cuda", torch.cuda.current_device()) if args.cuda else torch.device("cpu")
     if not args.cuda:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // hvd.local_size()))  # the cores this rank may use
     store = init_torch_group("nccl" if args.cuda else "gloo")
     variants, params, sample = build_variants(args, device)
     runner = Runner(variants, sample, args, device)

@@ -34,6 +34,20 @@ Horovod with NCCL before Tensor Fusion (README at 68ea5929), is predicted with t
 further check. Beside it, what gpucomm would do on that fitted cluster (the same straggler wait): its
 default buckets and the exact optimal plan.
 
+**Horovod over plain TCP** (issue 37, item 5): the same README tables give NCCL's socket transport
+too. "TCP Horovod (allreduce on GPU with NCCL)" on the same 4 x 4 Pascal cluster (16 GPUs: 14.8x,
+14.1x, 10.0x; PR #44's "-" side, 6bb6a2db) and before Tensor Fusion (README at 68ea5929: 14.4x,
+12.5x, 12.5x); and a second cluster, "16 servers with 4 Pascal GPUs each connected by plain 40
+Gbit/s network" (64 GPUs: 7,932.1 / 7,741.6 / 6,084.2 images/s over single-GPU baselines of 148.8,
+136.0 and 149.6; same diff). Each is predicted with ``Cluster(transport="tcp")``: NCCL's pick, each
+network channel capped by the socket transport (``gpucomm/tuning/transport.py``: NCCL's default of
+no helper threads, one socket on the proxy thread, as every NCCL 2 of 2017 had; the host's cost
+per byte measured over loopback here by ``benchmarks/tcp_host_cost.py``). Nothing is fitted on a
+TCP row: the 25 Gbit/s cluster keeps the ring speed and ``cv`` fitted on its RDMA rows; the 40
+Gbit/s cluster, which has no RDMA row, gets NCCL's own 5.0 GB/s channel and the same ``cv``.
+Beside each, the transport-blind prediction (what the model said before it knew the transport) and
+the channel speed that would reproduce the published row (``implied``).
+
 **PyTorch DDP** (``benchmarks/distributed/ddp/README.md`` at bf69c149; V100 DGX-1, 8 GPUs per machine
 on NVLink, 4 x 100 Gbit/s InfiniBand per machine, batch 32, per-replica p50). Single-GPU step: the
 same table's "1 GPU, no ddp" row (ResNet-50 0.097 s, ResNet-101 0.162 s). Cluster: NVLink, 6 links
@@ -69,6 +83,7 @@ from gpucomm.tuning.predict import predict_step  # noqa: E402
 from gpucomm.tuning.profile import Profile  # noqa: E402
 from gpucomm.tuning.step import simulate  # noqa: E402
 from gpucomm.tuning.straggler import Stragglers, expected_max_normal, fit_cv  # noqa: E402
+from gpucomm.tuning.transport import Socket  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------- inputs
 
@@ -94,6 +109,15 @@ HOROVOD_NIC_GBS = 25 * 1000 / 8000  # NCCL topo.cc: net.bw = mbps / 8000: 3.125 
 # README.md at 68ea5929 (August 2017), "prepared before the Tensor Fusion release": RDMA Horovod on GPU (NCCL),
 # 16 GPUs; (single-GPU images/s at batch 64, 16-GPU images/s). A check of the fitted cluster, not fitted on.
 HOROVOD_PRE_FUSION = {"inception_v3": (133.0, 1974.4), "resnet101": (118.1, 1651.2), "vgg16": (130.8, 1824.0)}
+
+# Plain TCP: "TCP Horovod (allreduce on GPU with NCCL)" rows of the same README tables (NCCL's socket transport)
+HOROVOD_TCP_16_IMG_S = {"inception_v3": 1990.7, "resnet101": 1685.1, "vgg16": 1308.7}  # PR #44 "-" side, 25 Gbit/s
+HOROVOD_TCP_PRE_FUSION = {"inception_v3": (133.0, 1921.6), "resnet101": (118.1, 1475.2),  # README at 68ea5929
+                          "vgg16": (130.8, 1635.2)}
+HOROVOD_TCP40_NIC_GBPS = 40  # "16 servers with 4 Pascal GPUs each connected by plain 40 Gbit/s network"
+HOROVOD_TCP40_GPUS = 64
+HOROVOD_TCP40_BASELINE_IMG_S = {"inception_v3": 148.8, "resnet101": 136.0, "vgg16": 149.6}
+HOROVOD_TCP40_64_IMG_S = {"inception_v3": 7932.1, "resnet101": 7741.6, "vgg16": 6084.2}
 
 DDP_BATCH = 32
 DDP_NO_DDP_S = {"resnet50": 0.097, "resnet101": 0.162}
@@ -124,14 +148,15 @@ def parameter_check() -> list[dict]:
 # ---------------------------------------------------------------------------------------------- Horovod
 
 
-def horovod_cluster(gpus: int) -> Cluster:
-    return Cluster(gpus_per_node=4, nodes=gpus // 4, intra="pci", nic_gbps=25, nics_per_node=1, compute_capability=60)
+def horovod_cluster(gpus: int, transport: str = "rdma", nic_gbps: float = 25) -> Cluster:
+    return Cluster(gpus_per_node=4, nodes=gpus // 4, intra="pci", nic_gbps=nic_gbps, nics_per_node=1,
+                   compute_capability=60, transport=transport, socket=Socket())
 
 
-def horovod_nccl(gpus: int, bw: float | None = None) -> NcclModel:
+def horovod_nccl(gpus: int, bw: float | None = None, transport: str = "rdma", nic_gbps: float = 25) -> NcclModel:
     """NCCL's model of the cluster; ``bw``: the ring's channel speed in GB/s in place of NCCL's 3.0
-    (one server alone keeps its PCIe ring)."""
-    cluster = horovod_cluster(gpus)
+    (one server alone keeps its PCIe ring); ``transport="tcp"``: over NCCL's socket transport."""
+    cluster = horovod_cluster(gpus, transport, nic_gbps)
     graphs = {"ring": Graph(channels=1, bw_intra=bw, bw_inter=bw, nvlink=False)} if bw and cluster.nodes > 1 else {}
     return NcclModel(cluster, graphs=graphs)
 
@@ -225,6 +250,75 @@ def horovod() -> dict:
                       "docs/timeline.md at 8318a898",
         "fit": f"ring_bw_gbs and cv: least squares on the {HOROVOD_FIT_GPUS}-GPU rows only"}
     return out
+
+
+# ---------------------------------------------------------------------------------------------- Horovod over TCP
+
+
+def implied_channel_gbs(prof: Profile, published: float, make, stragglers: Stragglers, *, hi: float,
+                        threshold_bytes: int = HOROVOD_FUSION_BYTES) -> tuple[float | None, bool]:
+    """The ring channel speed (GB/s) at which the prediction meets the ``published`` efficiency, by
+    bisection between 0.1 GB/s and ``hi``, and whether it is only a floor (the published figure is
+    within a point of the prediction at ``hi``: any faster channel gives it too); (None, False) when
+    no speed there does."""
+    def eff(bw: float) -> float:
+        return prof.step_s / horovod_step(prof, make(bw), stragglers, threshold_bytes=threshold_bytes)
+
+    lo, top = 0.1, eff(hi)
+    if not eff(lo) <= published <= top:
+        return None, False
+    for _ in range(14):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if eff(mid) < published else (lo, mid)
+    return (lo + hi) / 2, top - published < 0.01
+
+
+def horovod_tcp(hv: dict) -> dict:
+    """Horovod with NCCL over plain TCP, predicted with the constants fitted on the RDMA rows (module doc)."""
+    bw, fitted = hv["ring_bw_gbs"], Stragglers(hv["cv"])
+    sock = Socket()
+    rows = []
+
+    def row(table: str, name: str, gpus: int, prof: Profile, published: float, tcp: NcclModel, blind: NcclModel,
+            make, hi: float, rdma_published: float | None, threshold: int = HOROVOD_FUSION_BYTES) -> None:
+        predicted = prof.step_s / horovod_step(prof, tcp, fitted, threshold_bytes=threshold)
+        rdma = prof.step_s / horovod_step(prof, blind, fitted, threshold_bytes=threshold)
+        rows.append({"table": table, "model": name, "gpus": gpus, "published_tcp": published,
+                     "predicted_tcp": predicted, "error_tcp": predicted - published,
+                     "predicted_transport_blind": rdma, "error_transport_blind": rdma - published,
+                     "published_rdma": rdma_published, "nccl_channel_gbs": tcp.graph("ring").bw_inter,
+                     "channel_gbs": tcp.actual_graph("ring").bw_inter,
+                     **dict(zip(("implied_channel_gbs", "implied_is_floor"),
+                                implied_channel_gbs(prof, published, make, fitted, hi=hi, threshold_bytes=threshold)))})
+
+    g = HOROVOD_FIT_GPUS
+    for name, img_s in HOROVOD_BASELINE_IMG_S.items():
+        prof = profile(name, HOROVOD_BATCH, HOROVOD_BATCH / img_s)
+        row("25G, 16 GPUs", name, g, prof, HOROVOD_TCP_16_IMG_S[name] / (g * img_s),
+            horovod_nccl(g, bw, "tcp"), horovod_nccl(g, bw), lambda b: horovod_nccl(g, b), bw,
+            HOROVOD_PUBLISHED[name][g])
+    for name, (single, sixteen) in HOROVOD_TCP_PRE_FUSION.items():
+        prof = profile(name, HOROVOD_BATCH, HOROVOD_BATCH / single)
+        rdma_single, rdma_sixteen = HOROVOD_PRE_FUSION[name]
+        row("25G, 16 GPUs, pre-fusion", name, g, prof, sixteen / (g * single), horovod_nccl(g, bw, "tcp"),
+            horovod_nccl(g, bw), lambda b: horovod_nccl(g, b), bw, rdma_sixteen / (g * rdma_single), threshold=0)
+    g, nic = HOROVOD_TCP40_GPUS, HOROVOD_TCP40_NIC_GBPS
+    for name, img_s in HOROVOD_TCP40_BASELINE_IMG_S.items():
+        prof = profile(name, HOROVOD_BATCH, HOROVOD_BATCH / img_s)
+        blind = horovod_nccl(g, None, "rdma", nic)
+        row("40G plain, 64 GPUs", name, g, prof, HOROVOD_TCP40_64_IMG_S[name] / (g * img_s),
+            horovod_nccl(g, None, "tcp", nic), blind, lambda b: horovod_nccl(g, b, "rdma", nic),
+            blind.graph("ring").bw_inter, None)
+    return {"socket": sock.to_dict(), "socket_channel_gbs": sock.channel_gbs(), "ring_bw_gbs_25g": bw, "cv": hv["cv"],
+            "rows": rows,
+            "sources": {
+                "25G, 16 GPUs": "horovod/horovod README.md, table removed by PR #44 (6bb6a2db): TCP Horovod, allreduce "
+                                "on GPU with NCCL (4 servers x 4 Pascal, RoCE-capable 25 Gbit/s)",
+                "25G, 16 GPUs, pre-fusion": "horovod/horovod README.md at 68ea5929: TCP Horovod on GPU (NCCL)",
+                "40G plain, 64 GPUs": "horovod/horovod README.md, PR #44 (6bb6a2db) '-' side: 16 servers x 4 Pascal, "
+                                      "plain 40 Gbit/s network, TCP Horovod (allreduce on GPU with NCCL)",
+                "socket": "NVIDIA/nccl src/transport/net_socket.cc at 5067397c (gpucomm/tuning/transport.py); host "
+                          "costs: benchmarks/tcp_host_cost.py over loopback on the development machine"}}
 
 
 # ---------------------------------------------------------------------------------------------- DDP
@@ -322,6 +416,29 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"    {name:13s} predicted {_pct(r['predicted_efficiency'])}  published "
               f"{_pct(r['published_efficiency'])}  {diff(r['predicted_efficiency'], r['published_efficiency'])}")
 
+    tcp = horovod_tcp(hv)
+    sk = tcp["socket"]
+    print(f"\nHorovod with NCCL over plain TCP (NCCL's socket transport) beside RDMA: scaling efficiency, nothing "
+          f"fitted on a TCP row\n  socket transport: {sk['threads']} helper threads x {sk['socks_per_thread']} socket "
+          f"(NCCL's default; one TCP flow on the proxy thread), one flow {sk['flow_gbs']:g} GB/s, "
+          f"{sk['send_ns_per_byte']:g}/{sk['recv_ns_per_byte']:g} ns per byte sent/received (loopback, "
+          f"benchmarks/tcp_host_cost.py)\n  -> a network channel at most {tcp['socket_channel_gbs']:.2f} GB/s; "
+          f"25G: ring {tcp['ring_bw_gbs_25g']:.2f} GB/s and cv {tcp['cv'] * 100:.2f} % from the RDMA fit; 40G: "
+          "NCCL's 5.0 GB/s channel, the same cv")
+    print(f"{'table':25s} {'model':13s} {'GPUs':>4s} {'TCP pub':>7s} {'pred tcp':>8s} {'diff':>6s}  "
+          f"{'blind':>6s} {'diff':>6s}  {'RDMA pub':>8s}  {'channel GB/s':>12s} {'implied':>7s}")
+    for r in tcp["rows"]:
+        implied = "—" if r["implied_channel_gbs"] is None else \
+            f"{'>=' if r['implied_is_floor'] else ''}{r['implied_channel_gbs']:.2f}"
+        print(f"{r['table']:25s} {r['model']:13s} {r['gpus']:4d} {_pct(r['published_tcp']):>7s} "
+              f"{_pct(r['predicted_tcp']):>8s} {diff(r['predicted_tcp'], r['published_tcp'])}  "
+              f"{_pct(r['predicted_transport_blind']):>6s} {diff(r['predicted_transport_blind'], r['published_tcp'])}  "
+              f"{_pct(r['published_rdma']):>8s}  {r['channel_gbs']:5.2f} of {r['nccl_channel_gbs']:4.2f} "
+              f"{implied:>7s}")
+    print("  blind: the same cluster with the transport unknown (each channel at the NIC's rate, as before); implied: "
+          "the channel speed that gives the published row\n  ('>=': the model is flat there, any faster one does too; "
+          "'—': none does)")
+
     dd = ddp()
     print(f"\nPyTorch DDP, V100 DGX-1 (NVLink), 4 x 100 Gbit/s InfiniBand per machine, batch 32: p50 s/iter "
           f"per replica\nDDP's cost per gradient, fitted on the 1-GPU DDP rows: "
@@ -335,7 +452,8 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{r['published_s']:9.3f} {r['error'] * 100:+6.1f}%   {r['uncalibrated_s']:12.4f} "
                   f"{r['uncalibrated_error'] * 100:+6.1f}%{tag}")
     print("  * the rows the issue asks for (within 5 %)")
-    doc = {"benchmark": "scaling_validation", "nccl": NCCL_VERSION, "parameters": params, "horovod": hv, "ddp": dd}
+    doc = {"benchmark": "scaling_validation", "nccl": NCCL_VERSION, "parameters": params, "horovod": hv,
+           "horovod_tcp": tcp, "ddp": dd}
     write_json(args.json, doc)
     print(f"wrote {args.json}")
     return doc

@@ -375,3 +375,18 @@ def test_horovods_synthetic_benchmark_at_2_hosts_x_2_ranks(hosts_allowed):
     assert total, r.stdout[-3000:]
     assert left == []
     print(f"\nsynthetic benchmark, 2 hosts x 2 ranks over 1 Gbit/s links ({' '.join(args)}): {total.group(0)}")
+
+
+@netns
+def test_the_shaped_link_driver_fits_a_1_gbit_link(hosts_allowed, tmp_path):
+    """benchmarks/shaped_links.py at its smallest (the rate fit alone, 1 Gbit/s, 3 allreduces per size):
+    it builds its 2 hosts, shapes their links, fits, writes its JSON and leaves nothing behind. The
+    fitted rate is only reported (a smoke run on a shared machine)."""
+    r = subprocess.run([PYTHON, "benchmarks/shaped_links.py", "--rates", "1gbit", "--probe-reps", "3",
+                        "--skip", "model_check,ddp,autotune", "--out-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    doc = json.loads((tmp_path / "shaped_links.json").read_text())
+    assert doc, r.stdout[-2000:]
+    print(f"\nshaped-link smoke run:\n{r.stdout[-1500:]}")
+

@@ -19,9 +19,10 @@ Gloo's own timeout (``GPUCOMM_TIMEOUT``, 60 s in the tests) on the data plane. T
 fires first (its limit is the same as TCP's but it needs no data in flight, and Gloo's is longer).
 
 What comes after the error is slower: the launcher stops the other ranks at once, but its ssh to a
-cut host ends only when ssh's own ServerAlive check gives up (10 s x 3, gpucomm/runner/remote.py),
-so the launcher exits, and an elastic job re-forms, some 30-40 s after the cut (reported, within
-``BOUND``); the cut host's rank ends by itself when rank 0 has been silent for the liveness limit.
+cut host ends only when ssh's own ServerAlive check gives up (10 s x 3 for a fixed job,
+gpucomm/runner/remote.py), so the launcher exits some 30-40 s after the cut (reported, within
+``BOUND``); an elastic job's ssh gives up after 15-20 s, so it re-forms about 21 s after the cut. The
+cut host's rank ends by itself when rank 0 has been silent for the liveness limit.
 """
 
 from __future__ import annotations

@@ -115,12 +115,52 @@ def test_bad_models_are_named(argv, message, capsys):
     (["--model", "vgg16", "--algorithm", "ring,mesh"], "give one or more of auto, ring, tree"),
     (["--model", "vgg16", "--nic-gbps", "25,-1"], "give one or more numbers > 0"),
     (["--model", "vgg16", "--step-noise-cv", "-0.1"], "give a fraction >= 0"),
+    (["--model", "vgg16", "--transport", "tcp,udp"], "give one or more of rdma, tcp"),
+    (["--model", "vgg16", "--socket-threads", "2"], "add --transport tcp"),
+    (["--model", "vgg16", "--transport", "rdma", "--tcp-flow-gbs", "2"], "add --transport tcp"),
+    (["--model", "vgg16", "--transport", "tcp", "--socket-threads", "17"], "--socket-threads=17"),
+    (["--model", "vgg16", "--transport", "tcp", "--socket-threads", "8", "--socket-nsocks", "9"],
+     "at most 64 per connection"),
+    (["--model", "vgg16", "--transport", "tcp", "--socket-nsocks", "0"], "NCCL_NSOCKS_PERTHREAD must be >= 1"),
+    (["--model", "vgg16", "--transport", "tcp", "--tcp-host-ns", "0.3"], "give SEND,RECV nanoseconds per byte"),
+    (["--model", "vgg16", "--transport", "tcp", "--tcp-flow-gbs", "0"], "flow_gbs=0.0 must be a number > 0"),
+    (["--model", "vgg16", "--transport", "tcp", "--link-gbps", "10", "--link-latency-us", "5"],
+     "--transport applies to NCCL's model"),
 ])
 def test_bad_arguments_exit_2_with_the_fix(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_transport_tcp_beside_rdma(tmp_path, capsys):
+    """``--transport`` defaults to rdma (the output of before); tcp keeps NCCL's picks and caps each
+    network channel at the socket transport's rate, so VGG-16 at 40 Gbit/s loses efficiency."""
+    common = ["--model", "vgg16", "--analytic", "--step-time", "0.428", "--batch-size", "64", "--gpus-per-node", "4",
+              "--nodes", "1,16", "--nic-gbps", "40", "--intra", "pci", "--cc", "60", "--algorithm", "ring"]
+    assert main(common + ["--json", str(tmp_path / "rdma.json")]) == 0
+    default = capsys.readouterr().out
+    assert "socket" not in default and "ring, tcp" not in default and "shape: 4/node, 40 Gbit/s, ring;" in default
+    out = tmp_path / "both.json"
+    assert main(common + ["--transport", "rdma,tcp", "--tcp-flow-gbs", "1.5", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "tcp: NCCL's socket transport, 0 helper thread(s) x 1 socket(s)" in text
+    assert "shape: 4/node, 40 Gbit/s, ring, tcp; a network channel runs at 1.50 GB/s (NCCL assumes 5.00)" in text
+    doc = json.loads(out.read_text())
+    rows = {(r["transport"], r["gpus"]): r for r in doc["shapes"]}
+    assert doc["socket"]["flow_gbs"] == 1.5 and doc["socket"]["threads"] == 0
+    assert rows["tcp", 4]["efficiency"] == rows["rdma", 4]["efficiency"]  # one node: no network
+    assert rows["tcp", 64]["efficiency"] < rows["rdma", 64]["efficiency"] - 0.1
+    assert rows["tcp", 64]["channel_gbs"] == 1.5 and rows["tcp", 64]["nccl_channel_gbs"] == 5.0
+    assert rows["rdma", 64]["channel_gbs"] == rows["rdma", 64]["nccl_channel_gbs"] == 5.0
+    assert json.loads((tmp_path / "rdma.json").read_text())["shapes"][1]["efficiency"] == \
+        pytest.approx(rows["rdma", 64]["efficiency"])
+    # more threads and sockets (AWS's 2 x 8) lift the channel back to the NIC's rate
+    assert main(common + ["--nodes", "16", "--transport", "tcp", "--socket-threads", "2", "--socket-nsocks", "8",
+                          "--tcp-flow-gbs", "1.5", "--json", str(out)]) == 0
+    assert "a network channel runs at 5.00 GB/s" in capsys.readouterr().out
+    assert json.loads(out.read_text())["shapes"][0]["efficiency"] == pytest.approx(rows["rdma", 64]["efficiency"])
 
 
 def test_module_entry_point_runs():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -191,6 +192,92 @@ def test_nccl_model_errors_name_the_fix():
     with pytest.raises(ValueError, match="nvlinks >= 1"):
         Cluster(gpus_per_node=8, intra="nvlink")
     assert NcclModel(Cluster(gpus_per_node=1)).time_s(1 << 20) == 0.0
+
+
+# -- the transport: NCCL's socket transport over plain TCP ------------------------------------------------
+
+
+def test_socket_transport_constants_are_ncclx_own():
+    from gpucomm.tuning import transport as t
+    assert (t.SOCKET_MAX_THREADS, t.SOCKET_MAX_SOCKETS, t.SOCKET_MIN_TASK_BYTES, t.SOCKET_INLINE_BYTES) == \
+        (16, 64, 64 * 1024, 128)
+    assert t.SOCKET_DEFAULTS == {"default": (0, 1), "aws": (2, 8), "gcp": (4, 1)}
+    assert (t.NCCL_BUFFSIZE, t.NCCL_STEPS, t.SOCKET_UNKNOWN_SPEED_GBPS) == (4 << 20, 8, 10.0)
+    # the measured host costs: one loopback flow of a few GB/s, a fraction of a ns per byte on each side
+    assert 0.5 < t.TCP_FLOW_GBS < 20 and 0.01 < t.TCP_SEND_NS_PER_BYTE < 2 and 0.01 < t.TCP_RECV_NS_PER_BYTE < 2
+
+
+def test_socket_channel_limit_by_hand():
+    from gpucomm.tuning.transport import Socket
+    s = Socket(flow_gbs=2.0, send_ns_per_byte=0.25, recv_ns_per_byte=0.5)
+    assert (s.sockets, s.streams, s.workers) == (0, 1, 1)  # NCCL's default: the proxy thread, one flow
+    assert s.channel_gbs() == pytest.approx(min(2.0, 1 / 0.5))
+    assert s.channel_gbs(both_directions=True) == pytest.approx(1 / 0.75)  # one thread sends and receives
+    assert s.channel_gbs(channels=4) == pytest.approx(0.5)  # the proxy thread is shared by the GPU's channels
+    aws = Socket.for_cloud("aws", flow_gbs=2.0, send_ns_per_byte=0.25, recv_ns_per_byte=0.5, flow_gbps=5)
+    assert (aws.sockets, aws.streams, aws.workers) == (16, 16, 2)
+    assert aws.channel_gbs() == pytest.approx(min(16 * 5 / 8, 2 / 0.5))  # two threads' CPU bound it
+    assert aws.channel_gbs(channels=4) == aws.channel_gbs()  # helper threads are per connection
+    # a 512 KiB step fills at most 8 sockets of 64 KiB tasks, 8 steps in flight at most 64
+    assert Socket(threads=16, socks_per_thread=4).streams == 64
+    assert Socket(threads=1, socks_per_thread=1).channel_gbs(both_directions=True) == \
+        pytest.approx(min(Socket().flow_gbs, 1 / max(Socket().send_ns_per_byte, Socket().recv_ns_per_byte)))
+
+
+def test_tcp_caps_each_network_channel_but_keeps_ncclx_pick():
+    from gpucomm.tuning.transport import Socket
+    sock = Socket(flow_gbs=1.5)
+    tcp = NcclModel(Cluster(gpus_per_node=4, nodes=4, intra="pci", nic_gbps=25, compute_capability=60,
+                            transport="tcp", socket=sock))
+    rdma = NcclModel(PASCAL_25G)
+    assert tcp.graph("ring") == rdma.graph("ring")  # NCCL's search sees the NIC either way
+    assert tcp.actual_graph("ring").bw_inter == 1.5 and tcp.actual_graph("ring").bw_intra == 1.5
+    assert rdma.actual_graph("ring") == rdma.graph("ring")
+    nbytes = 64 << 20
+    assert tcp.time_us(nbytes, "ring", "Simple") == pytest.approx(229.2 * 1.9 + nbytes / (1000 * 1.5 * 16 / 30))
+    assert tcp.time_us(nbytes, "ring", "Simple", actual=False) == rdma.time_us(nbytes, "ring", "Simple")
+    for size in (4096, 1 << 20, nbytes):
+        assert tcp.choice(size)[:2] == rdma.choice(size)[:2]
+        assert tcp.time_s(size) >= rdma.time_s(size)
+    # a tree of two nodes keeps NCCL's 2x between its intra- and inter-node speeds
+    two = NcclModel(Cluster(gpus_per_node=4, nodes=2, intra="pci", nic_gbps=100, compute_capability=60,
+                            transport="tcp", socket=sock))
+    g = two.actual_graph("tree")
+    assert (g.bw_inter, g.bw_intra) == (pytest.approx(sock.channel_gbs(both_directions=True)),
+                                        pytest.approx(2 * sock.channel_gbs(both_directions=True)))
+    # one node has no network: the transport changes nothing
+    one = Cluster(gpus_per_node=8, intra="nvlink", nvlinks=6, transport="tcp")
+    assert NcclModel(one).time_s(nbytes) == NcclModel(replace(one, transport="rdma")).time_s(nbytes)
+    # channels leave a node by different GPUs, each with its own proxy thread; one GPU per node shares its one
+    dgx = NcclModel(Cluster(gpus_per_node=8, nodes=2, intra="nvlink", nvlinks=6, nic_gbps=100, nics_per_node=4,
+                            transport="tcp", socket=sock))
+    assert dgx.graph("ring").channels == 4 and dgx.socket_gbs("ring") == pytest.approx(1.5)
+    alone = NcclModel(replace(dgx.cluster, gpus_per_node=1))
+    assert alone.socket_gbs("ring") == pytest.approx(sock.channel_gbs(4, both_directions=True))
+    assert alone.socket_gbs("ring") == pytest.approx(1 / (sock.send_ns_per_byte + sock.recv_ns_per_byte) / 4)
+    # a fast enough socket transport is the NIC again
+    fast = Socket.for_cloud("aws", flow_gbs=10.0)
+    assert NcclModel(replace(tcp.cluster, socket=fast)).time_s(nbytes) == rdma.time_s(nbytes)
+
+
+def test_transport_errors_name_the_fix():
+    from gpucomm.tuning.transport import Socket
+    with pytest.raises(ValueError, match="use 'rdma'"):
+        Cluster(gpus_per_node=4, nodes=2, transport="udp")
+    with pytest.raises(ValueError, match="MAX_THREADS"):
+        Socket(threads=17)
+    with pytest.raises(ValueError, match="at most 64 per connection"):
+        Socket(threads=8, socks_per_thread=9)
+    with pytest.raises(ValueError, match="NCCL_NSOCKS_PERTHREAD must be >= 1"):
+        Socket(socks_per_thread=0)
+    with pytest.raises(ValueError, match="flow_gbs=0"):
+        Socket(flow_gbs=0)
+    with pytest.raises(ValueError, match="must be finite"):
+        Socket(send_ns_per_byte=math.inf)
+    with pytest.raises(ValueError, match="NCCL auto-detects"):
+        Socket.for_cloud("azure")
+    with pytest.raises(ValueError, match="must be a gpucomm.tuning.transport.Socket"):
+        Cluster(gpus_per_node=4, socket=(2, 8))
 
 
 # -- the dynamic program against brute force -----------------------------------------------------------

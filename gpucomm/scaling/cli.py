@@ -8,9 +8,16 @@
         --nodes 1,4,128 --nic-gbps 25 --intra pci --cc 60 --algorithm ring
     python -m gpucomm.scaling --model resnet50 --analytic --step-time 0.097 --gpus-per-node 4,8 \\
         --nodes 1,4,16,64 --nic-gbps 25,100 --algorithm ring,tree --step-noise-cv 0.02   # a grid of shapes
+    python -m gpucomm.scaling --model vgg16 --analytic --step-time 0.428 --batch-size 64 --gpus-per-node 4 \
+        --nodes 16 --nic-gbps 40 --intra pci --cc 60 --algorithm ring --transport rdma,tcp    # plain TCP beside RDMA
 
-``--gpus-per-node``, ``--nic-gbps`` and ``--algorithm`` take comma lists as ``--nodes`` does: every
-combination is predicted, one table (and one plot line) each.
+``--gpus-per-node``, ``--nic-gbps``, ``--algorithm`` and ``--transport`` take comma lists as ``--nodes``
+does: every combination is predicted, one table (and one plot line) each.
+``--transport`` says what carries NCCL's inter-node traffic: ``rdma`` (the default, and the only
+behaviour before it existed: NCCL's model as is, each channel at the NIC's rate) or ``tcp`` (NCCL's
+socket transport: NCCL still picks its algorithm by the NIC's rate, but each network channel runs
+no faster than the socket threads carry, ``gpucomm.tuning.transport``; ``--socket-threads`` and
+``--socket-nsocks`` are NCCL_SOCKET_NTHREADS and NCCL_NSOCKS_PERTHREAD, NCCL's defaults 0 and 1).
 Weak scaling: every GPU keeps the profiled batch. For each shape the step is predicted with the
 best bucket plan (the exact dynamic program of ``gpucomm.tuning.optimal``) and, beside it, with
 gpucomm's default buckets (1 MiB first, then 25 MiB). The collective's cost is NCCL's published
@@ -35,6 +42,7 @@ from ..tuning.predict import predict_step, scaling_efficiency
 from ..tuning.profile import Profile
 from ..tuning.step import Overheads
 from ..tuning.straggler import Stragglers
+from ..tuning.transport import SOCKET_MAX_SOCKETS, SOCKET_MAX_THREADS, TRANSPORTS, Socket
 from . import sources
 
 __all__ = ["build_parser", "main", "predict_shapes", "shape_label", "shapes"]
@@ -59,6 +67,25 @@ def _algorithm_list(text: str) -> list[str]:
 
 
 ALGORITHMS = ("auto", "ring", "tree")
+
+
+def _transport_list(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in values if v not in TRANSPORTS]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more of {', '.join(TRANSPORTS)} (comma-separated; "
+                                         "rdma: InfiniBand/RoCE verbs, tcp: NCCL's socket transport)")
+    return list(dict.fromkeys(values))
+
+
+def _ns_pair(text: str) -> tuple[float, float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != 2 or min(values) <= 0 or not all(math.isfinite(v) for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give SEND,RECV nanoseconds per byte, both > 0 (e.g. 0.27,0.19)")
+    return values[0], values[1]
 
 
 def _int_list(text: str) -> list[int]:
@@ -111,6 +138,22 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--protocol", choices=["auto", "LL", "LL128", "Simple"], default="auto")
     cl.add_argument("--link-latency-us", type=float, help="instead of NCCL's model: a ring over links of this latency")
     cl.add_argument("--link-gbps", type=float, help="... and this bandwidth (Gbit/s)")
+    cl.add_argument("--transport", type=_transport_list, default=["rdma"],
+                    help="what carries NCCL's inter-node traffic: rdma (InfiniBand/RoCE; NCCL's model as is), tcp "
+                         "(NCCL's socket transport), or a comma list (default rdma)")
+    cl.add_argument("--socket-threads", type=int, default=None, metavar="N",
+                    help=f"--transport tcp: NCCL_SOCKET_NTHREADS, 0..{SOCKET_MAX_THREADS} (default 0, NCCL's own; "
+                         "NCCL picks 2 on AWS, 4 on GCP)")
+    cl.add_argument("--socket-nsocks", type=int, default=None, metavar="N",
+                    help=f"--transport tcp: NCCL_NSOCKS_PERTHREAD (default 1; AWS 8); threads x sockets <= "
+                         f"{SOCKET_MAX_SOCKETS}")
+    cl.add_argument("--socket-flow-gbps", type=float, default=None, metavar="GBPS",
+                    help="--transport tcp: the network's own limit on one TCP flow (default none)")
+    cl.add_argument("--tcp-flow-gbs", type=float, default=None, metavar="GBS",
+                    help="--transport tcp: one TCP stream's rate on these hosts, GB/s (default: measured here, "
+                         "gpucomm.tuning.transport.TCP_FLOW_GBS)")
+    cl.add_argument("--tcp-host-ns", type=_ns_pair, default=None, metavar="SEND,RECV",
+                    help="--transport tcp: a thread's CPU ns per byte sent and received (default: measured here)")
     cl.add_argument("--processor", choices=["dedicated", "shared"], default="dedicated",
                     help="dedicated: communication runs beside compute (GPUs); shared: it needs the cores that "
                          "compute (CPU ranks with every core busy)")
@@ -142,6 +185,34 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("--batch-size and --steps must be >= 1, --warmup >= 0")
     if not (math.isfinite(args.step_noise_cv) and args.step_noise_cv >= 0):
         ap.error(f"--step-noise-cv {args.step_noise_cv}: give a fraction >= 0 of the step (0.04 is 4 percent)")
+    socket_flags = [f for f, v in (("--socket-threads", args.socket_threads), ("--socket-nsocks", args.socket_nsocks),
+                                   ("--socket-flow-gbps", args.socket_flow_gbps), ("--tcp-flow-gbs", args.tcp_flow_gbs),
+                                   ("--tcp-host-ns", args.tcp_host_ns)) if v is not None]
+    if socket_flags and "tcp" not in args.transport:
+        ap.error(f"{', '.join(socket_flags)} describe NCCL's socket transport: add --transport tcp (or rdma,tcp)")
+    if args.link_latency_us is not None and args.transport != ["rdma"]:
+        ap.error("--transport applies to NCCL's model; a --link-latency-us/--link-gbps ring already gives its links' "
+                 "bandwidth: drop one of them")
+    try:
+        args.socket = socket_of(args)
+    except ValueError as e:
+        ap.error(str(e).replace("Socket: threads", "--socket-threads").replace("Socket: socks_per_thread",
+                                                                              "--socket-nsocks"))
+
+
+def socket_of(args: argparse.Namespace) -> Socket:
+    """The socket transport the ``--socket-*`` and ``--tcp-*`` arguments describe (NCCL's defaults
+    and the measured host costs where not given)."""
+    kw: dict[str, Any] = {}
+    for flag, name in (("socket_threads", "threads"), ("socket_nsocks", "socks_per_thread"),
+                       ("socket_flow_gbps", "flow_gbps"), ("tcp_flow_gbs", "flow_gbs")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            kw[name] = value
+    host = getattr(args, "tcp_host_ns", None)
+    if host is not None:
+        kw["send_ns_per_byte"], kw["recv_ns_per_byte"] = host
+    return Socket(**kw)
 
 
 def get_profile(args: argparse.Namespace) -> Profile:
@@ -162,21 +233,24 @@ def get_profile(args: argparse.Namespace) -> Profile:
     return prof.scaled(args.step_time) if args.step_time else prof
 
 
-def shapes(args: argparse.Namespace) -> list[tuple[int, float, str]]:
-    """The (GPUs per node, NIC Gbit/s, algorithm) combinations asked for, in the order given (a
-    ``--link-*`` ring has no NIC or algorithm of NCCL's: one combination per GPUs-per-node)."""
+def shapes(args: argparse.Namespace) -> list[tuple[int, float, str, str]]:
+    """The (GPUs per node, NIC Gbit/s, algorithm, transport) combinations asked for, in the order
+    given (a ``--link-*`` ring has no NIC, algorithm or transport of NCCL's: one combination per
+    GPUs-per-node)."""
     def listed(value: Any) -> list:  # a Namespace built by hand may hold one value
         return list(value) if isinstance(value, (list, tuple)) else [value]
 
     per_node = listed(args.gpus_per_node)
     if args.link_latency_us is not None:
-        return [(g, args.link_gbps, "ring") for g in per_node]
-    return [(g, nic, algo) for g in per_node for nic in listed(args.nic_gbps) for algo in listed(args.algorithm)]
+        return [(g, args.link_gbps, "ring", "rdma") for g in per_node]
+    return [(g, nic, algo, transport) for g in per_node for nic in listed(args.nic_gbps)
+            for algo in listed(args.algorithm) for transport in listed(getattr(args, "transport", ["rdma"]))]
 
 
 def shape_label(row: dict[str, Any]) -> str:
-    """A shape's name in tables and plot legends."""
-    return f"{row['gpus_per_node']}/node, {row['nic_gbps']:g} Gbit/s, {row['algorithm']}"
+    """A shape's name in tables and plot legends (``, tcp`` after a socket transport's)."""
+    tcp = ", tcp" if row.get("transport") == "tcp" else ""
+    return f"{row['gpus_per_node']}/node, {row['nic_gbps']:g} Gbit/s, {row['algorithm']}{tcp}"
 
 
 def predict_shapes(prof: Profile, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -184,8 +258,9 @@ def predict_shapes(prof: Profile, args: argparse.Namespace) -> list[dict[str, An
     gpucomm's default; with ``--step-noise-cv`` each also waits for its slowest rank."""
     overheads = Overheads(per_bucket_s=args.per_bucket_us * 1e-6, pack_Bps=args.pack_gbs * 2e9)
     noise = Stragglers(getattr(args, "step_noise_cv", 0.0))
+    socket = getattr(args, "socket", None) or socket_of(args)
     rows = []
-    for per_node, nic, algorithm in shapes(args):
+    for per_node, nic, algorithm, transport in shapes(args):
         for nodes in args.nodes:
             ranks = nodes * per_node
             if args.link_latency_us is not None:
@@ -194,19 +269,24 @@ def predict_shapes(prof: Profile, args: argparse.Namespace) -> list[dict[str, An
             else:
                 cluster = Cluster(gpus_per_node=per_node, nodes=nodes, intra=args.intra, nvlinks=args.nvlinks,
                                   nic_gbps=nic, nics_per_node=args.nics_per_node, compute_capability=args.cc,
-                                  cpu=args.cpu)
+                                  cpu=args.cpu, transport=transport, socket=socket)
                 nccl = NcclModel(cluster)
                 cost = nccl.cost(algorithm, args.protocol)
-                model = f"NCCL {algorithm}/{args.protocol}"
+                model = f"NCCL {algorithm}/{args.protocol}" + (" over TCP sockets" if transport == "tcp" else "")
             best = predict_step(prof, cost, overheads=overheads, processor=args.processor)
             default = predict_step(prof, cost, plan="gpucomm", overheads=overheads, processor=args.processor)
             algos = sorted({"/".join(nccl.choice(b.nbytes, algorithm, args.protocol)[:2]) for b in best.step.buckets}) \
                 if args.link_latency_us is None and ranks > 1 else []
             wait = noise.delay_s(prof.step_s, ranks)
             step, default_step = best.step.step_s + wait, default.step.step_s + wait
+            channel = {}
+            if args.link_latency_us is None and nodes > 1:
+                picked = "ring" if algorithm == "auto" else algorithm  # the big buckets' pick on these clusters
+                channel = {"nccl_channel_gbs": nccl.graph(picked).bw_inter,
+                           "channel_gbs": nccl.actual_graph(picked).bw_inter}
             rows.append({
                 "gpus": ranks, "nodes": nodes, "gpus_per_node": per_node, "nic_gbps": nic, "algorithm": algorithm,
-                "cost_model": model, "nccl_choices": algos, "straggler_wait_s": wait,
+                "transport": transport, **channel, "cost_model": model, "nccl_choices": algos, "straggler_wait_s": wait,
                 "step_s": step, "samples_per_s": prof.batch_size * ranks / step,
                 "efficiency": scaling_efficiency(prof.step_s, step), "exposed_s": best.step.exposed_s,
                 "overlap_fraction": best.step.overlap_fraction,
@@ -225,12 +305,22 @@ def print_report(prof: Profile, rows: list[dict[str, Any]], args: argparse.Names
     if args.link_latency_us is None:
         print(f"collective: NCCL's cost model {NCCL_VERSION}; GPUs per node over {args.intra}, "
               f"{args.nics_per_node} NIC(s) per node, compute capability {args.cc}")
+        if "tcp" in args.transport:
+            sock = getattr(args, "socket", None) or socket_of(args)
+            print(f"tcp: NCCL's socket transport, {sock.threads} helper thread(s) x {sock.socks_per_thread} socket(s) "
+                  f"per connection ({sock.streams} TCP flow(s)); one flow {sock.flow_gbs:g} GB/s, a thread "
+                  f"{sock.send_ns_per_byte:g}/{sock.recv_ns_per_byte:g} ns per byte sent/received; a network channel "
+                  f"runs at the least of that and the NIC's rate (gpucomm.tuning.transport)")
     if args.step_noise_cv:
         print(f"each step waits for its slowest rank: per-rank step noise {args.step_noise_cv * 100:g} % of the step "
               f"(tuning.straggler)")
     several = len(shapes(args)) > 1
     for label in dict.fromkeys(shape_label(r) for r in rows):
-        print(f"shape: {label}")
+        first = next(r for r in rows if shape_label(r) == label and "channel_gbs" in r) if any(
+            shape_label(r) == label and "channel_gbs" in r for r in rows) else None
+        speed = (f"; a network channel runs at {first['channel_gbs']:.2f} GB/s (NCCL assumes "
+                 f"{first['nccl_channel_gbs']:.2f})" if first else "")
+        print(f"shape: {label}{speed}")
         print(f"{'GPUs':>5s} {'nodes':>5s} {'step ms':>9s} {'samples/s':>11s} {'eff':>6s} {'exposed ms':>10s} "
               f"{'buckets':>7s} {'default ms':>10s} {'def eff':>7s}  NCCL picks")
         for r in rows:
@@ -292,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"profile": prof.to_dict(), "shapes": rows,
-                       "nccl": NCCL_VERSION if args.link_latency_us is None else None}, f, indent=1)
+                       "nccl": NCCL_VERSION if args.link_latency_us is None else None,
+                       "socket": args.socket.to_dict() if "tcp" in args.transport else None}, f, indent=1)
         print(f"wrote {args.json}")
     if args.plot:
         plot(rows, prof, args.plot)

@@ -5,6 +5,7 @@ Pure Python (no torch, no GPU) at its core:
 - ``costs``: collective cost curves, ``AlphaBeta`` and ``fit_alpha_beta`` from measured samples, or
   ``MeasuredCurve`` through the samples themselves;
 - ``nccl``: NCCL's published cost model (ring and tree, 2.30.7 constants) for clusters we do not have;
+- ``transport``: RDMA or plain TCP under it (NCCL's socket transport: threads, sockets, host cost per byte);
 - ``step``: the step as gpucomm schedules it (buckets in index order, one at a time on one stream);
 - ``optimal``: the exact best contiguous bucket cuts in ready order (an O(n²) dynamic program);
 - ``policies``: other systems' plans (gpucomm's and DDP's fixed caps, Horovod's cycle);
@@ -24,6 +25,7 @@ from .predict import Prediction, predict_step, scaling_efficiency
 from .profile import Profile
 from .step import BucketTiming, Overheads, StepPrediction, simulate
 from .straggler import Stragglers, expected_max_normal, fit_cv
+from .transport import TRANSPORTS, Socket
 
 __all__ = [
     "AlphaBeta", "CostFn", "FitError", "MeasuredCurve", "fit_alpha_beta", "medians", "ring_allreduce",
@@ -34,4 +36,5 @@ __all__ = [
     "Profile",
     "BucketTiming", "Overheads", "StepPrediction", "simulate",
     "Stragglers", "expected_max_normal", "fit_cv",
+    "TRANSPORTS", "Socket",
 ]

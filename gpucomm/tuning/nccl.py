@@ -15,6 +15,13 @@ that the NIC carries (``bw = Gbit/s / 8`` as ``topo.cc`` computes it), one chann
 node the GPUs' link bandwidth (NVLink: links x the per-link constant of the GPU generation; PCIe: 12
 GB/s) bounds the channels. Pass an explicit ``Graph`` where you know better (e.g. from
 ``NCCL_DEBUG_SUBSYS=TUNING`` output of the real machine).
+
+NCCL's model does not know the transport (``transport.py``): its socket transport reports the NIC's
+line rate, so NCCL picks its algorithm and protocol as if every network ran at that rate. A
+``Cluster(transport="tcp")`` keeps NCCL's pick (``choice``) but times it with each network channel
+capped at what the socket transport's threads and sockets carry (``Socket.channel_gbs``):
+``graph`` is what NCCL believes, ``actual_graph`` what runs. ``transport="rdma"`` (the default) is
+NCCL's model unchanged.
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-__all__ = ["NCCL_VERSION", "Cluster", "Graph", "graph_for", "NcclModel", "ALGORITHMS", "PROTOCOLS"]
+from .transport import TRANSPORTS, Socket
+
+__all__ = ["NCCL_VERSION", "Cluster", "Graph", "graph_for", "NcclModel", "ALGORITHMS", "PROTOCOLS", "TRANSPORTS"]
 
 NCCL_VERSION = "2.30.7 (NVIDIA/nccl 5067397c, src/graph/tuning.cc)"
 ALGORITHMS = ("tree", "ring")
@@ -74,7 +83,9 @@ class Cluster:
     ``intra``: how the GPUs of a node talk (``"nvlink"`` or ``"pci"``); ``nvlinks``: NVLink links per
     GPU (for ``"nvlink"``); ``nic_gbps``: each NIC's line rate in Gbit/s; ``nics_per_node``;
     ``compute_capability``: 60 Pascal, 70 Volta, 80 Ampere, 90 Hopper, 100 Blackwell; ``cpu``:
-    ``"intel"`` or ``"amd"`` (NCCL's network post overhead and LL caps depend on it)."""
+    ``"intel"`` or ``"amd"`` (NCCL's network post overhead and LL caps depend on it); ``transport``:
+    ``"rdma"`` (IB/RoCE verbs: the NIC's rate) or ``"tcp"`` (NCCL's socket transport, set up by
+    ``socket``; module doc)."""
 
     gpus_per_node: int
     nodes: int = 1
@@ -84,6 +95,8 @@ class Cluster:
     nics_per_node: int = 1
     compute_capability: int = 70
     cpu: Literal["intel", "amd"] = "intel"
+    transport: Literal["rdma", "tcp"] = "rdma"
+    socket: Socket = field(default_factory=Socket)
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1 or self.nodes < 1:
@@ -99,6 +112,11 @@ class Cluster:
                              f"nics_per_node={self.nics_per_node} >= 1.")
         if self.cpu not in NET_OVERHEAD_US:
             raise ValueError(f"Cluster: cpu={self.cpu!r}; use 'intel' or 'amd'.")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"Cluster: transport={self.transport!r}; use 'rdma' (InfiniBand/RoCE verbs) or 'tcp' "
+                             "(NCCL's socket transport).")
+        if not isinstance(self.socket, Socket):
+            raise ValueError(f"Cluster: socket={self.socket!r} must be a gpucomm.tuning.transport.Socket.")
 
     @property
     def ranks(self) -> int:
@@ -159,7 +177,27 @@ class NcclModel:
     graphs: dict[str, Graph] = field(default_factory=dict)
 
     def graph(self, algorithm: str) -> Graph:
+        """What NCCL's search hands its tuning (transport-blind)."""
         return self.graphs.get(algorithm) or graph_for(self.cluster, algorithm)
+
+    def socket_gbs(self, algorithm: str) -> float:
+        """The socket transport's limit on one network channel (GB/s); inf over RDMA or on one node."""
+        c = self.cluster
+        if c.transport != "tcp" or c.nodes == 1:
+            return math.inf
+        both = c.gpus_per_node == 1 or algorithm == "tree"  # one proxy sends and receives across the network
+        per_gpu = math.ceil(self.graph(algorithm).channels / c.gpus_per_node)  # channels leave by different GPUs
+        return c.socket.channel_gbs(per_gpu, both_directions=both)
+
+    def actual_graph(self, algorithm: str) -> Graph:
+        """The graph that runs: NCCL's, its network channels capped by the transport (module doc).
+        A tree of two nodes keeps NCCL's 2x between its intra- and inter-node speeds."""
+        g = self.graph(algorithm)
+        cap = self.socket_gbs(algorithm)
+        if cap == math.inf:
+            return g
+        intra_cap = 2 * cap if algorithm == "tree" and self.cluster.nodes <= 2 else cap
+        return replace(g, bw_intra=min(g.bw_intra, intra_cap), bw_inter=min(g.bw_inter, cap))
 
     def _indices(self) -> tuple[int, int, int]:
         c = self.cluster
@@ -176,9 +214,10 @@ class NcclModel:
             return True
         return self.cluster.compute_capability >= 70 and self.graph(algorithm).nvlink
 
-    def bandwidth_gbs(self, algorithm: str, protocol: str) -> float:
-        """The algorithm bandwidth NCCL assumes (GB/s), before the tree's per-size correction."""
-        c, g = self.cluster, self.graph(algorithm)
+    def bandwidth_gbs(self, algorithm: str, protocol: str, graph: Graph | None = None) -> float:
+        """The algorithm bandwidth NCCL assumes (GB/s), before the tree's per-size correction; on
+        ``graph`` in place of ``self.graph(algorithm)`` when given."""
+        c, g = self.cluster, graph or self.graph(algorithm)
         cc_index, index1, index2 = self._indices()
         n = c.ranks
         bw = g.bw_intra if c.nodes <= 2 else g.bw_inter
@@ -217,13 +256,14 @@ class NcclModel:
             return lat + (steps - inter_steps) * intra + inter_steps * inter
         return lat + 2 * ((n // nodes - 1) * intra + _log2i(nodes) * inter)
 
-    def time_us(self, nbytes: int, algorithm: str, protocol: str) -> float:
-        """ncclTopoGetAlgoTime for one allreduce of ``nbytes`` (µs); inf when disabled."""
+    def time_us(self, nbytes: int, algorithm: str, protocol: str, actual: bool = True) -> float:
+        """ncclTopoGetAlgoTime for one allreduce of ``nbytes`` (µs); inf when disabled. ``actual``:
+        on the graph that runs (``actual_graph``); else on NCCL's own, as NCCL predicts it."""
         if self.cluster.ranks <= 1:
             return 0.0
         if not self.enabled(algorithm, protocol):
             return math.inf
-        bw = self.bandwidth_gbs(algorithm, protocol)
+        bw = self.bandwidth_gbs(algorithm, protocol, self.actual_graph(algorithm) if actual else None)
         lat = self.latency_us(algorithm, protocol)
         log_size = _log2i(int(nbytes) >> 6)
         if algorithm == "tree" and 0 <= log_size < 23:
@@ -234,19 +274,21 @@ class NcclModel:
         return lat + nbytes / (1000.0 * bw)
 
     def choice(self, nbytes: int, algorithm: str = "auto", protocol: str = "auto") -> tuple[str, str, float]:
-        """(algorithm, protocol, seconds) NCCL would pick: the fastest enabled combination, or the
-        fastest protocol of ``algorithm``, or exactly the pair asked for."""
+        """(algorithm, protocol, seconds) NCCL would pick: the fastest enabled combination by NCCL's
+        own (transport-blind) times, or the fastest protocol of ``algorithm``, or exactly the pair
+        asked for; the seconds are the pick's time on the graph that runs."""
         algos = ALGORITHMS if algorithm == "auto" else (algorithm,)
         protos = PROTOCOLS if protocol == "auto" else (protocol,)
         for name, allowed in (("algorithm", ALGORITHMS), ("protocol", PROTOCOLS)):
             bad = [v for v in (algos if name == "algorithm" else protos) if v not in allowed]
             if bad:
                 raise ValueError(f"NcclModel: unknown {name} {bad[0]!r}; choose 'auto' or one of {', '.join(allowed)}.")
-        best = min(((a, p, self.time_us(nbytes, a, p)) for a in algos for p in protos), key=lambda t: t[2])
+        best = min(((a, p, self.time_us(nbytes, a, p, actual=False)) for a in algos for p in protos),
+                   key=lambda t: t[2])
         if not math.isfinite(best[2]):
             raise ValueError(f"NcclModel: {algorithm}/{protocol} is disabled on this cluster (LL128 needs Volta or "
                              "newer over NVLink); choose protocol='auto'.")
-        return best[0], best[1], best[2] * 1e-6
+        return best[0], best[1], self.time_us(nbytes, best[0], best[1]) * 1e-6
 
     def time_s(self, nbytes: int, algorithm: str = "auto", protocol: str = "auto") -> float:
         """Seconds one allreduce of ``nbytes`` takes, by NCCL's model."""
