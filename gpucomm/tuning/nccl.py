@@ -175,6 +175,9 @@ class NcclModel:
 
     cluster: Cluster
     graphs: dict[str, Graph] = field(default_factory=dict)
+    # (algorithm, protocol, actual) -> the size-free terms of ``time_us``: the planners ask for thousands of sizes
+    _terms: dict[tuple[str, str, bool], tuple[float, float, int, float]] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     def graph(self, algorithm: str) -> Graph:
         """What NCCL's search hands its tuning (transport-blind)."""
@@ -263,14 +266,20 @@ class NcclModel:
             return 0.0
         if not self.enabled(algorithm, protocol):
             return math.inf
-        bw = self.bandwidth_gbs(algorithm, protocol, self.actual_graph(algorithm) if actual else None)
-        lat = self.latency_us(algorithm, protocol)
+        terms = self._terms.get((algorithm, protocol, actual))
+        if terms is None:  # what does not depend on the size, once per model
+            bw = self.bandwidth_gbs(algorithm, protocol, self.actual_graph(algorithm) if actual else None)
+            lat = self.latency_us(algorithm, protocol)
+            plateau = (self.graph("ring").channels * self.cluster.ranks
+                       if algorithm == "ring" and protocol == "Simple" and self.cluster.nodes > 1 else 0)
+            factor = 1.9 if self.cluster.compute_capability < 80 else 1.4  # the ring's plateau effect
+            terms = self._terms[(algorithm, protocol, actual)] = (bw, lat, plateau, factor)
+        bw, lat, plateau, factor = terms
         log_size = _log2i(int(nbytes) >> 6)
         if algorithm == "tree" and 0 <= log_size < 23:
             bw *= TREE_CORRECTION[_P[protocol]][log_size]
-        if (algorithm == "ring" and protocol == "Simple" and self.cluster.nodes > 1
-                and nbytes // (self.graph("ring").channels * self.cluster.ranks) >= 64):
-            lat *= 1.9 if self.cluster.compute_capability < 80 else 1.4  # the ring's plateau effect
+        if plateau and nbytes // plateau >= 64:
+            lat *= factor
         return lat + nbytes / (1000.0 * bw)
 
     def choice(self, nbytes: int, algorithm: str = "auto", protocol: str = "auto") -> tuple[str, str, float]:
