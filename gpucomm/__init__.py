@@ -8,7 +8,7 @@ is ``horovod.run``.
 from __future__ import annotations
 
 from .errors import CollectiveError, GpucommError, NotInitializedError, ShutdownError
-from .lazy import lazy_names
+from .lazy import lazy_dir, lazy_names
 from .reduce_op import ReduceOp
 
 __version__ = "0.1.0"
@@ -20,3 +20,4 @@ __all__ = ["Communicator", "CollectiveError", "GpucommError", "NotInitializedErr
 
 
 __getattr__ = lazy_names(__name__, _LAZY, globals())
+__dir__ = lazy_dir(_LAZY, globals())

@@ -24,4 +24,15 @@ def lazy_names(package: str, names: Mapping[str, str], namespace: dict) -> Calla
     return __getattr__
 
 
-__all__ = ["lazy_names"]
+def lazy_dir(names: Mapping[str, str], namespace: dict) -> Callable[[], list[str]]:
+    """A module ``__dir__`` (PEP 562) that lists the lazily exported ``names`` before their first use
+    too, beside what ``namespace`` already holds: tab completion and tools that discover an API by
+    ``dir()`` see the whole package."""
+
+    def __dir__() -> list[str]:
+        return sorted(set(namespace) | set(names))
+
+    return __dir__
+
+
+__all__ = ["lazy_dir", "lazy_names"]

@@ -49,6 +49,17 @@ def test_lazy_names_resolve():
     assert "gpucomm.torch.optimizer" in loaded
 
 
+def test_dir_lists_the_lazy_names_before_their_first_use():
+    """Tab completion and API discovery by ``dir()`` see ``ZeroRedundancyOptimizer`` and the other lazily
+    loaded names at once (issue 38), and listing them loads nothing."""
+    loaded = _modules_after("import gpucomm, gpucomm.torch as hvd, gpucomm.kernels as k; "
+                            "names = dir(hvd); "
+                            "assert {'ZeroRedundancyOptimizer', 'DistributedOptimizer', 'init', 'allreduce'} <= set(names), names; "
+                            "assert names == sorted(names); "
+                            "assert 'stats' in dir(gpucomm) and 'pack' in dir(k), (dir(gpucomm), dir(k))")
+    assert "gpucomm.torch.optimizer" not in loaded and "numba" not in loaded
+
+
 def test_horovods_mpi_ops_module_name_holds_the_collectives_horovod_defines_there():
     """``from horovod.torch.mpi_ops import allreduce`` (and the other differentiable collectives,
     which Horovod defines in mpi_ops.py) must keep working with the import line changed."""

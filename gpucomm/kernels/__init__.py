@@ -16,7 +16,7 @@ CPU path (``gpucomm.dataplane.bucket_copy``) can share ``rules`` without loading
 from __future__ import annotations
 
 from ..errors import KernelUnavailableError
-from ..lazy import lazy_names
+from ..lazy import lazy_dir, lazy_names
 from .rules import CASTS, FLOAT_DTYPES, INT_WIDTHS, compute_dtype, conversion, validate
 
 _LAZY = {"pack": "packing", "unpack": "packing", "clear_cache": "packing", "cache_info": "packing", "compile_variant": "packing", "SIMULATOR": "devicefns",
@@ -28,3 +28,4 @@ __all__ = ["KernelUnavailableError", "CASTS", "FLOAT_DTYPES", "INT_WIDTHS", "com
 
 
 __getattr__ = lazy_names(__name__, _LAZY, globals())
+__dir__ = lazy_dir(_LAZY, globals())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from ..lazy import lazy_names
+from ..lazy import lazy_dir, lazy_names
 from ..counters import stats
 from ..errors import CollectiveError as HorovodInternalError
 from ..errors import HostsUpdatedInterrupt
@@ -31,6 +31,7 @@ _LAZY = {"DistributedOptimizer": "optimizer", "ZeroRedundancyOptimizer": "optimi
 
 
 __getattr__ = lazy_names(__name__, _LAZY, globals())
+__dir__ = lazy_dir(_LAZY, globals())
 
 
 def _nccl_version() -> int:
