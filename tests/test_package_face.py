@@ -60,6 +60,22 @@ def test_dir_lists_the_lazy_names_before_their_first_use():
     assert "gpucomm.torch.optimizer" not in loaded and "numba" not in loaded
 
 
+def test_horovods_mpi_ops_module_name_holds_the_jobs_basics_too():
+    """``from horovod.torch.mpi_ops import rank`` (and init, shutdown, the local and cross ranks, the
+    ``*_built``/``*_enabled`` checks, ProcessSet, HorovodInternalError, Compression) keeps working with the
+    import line changed (issue 38): the very objects ``gpucomm.torch`` exports."""
+    import gpucomm.torch as hvd
+    from gpucomm.torch import mpi_ops
+
+    for name in mpi_ops.BASICS:
+        assert getattr(mpi_ops, name) is getattr(hvd, name), name
+        assert name in mpi_ops.__all__, name
+    assert {"init", "shutdown", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
+            "is_initialized", "start_timeline", "stop_timeline", "mpi_built", "nccl_built", "gloo_enabled",
+            "ProcessSet", "global_process_set", "HorovodInternalError", "Compression"} <= set(mpi_ops.BASICS)
+    assert all(hasattr(mpi_ops, name) for name in mpi_ops.__all__)
+
+
 def test_horovods_mpi_ops_module_name_holds_the_collectives_horovod_defines_there():
     """``from horovod.torch.mpi_ops import allreduce`` (and the other differentiable collectives,
     which Horovod defines in mpi_ops.py) must keep working with the import line changed."""
