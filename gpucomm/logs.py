@@ -8,7 +8,7 @@ import logging
 import time
 from typing import Mapping
 
-from .settings import LOG_LEVEL
+from .settings import LOG_LEVEL, LOG_TIMESTAMP
 
 log = logging.getLogger("gpucomm")
 
@@ -16,25 +16,27 @@ LEVELS = {"TRACE": logging.DEBUG, "DEBUG": logging.DEBUG, "INFO": logging.INFO, 
           "ERROR": logging.ERROR, "FATAL": logging.CRITICAL}
 
 
-def _rank_handler(rank: int) -> logging.Handler:
+def _rank_handler(rank: int, timestamp: bool = False) -> logging.Handler:
     handler = next((h for h in log.handlers if getattr(h, "_gpucomm", False)), None)
     if handler is None:
         handler = logging.StreamHandler()
         handler._gpucomm = True  # type: ignore[attr-defined]
         log.addHandler(handler)
-    handler.setFormatter(logging.Formatter(f"gpucomm rank {rank} %(levelname)s %(name)s: %(message)s"))
+    when = "%(asctime)s " if timestamp else ""
+    handler.setFormatter(logging.Formatter(f"{when}gpucomm rank {rank} %(levelname)s %(name)s: %(message)s"))
     return handler
 
 
 def configure_logging(env: Mapping[str, str], rank: int) -> None:
-    """Apply the log level from ``env``; without one, warnings (stall reports) still reach stderr."""
-    level = LOG_LEVEL.read(env)
+    """Apply the log level from ``env`` (and ``GPUCOMM_LOG_TIMESTAMP``: lines start with the time);
+    without a level, warnings (stall reports) still reach stderr."""
+    level, timestamp = LOG_LEVEL.read(env), LOG_TIMESTAMP.read(env, False)
     if level is not None:
         log.setLevel(LEVELS[level])
-        _rank_handler(rank)
+        _rank_handler(rank, timestamp)
         return
     if not log.handlers and not logging.getLogger().handlers:
-        _rank_handler(rank).setLevel(logging.WARNING)
+        _rank_handler(rank, timestamp).setLevel(logging.WARNING)
 
 
 class SetupSteps:

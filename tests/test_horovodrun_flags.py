@@ -34,13 +34,66 @@ def test_accepted_flags_map_to_the_settings_they_mean():
 
 
 @pytest.mark.parametrize("flag,advice", [("--hierarchical-allreduce", "NCCL chooses"),
-                                         ("--hierarchical-allgather", "leave the flag out")])
+                                         ("--hierarchical-allgather", "leave the flag out"),
+                                         ("--torus-allreduce", "no torus allreduce"),
+                                         ("--mpi-threads-disable", "MPI_THREAD_MULTIPLE"),
+                                         ("--jsrun", "-H/--hostfile"),
+                                         ("--config-file", "GPUCOMM_*/HOROVOD_* variables")])
 def test_refused_flags_say_what_to_do_instead(flag, advice, capsys):
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args([flag, "-np", "2", "python", "x.py"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"gpucomm-run: {flag}: ") and advice in err and "unrecognized" not in err
+
+
+@pytest.mark.parametrize("flags", [("--no-hierarchical-allreduce",), ("--no-hierarchical-allgather",),
+                                   ("--no-torus-allreduce",), ("--no-mpi-threads-disable",),
+                                   ("--num-nccl-streams", "2"), ("--thread-affinity", "0")])
+def test_flags_that_change_nothing_here_are_accepted_and_say_so(flags, capsys):
+    """Issue 38: none of horovodrun's flags ends in a bare 'unrecognized arguments'."""
+    args = build_parser().parse_args([*flags, "-np", "2", "python", "x.py"])
+    assert args.np == 2 and args.command == ["python", "x.py"]
+    err = capsys.readouterr().err
+    assert err.startswith(f"gpucomm-run: {flags[0]}: accepted, no effect: "), err
+
+
+def test_horovodrun_pairs_of_on_and_off_flags():
+    assert "GPUCOMM_AUTOTUNE" not in _tunables("--autotune", "--no-autotune")  # the last one given wins
+    assert _tunables("--no-autotune", "--autotune")["GPUCOMM_AUTOTUNE"] == "1"
+    assert "GPUCOMM_TIMELINE_MARK_CYCLES" not in _tunables("--timeline-mark-cycles", "--no-timeline-mark-cycles")
+    assert "GPUCOMM_STALL_CHECK_DISABLE" not in _tunables("--no-stall-check", "--stall-check")
+    assert _tunables("--log-with-timestamp")["GPUCOMM_LOG_TIMESTAMP"] == "1"
+    assert _tunables("--no-log-hide-timestamp")["GPUCOMM_LOG_TIMESTAMP"] == "1"
+    assert _tunables("--log-without-timestamp")["GPUCOMM_LOG_TIMESTAMP"] == "0"
+    assert _tunables("--log-hide-timestamp")["GPUCOMM_LOG_TIMESTAMP"] == "0"
+    assert "GPUCOMM_LOG_TIMESTAMP" not in _tunables("--gloo")
+    args = build_parser().parse_args(["--binding-args", "--bind-to none", "-np", "2", "python", "x.py"])
+    assert args.binding_args == "--bind-to none"
+
+
+def test_binding_args_need_an_mpi_launcher():
+    r = run(launcher_cmd("-np", "1", "--binding-args", "--bind-to none", PYTHON, "-c", "pass"), timeout=60)
+    assert r.returncode == 2 and "--binding-args needs --mpi" in r.stderr, r.stderr
+
+
+def test_log_lines_start_with_the_time_when_asked():
+    import logging
+
+    from gpucomm.logs import configure_logging, log
+
+    before = (log.level, list(log.handlers))
+    try:
+        configure_logging({"GPUCOMM_LOG_LEVEL": "INFO", "GPUCOMM_LOG_TIMESTAMP": "1"}, 3)
+        record = logging.LogRecord("gpucomm", logging.INFO, __file__, 1, "hello", None, None)
+        handler = next(h for h in log.handlers if getattr(h, "_gpucomm", False))
+        assert re.match(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ gpucomm rank 3 INFO gpucomm: hello$",
+                        handler.format(record)), handler.format(record)
+        configure_logging({"GPUCOMM_LOG_LEVEL": "INFO"}, 3)
+        assert handler.format(record) == "gpucomm rank 3 INFO gpucomm: hello"
+    finally:
+        log.setLevel(before[0])
+        log.handlers[:] = before[1]
 
 
 def test_omp_threads_default_is_cores_per_local_rank_and_never_overrides_the_user(monkeypatch):

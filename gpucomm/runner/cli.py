@@ -70,7 +70,39 @@ _REFUSED_FLAGS = {
     "--hierarchical-allreduce": "gpucomm has no hierarchical allreduce; NCCL chooses ring or tree across nodes by "
                                 "itself, so leave the flag out",
     "--hierarchical-allgather": "gpucomm has no hierarchical allgather; leave the flag out",
+    "--torus-allreduce": "gpucomm has no torus allreduce; NCCL chooses ring or tree across nodes by itself, so leave "
+                         "the flag out",
+    "--mpi-threads-disable": "gpucomm's CPU collectives on MPI need MPI_THREAD_MULTIPLE (they run on the job's "
+                             "background thread); leave the flag out",
+    "--jsrun": "gpucomm-run does not start ranks through IBM's jsrun; give the hosts with -H/--hostfile (ssh), or use "
+               "--mpi for an MPI launcher",
+    "--config-file": "gpucomm-run reads no config file; give its settings as flags, or as GPUCOMM_*/HOROVOD_* "
+                     "variables in the environment",
 }
+
+# horovodrun flags asking for what gpucomm always does, or tuning a part gpucomm does not have: accepted, and
+# said once at start (never silently ignored)
+_NO_EFFECT_FLAGS = {
+    "--no-hierarchical-allreduce": (False, "gpucomm's allreduce is never hierarchical"),
+    "--no-hierarchical-allgather": (False, "gpucomm's allgather is never hierarchical"),
+    "--no-torus-allreduce": (False, "gpucomm has no torus allreduce"),
+    "--no-mpi-threads-disable": (False, "gpucomm always asks MPI for MPI_THREAD_MULTIPLE"),
+    "--num-nccl-streams": (True, "gpucomm issues a GPU's NCCL collectives on one stream, in one order agreed by "
+                                 "every rank"),
+    "--thread-affinity": (True, "gpucomm's background threads follow the rank's own CPU affinity (--cpu-affinity "
+                                "binds a rank to its GPU's CPUs)"),
+}
+
+
+class _NoEffect(argparse.Action):
+    """A horovodrun flag that changes nothing here: accepted, and why printed once."""
+
+    def __init__(self, *args, why: str = "", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.why = why
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"gpucomm-run: {option_string}: accepted, no effect: {self.why}.", file=sys.stderr)
 
 
 class _Refused(argparse.Action):
@@ -131,10 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="turn the response cache off (GPUCOMM_CACHE_CAPACITY=0)")
     for flag, advice in _REFUSED_FLAGS.items():
         compat.add_argument(flag, action=_Refused, nargs="?", const=None, advice=advice, help=f"not offered: {advice}")
+    for flag, (takes_value, why) in _NO_EFFECT_FLAGS.items():
+        compat.add_argument(flag, action=_NoEffect, nargs=1 if takes_value else 0, why=why, dest=argparse.SUPPRESS,
+                            metavar="N" if takes_value else None,
+                            default=argparse.SUPPRESS, help=f"accepted, no effect: {why}")
+    compat.add_argument("--binding-args", default="",
+                        help="process binding arguments for the MPI launcher (with --mpi; added to --mpi-args), "
+                             "e.g. \"--bind-to none\"")
     tune = p.add_argument_group("tunables (exported to every rank)")
     tune.add_argument("--autotune", action="store_true",
                       help="choose each DistributedOptimizer's buckets from measured costs: the step model's best "
                            "plans are tried and the fastest measured one is kept (GPUCOMM_AUTOTUNE, HOROVOD_AUTOTUNE)")
+    tune.add_argument("--no-autotune", dest="autotune", action="store_false", help="the default: no autotune")
     tune.add_argument("--autotune-log-file",
                       help="write what autotune tried and measured to this CSV (rank 0; GPUCOMM_AUTOTUNE_LOG)")
     tune.add_argument("--autotune-warmup-samples", type=_non_negative(int),
@@ -150,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--timeline-filename", help="write a Chrome-trace timeline to this file (rank 0)")
     tune.add_argument("--timeline-mark-cycles", action="store_true",
                       help="mark each control-plane cycle in the timeline (GPUCOMM_TIMELINE_MARK_CYCLES)")
+    tune.add_argument("--no-timeline-mark-cycles", dest="timeline_mark_cycles", action="store_false",
+                      help="the default: no cycle marks in the timeline")
     tune.add_argument("--cycle-time-ms", type=_seconds(allow_zero=True, scale=1000.0),
                       help="how long async requests wait to share one control round (GPUCOMM_CYCLE_TIME, default 1)")
     tune.add_argument("--cache-capacity", type=_non_negative(int),
@@ -161,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="turn such a stall into an error on every rank after this long "
                            "(GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS; default 0: never)")
     tune.add_argument("--no-stall-check", action="store_true", help="disable the stall inspector")
+    tune.add_argument("--stall-check", dest="no_stall_check", action="store_false",
+                      help="the default: the stall inspector is on")
+    tune.add_argument("--log-with-timestamp", "--no-log-hide-timestamp", dest="log_timestamp", action="store_true",
+                      default=None, help="start gpucomm's log lines in the ranks with the time (GPUCOMM_LOG_TIMESTAMP)")
+    tune.add_argument("--log-without-timestamp", "--log-hide-timestamp", dest="log_timestamp", action="store_false",
+                      help="the default: gpucomm's log lines carry no time")
     tune.add_argument("--log-level", choices=["TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"], type=str.upper,
                       help="gpucomm log level in the ranks (GPUCOMM_LOG_LEVEL)")
     tune.add_argument("--cpu-affinity", action="store_true",
@@ -254,6 +302,8 @@ def _tunables(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
         out["GPUCOMM_STALL_CHECK_DISABLE"] = out["HOROVOD_STALL_CHECK_DISABLE"] = "1"
     if args.log_level:
         out["GPUCOMM_LOG_LEVEL"] = out["HOROVOD_LOG_LEVEL"] = args.log_level
+    if getattr(args, "log_timestamp", None) is not None:
+        out["GPUCOMM_LOG_TIMESTAMP"] = "1" if args.log_timestamp else "0"
     elif getattr(args, "verbose", False):  # --verbose: the ranks report their set-up steps with timings
         out["GPUCOMM_LOG_LEVEL"] = out["HOROVOD_LOG_LEVEL"] = "INFO"
     if args.cpu_affinity:
@@ -328,9 +378,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HostSpecError as e:
         parser.error(str(e))
     if args.mpi:
+        if args.binding_args:
+            args.mpi_args = f"{args.mpi_args} {args.binding_args}".strip()
         return run_through_mpi(args, parser, slots, dict(os.environ))
-    if args.mpi_args:
-        parser.error("--mpi-args needs --mpi")
+    if args.mpi_args or args.binding_args:
+        parser.error(f"{'--mpi-args' if args.mpi_args else '--binding-args'} needs --mpi (they are the MPI "
+                     f"launcher's arguments)")
     return run_fixed_job(args, slots, list(args.command), dict(os.environ))[0]
 
 
