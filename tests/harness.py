@@ -17,6 +17,7 @@ import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
+import random
 import secrets
 import signal
 import socket
@@ -429,7 +430,7 @@ def run_rank_scripts(argv: list[str], size: int, *, timeout: float = 60.0,
     procs: list[subprocess.Popen] = []
     t0 = time.monotonic()
     with contextlib.nullcontext(None) if store_on_rank0 else RendezvousServer(secret, "127.0.0.1", 0) as server:
-        port = _free_port() if store_on_rank0 else server.port
+        port = free_port() if store_on_rank0 else server.port
         extra = dict(env or {}, **({"GPUCOMM_RENDEZVOUS_HOSTED": "0"} if store_on_rank0 else {}))
         try:
             for r in range(size):
@@ -456,9 +457,26 @@ def run_rank_scripts(argv: list[str], size: int, *, timeout: float = 60.0,
     return [Result(rc, stdout, stderr, left, seconds) for rc, stdout, stderr in out]
 
 
-def _free_port() -> int:
-    """A port nothing listens on now (for a store a rank will open itself)."""
-    with socket.socket() as sock:
+def free_port() -> int:
+    """A port nothing listens on now, for a server a test's process will open itself (a store rank 0
+    serves). Drawn below the kernel's ephemeral range, which the other tests' connecting sockets and
+    port-0 listeners take from, so it stays free between this check and that process's bind (a port
+    from the ephemeral range was taken in between once, under the full suite's load)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randint(max(1024, low - 12000), low - 1)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # every draw in use: any free port
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 

@@ -11,22 +11,16 @@ import contextlib
 import getpass
 import os
 import shutil
-import socket
 import subprocess
 import textwrap
 import time
 
 import pytest
 
-from tests.harness import PYTHON, launcher_cmd, run, started, write_script
+from tests.harness import PYTHON, free_port, launcher_cmd, run, started, write_script
 
 SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd", "/sbin/sshd")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +39,7 @@ def sshd(tmp_path_factory):
         os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
     last_error = ""
     for _ in range(5):  # a free port may be taken between the probe and sshd's bind: try again
-        port = _free_port()
+        port = free_port()
         config = d / "sshd_config"
         config.write_text(textwrap.dedent(f"""
             Port {port}
@@ -148,7 +142,7 @@ def test_signal_stops_remote_ranks(sshd, tmp_path):
 
 
 def test_unreachable_host_is_explained(sshd, tmp_path):
-    r = run(launcher_cmd("-np", "1", "-H", f"{sshd['login']}:1", "-p", str(_free_port()), "-i", sshd["key"],
+    r = run(launcher_cmd("-np", "1", "-H", f"{sshd['login']}:1", "-p", str(free_port()), "-i", sshd["key"],
                          "--ssh-args", sshd["args"], "--start-timeout", "5", PYTHON, "-c", "pass"), timeout=60)
     assert r.returncode == 255
     assert "exit code 255 is ssh's own: it could not reach or log in to" in r.stderr

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import secrets
-import socket
 import threading
 import time
 from pathlib import Path
@@ -16,17 +15,11 @@ import pytest
 
 from gpucomm.control.channel import ControlError, ControlListener, connect
 from gpucomm.errors import GpucommError
-from tests.harness import PYTHON, run
+from tests.harness import PYTHON, free_port, run
 
 PROGRAMS = "tests/ranks/trust_programs.py"
 WARNING = "accepts any process that can reach"
 DUPLICATE = "two processes claim rank"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _horovod_env(rank: int, size: int, port: int, secret: str | None = None, **extra: str) -> dict[str, str]:
@@ -66,7 +59,7 @@ def _line(result: dict, tag: str) -> str:
 
 
 def test_without_a_secret_rank_0_warns_once_that_anyone_can_reach_the_store(tmp_path):
-    port = _free_port()
+    port = free_port()
     results = _drive(tmp_path, [_proc("twice", _horovod_env(r, 2, port)) for r in range(2)])
     for r, res in enumerate(results):
         assert res["code"] == 0 and f"OK {r}" in res["stdout"], res
@@ -79,7 +72,7 @@ def test_without_a_secret_rank_0_warns_once_that_anyone_can_reach_the_store(tmp_
 
 
 def test_require_secret_turns_the_warning_into_an_error_on_every_rank(tmp_path):
-    port = _free_port()
+    port = free_port()
     results = _drive(tmp_path, [_proc("twice", _horovod_env(r, 2, port, GPUCOMM_REQUIRE_SECRET="1"))
                                 for r in range(2)])
     for res in results:
@@ -93,7 +86,7 @@ def test_require_secret_turns_the_warning_into_an_error_on_every_rank(tmp_path):
 
 
 def test_a_loopback_rendezvous_address_binds_loopback_only(tmp_path):
-    port, secret = _free_port(), secrets.token_hex(32)
+    port, secret = free_port(), secrets.token_hex(32)
     results = _drive(tmp_path, [_proc("listening", _horovod_env(r, 2, port, secret)) for r in range(2)])
     assert all(res["code"] == 0 for res in results), results
     assert _line(results[0], "LISTENING") == "127.0.0.1", results[0]
@@ -127,7 +120,7 @@ def _check_duplicate(results: list[dict], rank: int, holder_pid: str, second_pid
 @pytest.mark.parametrize("rank", [1, 0])
 def test_a_second_process_with_a_live_rank_fails_itself_and_the_job(tmp_path, rank):
     """Ranks 0 and 1 of a 2-rank job are up; then a second process with the same rank starts."""
-    port, secret = _free_port(), secrets.token_hex(32)
+    port, secret = free_port(), secrets.token_hex(32)
     procs = [_proc("hold", _horovod_env(r, 2, port, secret)) for r in range(2)]
     procs.append(_proc("hold", _horovod_env(rank, 2, port, secret), wave=1))
     results = _drive(tmp_path, procs)
@@ -139,7 +132,7 @@ def test_a_second_process_with_a_live_rank_fails_itself_and_the_job(tmp_path, ra
 
 def test_an_impostor_claiming_a_live_rank_at_the_coordinator_fails_the_job(tmp_path):
     """A process holding the job secret connects to rank 0's control listener as rank 1."""
-    port, secret = _free_port(), secrets.token_hex(32)
+    port, secret = free_port(), secrets.token_hex(32)
     procs = [_proc("hold", _horovod_env(r, 3, port, secret)) for r in range(3)]
     procs.append(_proc("impostor", {"GPUCOMM_SECRET": secret, "GPUCOMM_RENDEZVOUS_PORT": str(port)}, wave=1,
                        unset=()))
@@ -253,7 +246,7 @@ def test_a_rank_that_reaches_the_previous_inits_store_waits_for_the_new_one():
     from gpucomm.bootstrap.world import detect_world
 
     secret = secrets.token_hex(32)
-    port = _free_port()
+    port = free_port()
     world = detect_world(_horovod_env(1, 2, port, secret), hostname="rank1-host")
     old = RendezvousServer(bytes.fromhex(secret), "127.0.0.1", port)  # still serving the last ranks shutting down
     new: list = []
