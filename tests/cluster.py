@@ -255,22 +255,8 @@ class Cluster:
     @contextlib.contextmanager
     def _serve_ssh(self, host: Host) -> Iterator[Any]:
         config = self.tmp / f"sshd_{host.name}"
-        config.write_text(textwrap.dedent(f"""\
-            Port 22
-            ListenAddress {host.address}
-            HostKey {self.tmp / 'host_key'}
-            AuthorizedKeysFile {self.tmp / 'authorized_keys'}
-            PasswordAuthentication no
-            KbdInteractiveAuthentication no
-            PubkeyAuthentication yes
-            PermitRootLogin prohibit-password
-            StrictModes no
-            UsePAM no
-            MaxStartups 100
-            MaxSessions 100
-            PidFile {self.tmp / f'sshd_{host.name}.pid'}
-            LogLevel ERROR
-        """))
+        config.write_text(sshd_config(22, host.address, self.tmp, self.tmp / f"sshd_{host.name}.pid",
+                                      extra="MaxStartups 100\nMaxSessions 100\n"))
         log = open(self.tmp / f"sshd_{host.name}.log", "w")  # noqa: SIM115 - closed below
         try:
             with started(host.argv([_sshd(), "-D", "-e", "-f", str(config)]), stdout=subprocess.DEVNULL, stderr=log,
@@ -490,6 +476,25 @@ def _keys(tmp: Path) -> None:
         admin("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / key), timeout=60)
     (tmp / "authorized_keys").write_text((tmp / "user_key.pub").read_text())
     (tmp / "authorized_keys").chmod(0o600)
+
+
+def sshd_config(port: int, address: str, keys: Path, pid_file: Path, extra: str = "") -> str:
+    """A test sshd's configuration: key login only (``keys`` holds ``host_key`` and ``authorized_keys``),
+    root allowed, no PAM, listening on ``address:port`` alone; ``extra``: more lines."""
+    return textwrap.dedent(f"""\
+        Port {port}
+        ListenAddress {address}
+        HostKey {keys / 'host_key'}
+        AuthorizedKeysFile {keys / 'authorized_keys'}
+        PasswordAuthentication no
+        KbdInteractiveAuthentication no
+        PubkeyAuthentication yes
+        PermitRootLogin prohibit-password
+        StrictModes no
+        UsePAM no
+        PidFile {pid_file}
+        LogLevel ERROR
+    """) + extra
 
 
 def sweep_stale() -> list[str]:

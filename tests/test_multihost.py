@@ -27,7 +27,7 @@ from gpucomm.runner.remote import BEAT_S, SERVER_ALIVE_COUNT, SERVER_ALIVE_S, en
 from gpucomm.runner.spawn import SshOptions, is_local, ssh_argv
 from gpucomm.settings import DEFAULT_LIVENESS_S, liveness_seconds
 from tests.cluster import Cluster, admin, cluster, require_netns
-from tests.harness import PYTHON, launcher_cmd, started
+from tests.harness import PYTHON, launcher_cmd, run, started
 from tests.ranks import netfault_job, partition_job
 
 NETFAULT = str(Path(netfault_job.__file__))
@@ -382,10 +382,10 @@ def test_the_shaped_link_driver_fits_a_1_gbit_link(hosts_allowed, tmp_path):
     """benchmarks/shaped_links.py at its smallest (the rate fit alone, 1 Gbit/s, 3 allreduces per size):
     it builds its 2 hosts, shapes their links, fits, writes its JSON and leaves nothing behind. The
     fitted rate is only reported (a smoke run on a shared machine)."""
-    r = subprocess.run([PYTHON, "benchmarks/shaped_links.py", "--rates", "1gbit", "--probe-reps", "3",
-                        "--skip", "model_check,ddp,autotune", "--out-dir", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300)
+    r = run([PYTHON, "benchmarks/shaped_links.py", "--rates", "1gbit", "--probe-reps", "3",
+             "--skip", "model_check,ddp,autotune", "--out-dir", str(tmp_path)], timeout=300)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    assert r.leftovers == [], r.leftovers
     doc = json.loads((tmp_path / "shaped_links.json").read_text())
     assert doc, r.stdout[-2000:]
     print(f"\nshaped-link smoke run:\n{r.stdout[-1500:]}")

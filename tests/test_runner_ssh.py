@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from tests.cluster import sshd_config
 from tests.harness import PYTHON, free_port, launcher_cmd, run, started, write_script
 
 SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd", "/sbin/sshd")
@@ -41,20 +42,7 @@ def sshd(tmp_path_factory):
     for _ in range(5):  # a free port may be taken between the probe and sshd's bind: try again
         port = free_port()
         config = d / "sshd_config"
-        config.write_text(textwrap.dedent(f"""
-            Port {port}
-            ListenAddress 127.0.0.1
-            HostKey {d / 'host_key'}
-            AuthorizedKeysFile {d / 'authorized_keys'}
-            PasswordAuthentication no
-            KbdInteractiveAuthentication no
-            PubkeyAuthentication yes
-            PermitRootLogin prohibit-password
-            StrictModes no
-            UsePAM no
-            PidFile {d / 'sshd.pid'}
-            LogLevel ERROR
-        """))
+        config.write_text(sshd_config(port, "127.0.0.1", d, d / "sshd.pid"))
         ssh_args = ["-o", "UserKnownHostsFile=/dev/null", "-o", "StrictHostKeyChecking=no", "-o", "LogLevel=ERROR"]
         login = f"{getpass.getuser()}@127.0.0.1"
         # the module's tests run while it serves: its deadline covers them all
