@@ -96,3 +96,19 @@ def test_argument_errors_are_raised_not_taken_for_unavailable_kernels():
     assert availability.status()["usable"], "an argument error must not turn the kernels off"
     with pytest.raises(ValueError, match="dst holds 2 elements but the srcs need 3"):
         TorchCopy("pack", lean=True)([torch.ones(3)], torch.empty(2))
+
+
+@pytest.mark.parametrize("direction", ["pack", "unpack"])
+def test_the_lean_torch_copy_follows_the_tensors_shapes_from_call_to_call(direction):
+    """A bucket sends its gradients as they are (N-d) on one step and as flat views on another (a
+    parameter without a gradient): the lean path's cached views of one buffer follow the shapes."""
+    copy = TorchCopy(direction, 0.5, lean=True)
+    flat = torch.randn(20)
+    for shapes in (((3, 4), (8,)), ((12,), (8,)), ((1, 12), (2, 4)), ((3, 4), (8,))):
+        tensors = [torch.randn(s) for s in shapes]
+        copy(tensors, flat)
+        packed = torch.cat([t.reshape(-1) for t in tensors])
+        if direction == "pack":
+            assert torch.equal(flat, packed * 0.5), shapes
+        else:
+            assert torch.equal(packed, flat * 0.5), shapes

@@ -15,6 +15,7 @@ rounding to the destination dtype.
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any, Sequence
 
 import torch
@@ -22,6 +23,8 @@ import torch
 from ..kernels import availability, rules
 from ..settings import FUSION_KERNELS
 from .finite import FirstNonFinite
+
+_SHAPE = operator.attrgetter("shape")
 
 __all__ = ["BucketCopy", "KERNELS_ENV", "TorchCopy", "kernels_wanted", "pack_bucket", "stream_context",
            "torch_pack", "torch_unpack", "unpack_bucket"]
@@ -68,8 +71,9 @@ class TorchCopy:
                 (_lean_pack if self.direction == "pack" else _lean_unpack)(tensors, flat, views, self.scale)
 
     def _views_of(self, tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:
-        """Views of ``flat`` shaped like ``tensors``, back to back (checked and built once per buffer)."""
-        key = (flat.data_ptr(), flat.dtype, flat.numel(), len(tensors))
+        """Views of ``flat`` shaped like ``tensors``, back to back (checked and built once per buffer and
+        set of shapes: a bucket sends its gradients as they are or as flat views, step by step)."""
+        key = (flat.data_ptr(), flat.dtype, flat.numel(), *map(_SHAPE, tensors))
         if key != self._views_key:
             dtype, total = rules.validate(self.direction, tensors, flat)
             if dtype is None or total == 0:
