@@ -29,14 +29,18 @@ def _rank_handler(rank: int, timestamp: bool = False) -> logging.Handler:
 
 def configure_logging(env: Mapping[str, str], rank: int) -> None:
     """Apply the log level from ``env`` (and ``GPUCOMM_LOG_TIMESTAMP``: lines start with the time);
-    without a level, warnings (stall reports) still reach stderr."""
+    without a level, warnings (stall reports) and autotune's progress still reach stderr."""
     level, timestamp = LOG_LEVEL.read(env), LOG_TIMESTAMP.read(env, False)
     if level is not None:
         log.setLevel(LEVELS[level])
+        logging.getLogger("gpucomm.autotune").setLevel(logging.NOTSET)  # the chosen level decides
         _rank_handler(rank, timestamp)
         return
     if not log.handlers and not logging.getLogger().handlers:
-        _rank_handler(rank, timestamp).setLevel(logging.WARNING)
+        _rank_handler(rank, timestamp).setLevel(logging.INFO)
+    # Without a chosen level, gpucomm says only warnings, and what autotune does (the user asked for
+    # it and would otherwise not know whether it ran, or what it chose): that logger speaks at INFO.
+    logging.getLogger("gpucomm.autotune").setLevel(logging.INFO)
 
 
 class SetupSteps:

@@ -8,7 +8,7 @@ import csv
 import pytest
 
 from gpucomm.torch.autotune import AutotuneSettings, Autotuner
-from tests.harness import run_ranks
+from tests.harness import PYTHON, launcher_cmd, run, run_ranks, write_script
 from tests.ranks import autotune_scenarios
 
 MIB = 1 << 20
@@ -113,3 +113,76 @@ def test_two_ranks_tune_agree_and_then_send_no_control_message(tmp_path):
     assert results[0]["weights"] == results[1]["weights"]
     rows = list(csv.DictReader(open(log)))
     assert rows[0]["candidate"] == "current" and sum(int(r["chosen"]) for r in rows) == 1
+
+
+def test_the_trial_takes_the_steps_it_announces(tmp_path, caplog):
+    """The start message gives the range of steps the trial needs; the trial takes exactly the
+    count ``trial_steps`` gives for the plans it timed, and says what it measured and chose."""
+    from gpucomm.torch.autotune import trial_steps
+
+    for cpu, step_ms in ((False, {4: 10.0, 1: 8.0, 2: 9.0}), (True, {4: 10.0, 1: 9.0, 2: 9.5})):
+        caplog.clear()
+        script = Script(step_ms)
+        with caplog.at_level("INFO", logger="gpucomm.autotune"):
+            tuner = script.tuner(tmp_path, cpu=cpu)
+            now, steps = 0.0, 0
+            while not tuner.done:
+                assert tuner.unfinished() is not None
+                now += script.step_ms[len(script.plan)] / 1e3
+                tuner.step_done(now)
+                steps += 1
+        assert tuner.unfinished() is None
+        assert steps == tuner.steps_seen == trial_steps(1, 3, len(tuner.outcome.candidates))
+        said = [r.getMessage() for r in caplog.records if r.name == "gpucomm.autotune"]
+        assert len(said) == 3, said
+        assert f"the trial takes {trial_steps(1, 3, 1)} to {trial_steps(1, 3, 3 if cpu else 2)} training steps" in said[0]
+        assert "measured: collective cost" in said[1] and "the plan in use: 4 buckets" in said[1]
+        assert f"done after {steps} steps: kept model, 1 buckets" in said[2]
+
+
+def test_a_trial_cut_short_says_so_at_exit(tmp_path, caplog):
+    script = Script({4: 10.0, 1: 8.0})
+    tuner = script.tuner(tmp_path)
+    script.run(tuner, steps=5)
+    with caplog.at_level("INFO", logger="gpucomm.autotune"):
+        tuner.say_if_unfinished()  # what the exit hook calls when the script ends here
+    assert not tuner.done
+    assert "the job ended before the trial finished: the trial saw 5 of the" in caplog.text
+    assert "decided nothing" in caplog.text
+
+
+AUTOTUNED_SCRIPT = """
+import sys
+import torch
+import gpucomm.torch as hvd
+
+hvd.init()
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters())
+x = torch.randn(8, 32)
+for _ in range(int(sys.argv[1])):
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+"""
+
+
+@pytest.mark.parametrize("steps, finished", [(60, True), (6, False)])
+def test_gpucomm_run_autotune_says_what_it_does_at_the_default_log_level(tmp_path, steps, finished):
+    """``gpucomm-run --autotune`` with no log level: rank 0 says that the trial started and how many
+    steps it needs, what it measured, and what it kept; a job shorter than the trial says that the
+    trial decided nothing. Other ranks stay quiet."""
+    script = write_script(tmp_path, "train.py", AUTOTUNED_SCRIPT)
+    r = run(launcher_cmd("-np", "2", "--autotune", "--autotune-warmup-samples", "1", "--autotune-steps-per-sample",
+                         "2", PYTHON, str(script), str(steps)), timeout=120)
+    assert r.returncode == 0 and not r.leftovers, r.stderr
+    text = r.stdout + r.stderr
+    said = [line for line in text.splitlines() if "gpucomm autotune:" in line]
+    assert said and all("rank 0" in line for line in said), text
+    assert "started on 8 gradients" in said[0] and "training steps" in said[0], said
+    if finished:
+        assert any("measured: collective cost" in line for line in said), said
+        assert "done after" in said[-1] and "kept" in said[-1], said
+    else:
+        assert "the job ended before the trial finished: the trial saw" in said[-1], said

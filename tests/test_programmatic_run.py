@@ -142,8 +142,8 @@ def test_a_rank_that_dies_without_raising_is_named(tmp_path):
     ({"min_np": 2}, NotImplementedError),
     ({"max_num_proc": 4}, NotImplementedError),
     ({"host_discovery_script": "./discover.sh"}, NotImplementedError),
-    ({"use_mpi": True}, ValueError),
     ({"mpi_args": "--bind-to none"}, ValueError),
+    ({"use_mpi": True, "use_gloo": True}, ValueError),
     ({"hosts": "localhost:2", "hostfile": "hosts.txt"}, ValueError),
     ({"num_proc": 0}, ValueError),
     ({"num_proc": 3, "hosts": "localhost:2"}, ValueError),
@@ -167,3 +167,45 @@ def test_import_gpucomm_stays_light():
             "assert 'torch' not in sys.modules, 'torch was imported'")
     res = run([PYTHON, "-c", code], timeout=60)
     assert res.returncode == 0, res.stderr
+
+
+MPI_DRIVER = """
+import json, sys
+import gpucomm
+from gpucomm.errors import RunError
+from tests.ranks import programmatic_scenarios as scenarios
+
+size, how = int(sys.argv[1]), sys.argv[2]
+if how == "results":
+    print("RESULT " + json.dumps(gpucomm.run(scenarios.collectives_on_mpi, num_proc=size, use_mpi=True)))
+else:
+    try:
+        gpucomm.run(scenarios.fail_on_last_rank, args=("marker-mpi",), num_proc=size, use_mpi=True)
+    except RunError as e:
+        print("ERROR " + json.dumps({"rank": e.rank, "cause": type(e.__cause__).__name__, "text": str(e)}))
+    else:
+        print("NO ERROR")
+"""
+
+
+@pytest.mark.parametrize("how", ["results", "raise"])
+def test_use_mpi_starts_the_ranks_through_mpis_launcher(tmp_path, how):
+    """``horovod.run(use_mpi=True)`` as ``gpucomm-run --mpi``: MPI's launcher starts the ranks, their
+    CPU collectives run on MPI (counted), results come back by rank, and a rank's exception comes
+    back with its traceback."""
+    from tests.test_mpi_backend import launcher
+
+    found = launcher("mpich")  # skips without mpi4py or MPICH's mpiexec
+    driver = write_script(tmp_path, "driver.py", MPI_DRIVER)
+    res = run([PYTHON, str(driver), "2", how], timeout=240, env={"GPUCOMM_MPIEXEC": found.path})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.leftovers == []
+    if how == "results":
+        results = _line(res.stdout, "RESULT")
+        assert [(r["rank"], r["size"], r["total"], r["mpi_rank_var"]) for r in results] == \
+            [(0, 2, 3.0, "0"), (1, 2, 3.0, "1")], results
+        assert all(r["mpi"] > 0 and r["gloo"] == 0 for r in results), results
+    else:
+        err = _line(res.stdout, "ERROR")
+        assert err["rank"] == 1 and err["cause"] == "ValueError", err
+        assert "marker-mpi on rank 1" in err["text"] and "Traceback of rank 1" in err["text"]

@@ -26,7 +26,7 @@ from .check_build import check_build_report
 from .discovery import DiscoveryScript, FixedHosts
 from .elastic_driver import ElasticDriver, make_limits
 from .hosts import HostSlots, HostSpecError, assign_slots, parse_hostfile, parse_hosts
-from .mpi_launch import run_mpi_job
+from .mpi_launch import MpiJobEnd, run_mpi_job
 from .output import OutputSink
 from .spawn import SshOptions, build_launches, is_local, split_user
 from .supervisor import Supervisor
@@ -380,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.mpi:
         if args.binding_args:
             args.mpi_args = f"{args.mpi_args} {args.binding_args}".strip()
-        return run_through_mpi(args, parser, slots, dict(os.environ))
+        return run_through_mpi(args, parser, slots, dict(os.environ)).code
     if args.mpi_args or args.binding_args:
         parser.error(f"{'--mpi-args' if args.mpi_args else '--binding-args'} needs --mpi (they are the MPI "
                      f"launcher's arguments)")
@@ -408,8 +408,10 @@ def store_address(args: argparse.Namespace, tunables: dict[str, str], hosts: Seq
 
 
 def run_through_mpi(args: argparse.Namespace, parser: argparse.ArgumentParser, slots: list,
-                    env: dict[str, str]) -> int:
-    """``--mpi``: the job started by the MPI launcher, with the store served here."""
+                    env: dict[str, str], *, publish: Callable[[RendezvousServer, str], None] | None = None,
+                    collect: Callable[[RendezvousServer, str], Any] | None = None) -> MpiJobEnd:
+    """``--mpi``: the job started by the MPI launcher, with the store served here (``publish`` and
+    ``collect`` as in ``run_fixed_job``)."""
     for flag, given in (("-p/--ssh-port", args.ssh_port), ("-i/--ssh-identity-file", args.ssh_identity_file),
                         ("--ssh-args", args.ssh_args)):
         if given:
@@ -425,7 +427,8 @@ def run_through_mpi(args: argparse.Namespace, parser: argparse.ArgumentParser, s
     return run_mpi_job(hosts, list(args.command), env, tunables, store_addr=store_address(args, tunables, hosts, env),
                        grace=args.stop_grace, output_dir=args.output_filename,
                        timestamps=args.prefix_output_with_timestamp, verbose=args.verbose,
-                       nic=chosen_nic(tunables, env), mpi_args=args.mpi_args)
+                       nic=chosen_nic(tunables, env), mpi_args=args.mpi_args, python=args.remote_python or sys.executable,
+                       publish=publish, collect=collect)
 
 
 def run_fixed_job(args: argparse.Namespace, slots: list, command: list[str], env: dict[str, str], *,

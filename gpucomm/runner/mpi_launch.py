@@ -38,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Callable, Mapping, Sequence
+from typing import IO, Any, Callable, Mapping, Sequence
 
 from ..bootstrap.rendezvous import RendezvousServer
 from ..errors import MpiLaunchError
@@ -243,14 +243,29 @@ def _pass_through(pipe: IO[bytes], target: IO[str]) -> threading.Thread:
     return t
 
 
+@dataclass
+class MpiJobEnd:
+    """How a job started through MPI ended: gpucomm-run's exit status, the rank blamed (None when
+    none failed, or a signal to gpucomm-run stopped it), each rank's last stderr lines, and what
+    ``collect(server, run_id)`` read from the store before it closed."""
+
+    code: int
+    blamed: Blame | None
+    stderr_tails: dict[int, list[str]]
+    collected: Any = None
+
+
 def run_mpi_job(rank_hosts: Sequence[str], command: Sequence[str], env: Mapping[str, str], tunables: Mapping[str, str],
                 *, store_addr: str, grace: float, output_dir: str | None = None, timestamps: bool = False,
-                verbose: bool = False, nic: str | None = None, mpi_args: str = "", python: str = sys.executable) -> int:
+                verbose: bool = False, nic: str | None = None, mpi_args: str = "", python: str = sys.executable,
+                publish: Callable[[RendezvousServer, str], None] | None = None,
+                collect: Callable[[RendezvousServer, str], Any] | None = None) -> MpiJobEnd:
     """Serve the store and the rank channel, start ``command`` (rank ``r`` on ``rank_hosts[r]``)
-    through the MPI launcher behind ``mpi_rank.py`` (run by ``python``), and return the job's exit
-    status: 0, or the first failed rank's (128+N for a rank killed by signal N, as gpucomm-run's own
+    through the MPI launcher behind ``mpi_rank.py`` (run by ``python``), and return how it ended. Its
+    ``code``: 0, or the first failed rank's (128+N for a rank killed by signal N, as gpucomm-run's own
     launcher gives), or 128+N after signal N to gpucomm-run, which stops the launcher and every rank
-    (SIGTERM, then SIGKILL after ``grace``)."""
+    (SIGTERM, then SIGKILL after ``grace``). ``publish(server, run_id)`` runs before the launcher
+    starts (``gpucomm.run`` puts its function there); ``collect`` after every rank has ended."""
     launcher = find_launcher(env)
     size = len(rank_hosts)
     iface = binding_interface(rank_hosts, nic)
@@ -258,6 +273,8 @@ def run_mpi_job(rank_hosts: Sequence[str], command: Sequence[str], env: Mapping[
     sink = OutputSink(size, output_dir, timestamps=timestamps)
     stop: list[int] = []
     with RendezvousServer(secret, store_addr, 0) as server:
+        if publish is not None:
+            publish(server, run_id)
         output = OutputServer(sink, store_addr, secret, run_id, size, on_end=_announcer(sink, size))
         rank_env = rank_environment(env, tunables, launcher, rendezvous_addr=store_addr, rendezvous_port=server.port,
                                     secret=secret, run_id=run_id)
@@ -277,7 +294,7 @@ def run_mpi_job(rank_hosts: Sequence[str], command: Sequence[str], env: Mapping[
                                         preexec_fn=proctree.die_with_parent_hook())
             except OSError as e:
                 sink.say(f"cannot start the MPI launcher {launcher.path}: {e.strerror or e}")
-                return 127
+                return MpiJobEnd(127, None, {})
             own = [_pass_through(proc.stdout, sys.stdout), _pass_through(proc.stderr, sys.stderr)]
             overdue = _watch(proc, stop, output.ends, lambda: read_failures(server.snapshot(), run_id))
             output.ends.release()
@@ -295,10 +312,12 @@ def run_mpi_job(rank_hosts: Sequence[str], command: Sequence[str], env: Mapping[
         finally:
             proctree.restore_handlers(previous)
             output.close()
+        collected = collect(server, run_id) if collect is not None else None
         if stop:
-            return 128 + stop[0]
-        return _outcome(sink, blame(output.ends.ends(), read_failures(server.snapshot(), run_id)),
-                        128 - code if code < 0 else code, launcher)
+            return MpiJobEnd(128 + stop[0], None, dict(sink.stderr_tails), collected)
+        found = blame(output.ends.ends(), read_failures(server.snapshot(), run_id))
+        return MpiJobEnd(_outcome(sink, found, 128 - code if code < 0 else code, launcher), found,
+                         {rank: list(tail) for rank, tail in sink.stderr_tails.items()}, collected)
 
 
 def _bound_launch(launcher: MpiLauncher, rank_hosts: Sequence[str], wrapped: list[str], rank_env: dict[str, str],
@@ -415,6 +434,6 @@ def _report_launcher(out: OutputSink, code: int, launcher: MpiLauncher) -> None:
             f"(it may not have started them; its own messages above say why); gpucomm-run exits with {code}.")
 
 
-__all__ = ["Blame", "FORWARDED", "LAUNCHER_VAR", "MpiLaunchError", "MpiLauncher", "OutputServer", "PLACEMENT_VARS",
+__all__ = ["Blame", "FORWARDED", "LAUNCHER_VAR", "MpiJobEnd", "MpiLaunchError", "MpiLauncher", "OutputServer", "PLACEMENT_VARS",
            "binding_environment", "binding_interface", "blame", "find_launcher", "forwarded_names", "host_list",
            "identify", "launcher_argv", "loopback_interface", "openmpi_binding", "rank_environment", "run_mpi_job"]

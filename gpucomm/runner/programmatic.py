@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import RunError
-from .cli import build_parser, host_list, run_fixed_job
+from .cli import build_parser, host_list, run_fixed_job, run_through_mpi
 from .hosts import HostSpecError, assign_slots
 from .run_task import MAX_PAYLOAD, dumps, key
 from .supervisor import describe_exit
@@ -40,9 +40,6 @@ from .supervisor import describe_exit
 ELASTIC_ADVICE = ("gpucomm.run starts fixed-size jobs only: leave out {names}, or run the training script "
                   "elastically with gpucomm-run's elastic options (--min-np, --max-np, --host-discovery-script) and "
                   "hvd.elastic.run in the script.")
-MPI_ADVICE = ("gpucomm does not launch through MPI: leave out {names} (gpucomm.run always uses its own launcher, "
-              "Gloo on CPU and NCCL on GPU), or start a script with `mpirun ... python train.py` as in "
-              "launch/mpirun.sh.")
 
 
 def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None, num_proc: int = 1,
@@ -62,7 +59,9 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
     ``start_timeout`` bounds how long the ranks may take to meet; ``output_filename`` also writes
     each rank's output to ``DIR/rank.<N>/stdout|stderr``; ``executable`` is the Python the ranks run
     (default: this one). Raises ``RunError`` with the first failing rank's exception and traceback;
-    elastic and MPI options raise ``NotImplementedError``/``ValueError`` saying what to do instead."""
+    ``use_mpi=True`` starts the ranks through MPI's launcher, as ``gpucomm-run --mpi`` does
+    (``mpi_args``: that launcher's own options); elastic options raise ``NotImplementedError`` saying
+    what to do instead."""
     if network_interface:
         warnings.warn("network_interface is deprecated, use network_interfaces instead", DeprecationWarning, 2)
         network_interfaces = network_interface.split(",")
@@ -85,9 +84,8 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
                                         ("host_discovery_script", host_discovery_script)) if value is not None]
     if elastic:
         raise NotImplementedError(ELASTIC_ADVICE.format(names=", ".join(elastic)))
-    mpi = [name for name, value in (("use_mpi", use_mpi), ("mpi_args", mpi_args)) if value]
-    if mpi:
-        raise ValueError(MPI_ADVICE.format(names=", ".join(mpi)))
+    if mpi_args and not use_mpi:
+        raise ValueError("gpucomm.run: mpi_args are the MPI launcher's own options and need use_mpi=True.")
     if not callable(func):
         raise TypeError(f"gpucomm.run: func must be callable, got {type(func).__name__}")
     payload = _payload(func, tuple(args), dict(kwargs or {}))
@@ -100,8 +98,10 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
     if network_interfaces:
         nics = network_interfaces.split(",") if isinstance(network_interfaces, str) else list(network_interfaces)
         argv.append(f"--network-interface={','.join(nics)}")
-    argv += [flag for flag, on in (("--disable-cache", disable_cache), ("--verbose", verbose), ("--gloo", use_gloo))
-             if on]
+    argv += [flag for flag, on in (("--disable-cache", disable_cache), ("--verbose", verbose), ("--gloo", use_gloo),
+                                   ("--mpi", use_mpi)) if on]
+    if mpi_args:
+        argv.append(f"--mpi-args={mpi_args}")
     return _run_job(argv, payload, executable or sys.executable)
 
 
@@ -120,14 +120,14 @@ def _payload(func: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
 
 
 def _parse(argv: list[str]):
-    """The launcher's own parser and checks, raising ValueError instead of exiting."""
+    """The launcher's own parser (whose checks raise ValueError instead of exiting) and ``argv`` parsed."""
     parser = build_parser()
 
     def error(message: str):
         raise ValueError(f"gpucomm.run: {message}")
 
     parser.error = error  # type: ignore[method-assign]
-    return parser.parse_args([*argv, "run_task"])
+    return parser, parser.parse_args([*argv, "run_task"])
 
 
 def _no_exit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -140,7 +140,7 @@ def _no_exit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 def _run_job(argv: list[str], payload: bytes, executable: str) -> list[Any]:
     """``gpucomm-run``'s own launch (``cli.run_fixed_job``) of ``executable -m gpucomm.runner.run_task``."""
-    opts = _parse(argv)
+    parser, opts = _parse(argv)
     opts.remote_python = executable
     try:
         slots = assign_slots(host_list(opts), opts.np)
@@ -155,11 +155,25 @@ def _run_job(argv: list[str], payload: bytes, executable: str) -> list[Any]:
         server.put(key(run_id, "sys_path"), json.dumps(sys.path).encode())
         server.put(key(run_id, "payload"), payload)
 
-    code, supervisor, records = _no_exit(run_fixed_job, opts, slots, [executable, "-m", "gpucomm.runner.run_task"],
-                                         env, publish=publish,
-                                         collect=lambda server, run_id: (run_id, server.snapshot(key(run_id, ""))))
+    command = [executable, "-m", "gpucomm.runner.run_task"]
+
+    def collect(server, run_id: str) -> tuple[str, dict[str, bytes]]:
+        return run_id, server.snapshot(key(run_id, ""))
+
+    if opts.mpi:  # the MPI launcher starts the ranks (`gpucomm-run --mpi`); CPU collectives then run on MPI
+        opts.command = command
+        end = _no_exit(run_through_mpi, opts, parser, slots, env, publish=publish, collect=collect)
+        run_id, snapshot = end.collected
+        failed = None if end.blamed is None else (end.blamed.rank, _returncode(end.blamed.code))
+        return _outcome(snapshot, run_id, end.code, failed, slots, end.stderr_tails)
+    code, supervisor, records = _no_exit(run_fixed_job, opts, slots, command, env, publish=publish, collect=collect)
     run_id, snapshot = records
     return _outcome(snapshot, run_id, code, supervisor.first_failure, slots, supervisor.stderr_tails)
+
+
+def _returncode(exit_status: int) -> int:
+    """An exit status as gpucomm-run gives it (128+N after signal N) as a Popen return code (-N)."""
+    return -(exit_status - 128) if exit_status > 128 else exit_status
 
 
 def _outcome(records: dict[str, bytes], run_id: str, code: int, first_failure: tuple[int, int] | None,

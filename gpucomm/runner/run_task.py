@@ -19,6 +19,7 @@ import traceback
 from typing import Any
 
 from ..bootstrap.rendezvous import RendezvousClient
+from ..bootstrap.world import detect_world
 from ..settings import START_TIMEOUT
 
 MAX_PAYLOAD = 64 << 20  # the store's frame limit (rendezvous.DEFAULT_MAX_FRAME); results above it cannot travel
@@ -58,7 +59,9 @@ def _use_launcher_path(entries: list[str]) -> None:
 
 def main() -> int:
     env = os.environ
-    run_id, rank, host = env["GPUCOMM_RUN_ID"], int(env["GPUCOMM_RANK"]), env.get("GPUCOMM_HOSTNAME", "")
+    # gpucomm-run's own launcher states the rank; under --mpi the MPI launcher's variables do
+    place = detect_world(env).placement
+    run_id, rank, host = env["GPUCOMM_RUN_ID"], place.rank, place.host
     start_timeout = START_TIMEOUT.read(env, 120.0)
     client = RendezvousClient(env["GPUCOMM_RENDEZVOUS_ADDR"], int(env["GPUCOMM_RENDEZVOUS_PORT"]),
                               bytes.fromhex(env["GPUCOMM_SECRET"]), connect_timeout=start_timeout,

@@ -28,9 +28,12 @@ CSV written by the set's first rank. Settings: ``GPUCOMM_AUTOTUNE`` / ``HOROVOD_
 
 from __future__ import annotations
 
+import atexit
 import csv
+import functools
 import logging
 import statistics
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Mapping, Sequence
 
@@ -39,10 +42,14 @@ from ..settings import AUTOTUNE, AUTOTUNE_LOG, AUTOTUNE_STEPS_PER_SAMPLE, AUTOTU
 from ..tuning import AlphaBeta, FitError, Overheads, fit_alpha_beta, medians, optimal_plan, simulate
 
 log = logging.getLogger("gpucomm")
+# What the trial does and decides, said at the default log level by the set's first rank
+# (``logs.configure_logging`` lets this logger's INFO through when no level was chosen).
+progress = logging.getLogger("gpucomm.autotune")
 
 CALIBRATION_REPEATS = 3
 MIN_GAIN = 0.02  # a plan replaces the one in use only if its step is at least this much shorter
 ROUNDS = 4  # interleaved rounds (an even number: ABC CBA ABC CBA puts a steady drift on each alike)
+MOST_CANDIDATES = 3  # the plan in use, the model's, and (on CPU) the shared-processor model's
 SMALLEST_PROBE = 64 << 10
 LARGEST_PROBE = 64 << 20
 
@@ -63,6 +70,18 @@ class AutotuneSettings:
         if not AUTOTUNE.read(env, False):
             return None
         return cls(AUTOTUNE_WARMUP_SAMPLES.read(env, 3), AUTOTUNE_STEPS_PER_SAMPLE.read(env, 10), AUTOTUNE_LOG.read(env))
+
+
+def trial_steps(warmup: int, steps: int, candidates: int) -> int:
+    """How many training steps a trial of ``candidates`` plans (the one in use among them) takes,
+    counted as ``Autotuner`` takes them: the warm-up, the current plan timed (one step more: the
+    first is timed from the end of the one before it), then, with more than one plan, ``ROUNDS``
+    interleaved rounds of ``per_round`` timed steps per plan and one agreement step per switch."""
+    total = warmup + steps + 1
+    if candidates > 1:
+        per_round = max(2, -(-steps // ROUNDS))
+        total += 1 + ROUNDS * candidates * per_round + ROUNDS * (candidates - 1)
+    return total
 
 
 @dataclass
@@ -109,17 +128,30 @@ class Autotuner:
         self._gather, self._adopt, self._current_plan = gather, adopt, current_plan
         self.outcome = Outcome()
         self.done = False
+        self.steps_seen = 0
+        most = MOST_CANDIDATES if cpu else MOST_CANDIDATES - 1
+        self._say("started on %d gradients (%s); the trial takes %d to %d training steps: %d warm-up, %d timed "
+                  "on the plan in use, then each plan the model proposes timed in %d interleaved rounds. Steady "
+                  "state after it sends no control message.", len(self.sizes), _size_text(sum(self.sizes)),
+                  trial_steps(settings.warmup, settings.steps, 1), trial_steps(settings.warmup, settings.steps, most),
+                  settings.warmup, settings.steps, ROUNDS)
         self._trial = self._run()
         next(self._trial)  # up to its first wait for a step
+        if writes_log:  # a script that ends before the trial decides is told so, not left guessing
+            self._at_exit = functools.partial(_say_if_unfinished, weakref.ref(self))
+            atexit.register(self._at_exit)
 
     def step_done(self, now: float) -> None:
         """One training step finished (``synchronize()`` returned) at ``now`` (seconds, perf_counter)."""
         if self.done:
             return
+        self.steps_seen += 1
         try:
             self._trial.send(now)
         except StopIteration:
             self.done = True
+            if self.writes_log:
+                atexit.unregister(self._at_exit)
 
     # -- the trial -----------------------------------------------------------------------------
     def _run(self) -> Generator[None, float, None]:
@@ -135,6 +167,12 @@ class Autotuner:
         candidates = [current] + self._proposals(ready_s, cost, current.plan)
         for c in candidates:
             c.predicted_s = self._predict(ready_s, cost, c.plan)
+        self._say("measured: collective cost %.1f us + bytes / %.2f GB/s (allreduces of %s on every rank); the "
+                  "plan in use: %d buckets, %.2f ms a step. %s", cost.alpha_s * 1e6, cost.bandwidth_Bps / 1e9,
+                  _plural(len({n for n, _ in samples}), "size"), len(current.plan), current.measured_s * 1e3,
+                  "The model proposes nothing else: the plan in use is kept." if len(candidates) == 1 else
+                  f"Timing {len(candidates)} plans ({', '.join(f'{c.name}: {len(c.plan)} buckets' for c in candidates)})"
+                  f" over the next {trial_steps(self.settings.warmup, self.settings.steps, len(candidates)) - self.steps_seen} steps.")
         in_use = current
         if len(candidates) > 1:
             timed: dict[int, list[float]] = {k: [] for k in range(len(candidates))}
@@ -167,6 +205,22 @@ class Autotuner:
             self._adopt(best.plan)
         COUNTERS.autotune_done += 1
         self._report()
+
+    def unfinished(self) -> str | None:
+        """Why the trial has not decided yet (steps taken of how many), or None once it has."""
+        if self.done:
+            return None
+        return (f"the trial saw {self.steps_seen} of the {trial_steps(self.settings.warmup, self.settings.steps, 1)} "
+                f"to {trial_steps(self.settings.warmup, self.settings.steps, MOST_CANDIDATES)} steps it needs and "
+                "decided nothing: the buckets stayed as they were. Train longer, or shorten the trial with "
+                "GPUCOMM_AUTOTUNE_WARMUP_SAMPLES / GPUCOMM_AUTOTUNE_STEPS_PER_SAMPLE (gpucomm-run "
+                "--autotune-warmup-samples / --autotune-steps-per-sample)")
+
+    def say_if_unfinished(self) -> None:
+        """Warn that the trial decided nothing, if so (called at exit: a script that ends early)."""
+        why = self.unfinished()
+        if why is not None:
+            progress.warning("gpucomm autotune: the job ended before the trial finished: %s.", why)
 
     def _steps(self, n: int) -> Generator[None, float, float | None]:
         now = None
@@ -240,15 +294,34 @@ class Autotuner:
         processor = "shared" if self.cpu else "dedicated"
         return simulate(ready_s, self.sizes, plan, cost, overheads=Overheads(), processor=processor).step_s
 
+    def _say(self, message: str, *args: Any) -> None:
+        """Tell the user: at the default log level on the set's first rank, in the debug log elsewhere."""
+        (progress.info if self.writes_log else log.debug)("gpucomm autotune: " + message, *args)
+
     def _report(self) -> None:
         o = self.outcome
         text = "; ".join(f"{c.name}: {len(c.plan)} buckets, {c.job_s * 1e3:.2f} ms measured"
                          + (f", {c.predicted_s * 1e3:.2f} ms of backward+communication predicted"
                             if c.predicted_s is not None else "") for c in o.candidates)
-        log.info("gpucomm autotune: kept %s (%s); collective cost %.1f us + bytes / %.2f GB/s", o.chosen, text,
-                 o.cost.alpha_s * 1e6, o.cost.bandwidth_Bps / 1e9)
+        chosen = next(c for c in o.candidates if c.name == o.chosen)
+        self._say("done after %d steps: kept %s, %d buckets (%s); collective cost %.1f us + bytes / %.2f GB/s",
+                  self.steps_seen, o.chosen, len(chosen.plan), text, o.cost.alpha_s * 1e6, o.cost.bandwidth_Bps / 1e9)
         if self.writes_log and self.settings.log_path:
             write_log(self.settings.log_path, o, self.sizes)
+
+
+def _size_text(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB" if nbytes >= 1 << 20 else f"{nbytes / 1024:.1f} KiB"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _say_if_unfinished(tuner_ref: "weakref.ref[Autotuner]") -> None:
+    tuner = tuner_ref()
+    if tuner is not None:
+        tuner.say_if_unfinished()
 
 
 def write_log(path: str, outcome: Outcome, sizes: Sequence[int]) -> None:

@@ -38,3 +38,17 @@ def exit_without_raising(code: int) -> int:
         os._exit(code)
     hvd.allreduce(torch.ones(1), name="never")
     return hvd.rank()
+
+
+def collectives_on_mpi() -> dict:
+    """``rank_sum_and_env`` under MPI's launcher, with the counters that say which backend carried
+    the CPU collectives and which launcher the rank saw."""
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    # large enough for the data plane (a few values ride in the control plane's messages instead)
+    total = hvd.allreduce(torch.full((1 << 16,), float(rank + 1)), op=hvd.Sum, name="sum")[0].item()
+    stats = hvd.stats()
+    hvd.shutdown()
+    return {"rank": rank, "size": size, "total": total, "mpi": stats["mpi_collectives"],
+            "gloo": stats["gloo_collectives"], "mpi_rank_var": os.environ.get("PMI_RANK")
+            or os.environ.get("OMPI_COMM_WORLD_RANK")}
