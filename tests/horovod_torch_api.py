@@ -223,6 +223,24 @@ MPI_OPS_ONLY: dict[str, Any] = {
     "is_homogeneous": _f("horovod.common.basics (HorovodBasics, bound in horovod.torch.mpi_ops)"),
 }
 
+# Every public name of horovod/torch/mpi_ops.py at v0.28.1 (module-level defs, classes, assignments and
+# imports; the modules ``torch`` and ``warnings`` left out): 74 names, the autograd classes and the four
+# helpers it imports from horovod.common.util included.
+MPI_OPS_NAMES = (
+    "HorovodInternalError", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    "check_installed_version", "get_average_backwards_compatibility_fun", "gpu_available", "num_rank_is_power_2",
+    "Compression", "is_initialized", "start_timeline", "stop_timeline", "size", "local_size", "cross_size", "rank",
+    "local_rank", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
+    "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "shutdown", "init", "Average", "Sum",
+    "Adasum", "Min", "Max", "Product", "is_homogeneous", "handle_average_backwards_compatibility",
+    "allreduce_async", "HorovodAllreduce", "allreduce", "allreduce_async_", "allreduce_",
+    "grouped_allreduce_async", "HorovodGroupedAllreduce", "grouped_allreduce", "grouped_allreduce_async_",
+    "grouped_allreduce_", "sparse_allreduce_async", "allgather_async", "HorovodAllgather", "allgather",
+    "grouped_allgather_async", "HorovodGroupedAllgather", "grouped_allgather", "broadcast_async",
+    "HorovodBroadcast", "broadcast", "broadcast_async_", "broadcast_", "alltoall_async", "HorovodAlltoall",
+    "alltoall", "reducescatter_async", "HorovodReducescatter", "reducescatter", "grouped_reducescatter_async",
+    "HorovodGroupedReducescatter", "grouped_reducescatter", "poll", "synchronize", "join", "barrier")
+
 # horovod.common.exceptions: elastic training scripts catch these.
 COMMON_EXCEPTIONS: dict[str, Class] = {
     "HorovodInternalError": Class("horovod.common.exceptions", None, base="builtins:RuntimeError"),
@@ -241,5 +259,5 @@ NOT_API = {
 }
 
 __all__ = ["AVERAGE", "COMMON_EXCEPTIONS", "Class", "Constant", "DISTRIBUTED_OPTIMIZER_METHODS", "Function", "GPS",
-           "HOROVOD_TORCH", "HOROVOD_VERSION", "KEYWORD_ONLY", "MPI_OPS_ONLY", "Module", "NOT_API", "NO_COMPRESSION",
+           "HOROVOD_TORCH", "HOROVOD_VERSION", "KEYWORD_ONLY", "MPI_OPS_NAMES", "MPI_OPS_ONLY", "Module", "NOT_API", "NO_COMPRESSION",
            "P", "POSITIONAL_OR_KEYWORD", "REQUIRED", "Ref", "SUBMODULES", "VAR_KEYWORD", "VAR_POSITIONAL"]

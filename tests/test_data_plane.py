@@ -346,3 +346,13 @@ def test_a_released_group_takes_no_more_collectives():
 
 def test_stop_survives_rank_0s_link_closing_underneath_it():
     assert run_ranks(sc.stop_while_rank_0s_link_closes, 2) == ["rank 0", "ok"]
+
+
+@pytest.mark.parametrize("widen", [False, True])
+def test_bfloat16_reductions_on_gloo_with_and_without_its_kernels(widen):
+    """torch 2.1's Gloo cannot reduce bfloat16 ("Invalid scalar type"); there gpucomm reduces a float32
+    copy and lands the result in the bfloat16 tensor. Both paths give the same values, through Gloo."""
+    for r in run_ranks(sc.bf16_reductions, 2, args=(widen,), timeout=120):
+        assert r["sum"] == [4.0] and r["sum_dtype"] == "torch.bfloat16", r
+        assert r["scattered"] == [1.5] and r["scattered_shape"] == [2, 1 << 13], r
+        assert r["averaged"] == [2.0] and r["gloo"] >= 3, r

@@ -76,7 +76,10 @@ def test_launch_recipes_run_a_job(recipe, args):
     r = run(["bash", str(ROOT / "launch" / recipe), *args], env=_with_venv_path(), timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "allreduce over 2 ranks OK" in r.stdout
-    assert "Warning" not in r.stderr and "WARNING" not in r.stderr, r.stderr  # the MPI recipe passes a secret
+    # no warning of gpucomm's (the MPI recipe passes a secret); torch 2.1's torchrun warns about its own
+    # --standalone defaults ("master_addr is only used for static rdzv_backend"), which is not gpucomm's to fix
+    ours = [line for line in r.stderr.splitlines() if "torch.distributed.run: [WARNING]" not in line]
+    assert not any("Warning" in line or "WARNING" in line for line in ours), r.stderr
     assert r.leftovers == []
 
 

@@ -190,6 +190,19 @@ def test_slurm_old_names_only() -> None:
     assert (w.rendezvous_addr, w.run_id) == ("a1", "77.2")
 
 
+def test_slurm_arbitrary_distribution_needs_the_address() -> None:
+    """srun -m arbitrary places task 0 on the host file's first host, which need not be the node list's
+    first (real Slurm: task 0 on node1 of node[0-1]); every rank says so at once instead of guessing."""
+    env = {**SLURM_ENV, "SLURM_DISTRIBUTION": "arbitrary"}
+    with pytest.raises(WorldError, match=r"SLURM_DISTRIBUTION=arbitrary .*head -n1 \"\$SLURM_HOSTFILE\""):
+        detect(env)
+    assert detect({**env, "GPUCOMM_RENDEZVOUS_ADDR": "login5"}).rendezvous_addr == "login5"
+    one_node = {**env, "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
+                "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "gpu07"}
+    assert detect(one_node).rendezvous_addr == "gpu07"  # one host: task 0 can only be there
+    assert detect({**SLURM_ENV, "SLURM_DISTRIBUTION": "cyclic"}).rendezvous_addr == "gpu07"
+
+
 def test_slurm_node_outside_tasks_per_node() -> None:
     with pytest.raises(WorldError, match="SLURM_NODEID=4"):
         detect({**SLURM_ENV, "SLURM_NODEID": "4", "SLURM_STEP_NUM_NODES": "5"})

@@ -52,8 +52,16 @@ _GLOO_OPS = {
     BackendOp.MAX: dist.ReduceOp.MAX,
     BackendOp.PRODUCT: dist.ReduceOp.PRODUCT,
 }
+# Gloo reduces bfloat16 from torch 2.2 on; with torch 2.1 ("Invalid scalar type") a bfloat16 reduction runs on a
+# float32 copy (every bfloat16 is a float32; the float32 result is rounded to bfloat16 once, at the end).
+GLOO_REDUCES_BF16 = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 2)
+_flat_allgather = True  # Gloo's allgather into one tensor (torch >= 2.2); set False once torch says it has none
 # Gloo has no kernels for these; data movement sends their bytes instead.
-_BYTE_MOVED = {torch.bool, torch.int16, torch.uint16, torch.uint32, torch.uint64, torch.complex64, torch.complex128}
+# (torch.uint16/32/64 exist from torch 2.3 on; CI's oldest-torch step runs 2.1)
+_BYTE_MOVED = {getattr(torch, name) for name in ("bool", "int16", "uint16", "uint32", "uint64", "complex64",
+                                                  "complex128") if hasattr(torch, name)}
+if not GLOO_REDUCES_BF16:  # torch 2.1's Gloo knows no bfloat16 at all, for moving data either
+    _BYTE_MOVED.add(torch.bfloat16)
 
 
 class StoreAdapter(dist.Store):
@@ -154,6 +162,32 @@ class GlooWork:
             return self._work.get_future()
         except RuntimeError:
             return None
+
+
+class WidenedWork(GlooWork):
+    """A reduction Gloo ran on a float32 copy (``wide``) of a bfloat16 tensor: the result is copied
+    back into ``recv`` once the transfer is seen complete, on the caller's thread (never a Gloo one)."""
+
+    __slots__ = ("_wide", "_recv", "_send")
+
+    def __init__(self, work: dist.Work, wide: torch.Tensor, recv: torch.Tensor, send: torch.Tensor | None = None) -> None:
+        super().__init__(work)
+        self._wide, self._recv, self._send = wide, recv, send  # the float32 input lives until the work is done
+
+    def _land(self) -> None:
+        if self._wide is not None:
+            self._recv.copy_(self._wide)
+            self._wide = self._send = None
+
+    def done(self) -> bool:
+        if not self._work.is_completed():
+            return False
+        self._land()
+        return True
+
+    def wait(self, timeout: float, failed: Callable[[], object] | None = None) -> None:
+        super().wait(timeout, failed)
+        self._land()
 
 
 class InFlight:
@@ -340,12 +374,26 @@ class GlooBackend:
         return GlooWork(self._in_flight.add(work))
 
     def allreduce(self, send: torch.Tensor, recv: torch.Tensor, *, op: BackendOp, stream: int | None = None) -> GlooWork:
+        if recv.dtype == torch.bfloat16 and not GLOO_REDUCES_BF16:
+            wide = send.float()
+            return WidenedWork(self._in_flight.add(self.pg.allreduce([wide], self._allreduce_opts[op])), wide, recv)
         if send.data_ptr() != recv.data_ptr():
             recv.copy_(send)
         return self._issued(self.pg.allreduce([recv], self._allreduce_opts[op]))
 
     def allgather(self, send: torch.Tensor, recv: torch.Tensor, *, stream: int | None = None) -> GlooWork:
-        return self._issued(self.pg._allgather_base(_movable(recv), _movable(send)))
+        global _flat_allgather
+        if _flat_allgather:
+            try:
+                return self._issued(self.pg._allgather_base(_movable(recv), _movable(send)))
+            except RuntimeError as e:  # torch 2.1: "no support for _allgather_base in Gloo process group"
+                if "_allgather_base" not in str(e):
+                    raise
+                _flat_allgather = False
+        # one output tensor per rank, views of ``recv``: Gloo copies each part into its view (on its own thread)
+        flat, part = _movable(recv), _movable(send)
+        n = part.numel()
+        return self._issued(self.pg.allgather([[flat.narrow(0, r * n, n) for r in range(self.size)]], [part]))
 
     def broadcast(self, send: torch.Tensor, recv: torch.Tensor, *, root: int, stream: int | None = None) -> GlooWork:
         if send.data_ptr() != recv.data_ptr() and self.rank == root:
@@ -363,6 +411,10 @@ class GlooBackend:
     def reducescatter(self, send: torch.Tensor, recv: torch.Tensor, *, op: BackendOp, stream: int | None = None) -> GlooWork:
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = _GLOO_OPS[op]
+        if recv.dtype == torch.bfloat16 and not GLOO_REDUCES_BF16:
+            wide, wide_send = torch.empty(recv.shape, dtype=torch.float32), send.float()
+            return WidenedWork(self._in_flight.add(self.pg._reduce_scatter_base(wide, wide_send, opts)), wide, recv,
+                               wide_send)
         return self._issued(self.pg._reduce_scatter_base(recv, send, opts))
 
     def barrier(self) -> GlooWork:
@@ -381,7 +433,7 @@ class GlooBackend:
         works = self._in_flight.take()  # alive until the group is gone: no Gloo thread drops a last reference
         try:
             pg.shutdown()
-        except RuntimeError:
+        except (AttributeError, RuntimeError):  # torch 2.1 has no shutdown(): its destructor releases the group
             pass
         del pg, works
 

@@ -72,7 +72,29 @@ def torch_store_rendezvous(world: World, gen: int, start_timeout: float):
                     raise GpucommError(_secret_mismatch(f"rank {r} has GPUCOMM_SECRET set and rank 0 does not"))
                 store.set(f"{base}/sealed/{r}", seal(secret, mine.shared_key(theirs, _context(base, r))))
         store.set(f"{base}/rendezvous", json.dumps(info))
+        if not agent_store and world.size > 1:
+            # an older torchrun (seen: torch 2.1) leaves the store to rank 0 (TORCHELASTIC_USE_AGENT_STORE=False):
+            # it lives in this process and ends with ``store``, so wait until every rank has read it
+            try:
+                store.wait([f"{base}/read/{r}" for r in range(1, world.size)],
+                           datetime.timedelta(seconds=start_timeout))
+            except RuntimeError as e:
+                server.close()
+                raise GpucommError(f"rank 0 serves torchrun's store (this torch's torchrun does not), and not every "
+                                   f"rank read the job's rendezvous from it within {start_timeout:g} s ({e}); "
+                                   f"check that all ranks started (GPUCOMM_START_TIMEOUT)") from None
         return server, host, server.port, secret
+    try:
+        return _read_torch_store_rendezvous(world, store, base)
+    finally:
+        try:
+            store.set(f"{base}/read/{world.rank}", "1")  # rank 0 may stop serving the store now
+        except RuntimeError:  # the store is gone: the read above has already said why
+            pass
+
+
+def _read_torch_store_rendezvous(world: World, store, base: str):
+    """A rank other than 0: where rank 0's store is, and the job secret, from torchrun's store."""
     mine = KeyPair() if world.secret is None else None
     store.set(f"{base}/public/{world.rank}", mine.public_hex() if mine is not None else _FROM_ENV)
     info = json.loads(store.get(f"{base}/rendezvous"))

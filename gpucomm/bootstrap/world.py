@@ -54,6 +54,7 @@ SLURM_NNODES_VARS = ("SLURM_STEP_NUM_NODES", "SLURM_NNODES")
 SLURM_TASKS_PER_NODE_VARS = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
 SLURM_NODELIST_VARS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
 SLURM_JOB_ID_VARS = ("SLURM_JOB_ID", "SLURM_JOBID")
+SLURM_DISTRIBUTION = "SLURM_DISTRIBUTION"
 
 MIN_SECRET_BYTES = 16
 DERIVED_PORT_BASE = 20000
@@ -404,9 +405,23 @@ def _slurm(env: Mapping[str, str], hostname: str | None) -> World | None:
         addr = expand_slurm_nodelist(nodelist)[0] if nodelist else None
     except SlurmSyntaxError as e:
         raise WorldError(f"{list_var}: {e}") from None
+    how = f"{list_var} (srun does this) or {GPUCOMM_RENDEZVOUS_ADDR}"
+    if _arbitrary_distribution(env) and c.local_size != c.size:
+        # srun -m arbitrary puts task i on the i-th host of SLURM_HOSTFILE, and the node list is sorted:
+        # its first host need not run task 0 (seen: task 0 on node1 of node[0-1], its store bound to
+        # node0's address failed while the other ranks waited for it until the start timeout)
+        addr = None
+        how = (f"{GPUCOMM_RENDEZVOUS_ADDR} to task 0's host: {SLURM_DISTRIBUTION}=arbitrary places task i on "
+               f"the i-th host of SLURM_HOSTFILE, so the first host of {list_var} need not be task 0's "
+               f"(export GPUCOMM_RENDEZVOUS_ADDR=$(head -n1 \"$SLURM_HOSTFILE\") before srun)")
     job_id = _first(env, SLURM_JOB_ID_VARS)[1] or ""
-    return _finish(env, c, v, "slurm", _hostname(env, None, hostname), f"{job_id}.{step}",
-                   addr, how=f"{list_var} (srun does this) or {GPUCOMM_RENDEZVOUS_ADDR}")
+    return _finish(env, c, v, "slurm", _hostname(env, None, hostname), f"{job_id}.{step}", addr, how=how)
+
+
+def _arbitrary_distribution(env: Mapping[str, str]) -> bool:
+    """Whether srun placed the tasks by a host file (``-m arbitrary``) rather than in node-list order."""
+    method = (_get(env, SLURM_DISTRIBUTION) or "").lower()
+    return method.split(":")[0].split(",")[0] == "arbitrary"
 
 
 def _single(env: Mapping[str, str], hostname: str | None) -> World:

@@ -1,5 +1,9 @@
 """Differentiable collectives with Horovod's gradient conventions.
 
+The ``torch.autograd.Function`` classes carry Horovod's names and ``apply`` signatures
+(``HorovodAllreduce.apply(tensor, average, name, op, prescale_factor, postscale_factor, process_set)``
+and the like, as in ``horovod.torch.mpi_ops``), so code that calls them directly keeps working.
+
 Without a gradient to track (no input requires grad, or grad mode is off) the collectives skip
 ``torch.autograd.Function`` and run directly: same result, less work per call.
 """
@@ -43,33 +47,42 @@ def _reducescatter_now(tensors, op, pre, post, name, process_set):
     return execute("reducescatter", list(tensors), name, **reduction(op, None, pre, post, process_set))
 
 
-class _Allreduce(torch.autograd.Function):
+class HorovodAllreduce(torch.autograd.Function):
+    """Allreduce; the gradient is the allreduce (same op and factors) of the output's gradient."""
+
     @staticmethod
-    def forward(ctx, tensor, op, pre, post, name, process_set):
-        ctx.args = (op, pre, post, process_set)
-        return _allreduce_now(tensor, op, pre, post, name, process_set)
+    def forward(ctx, tensor, average, name, op, prescale_factor=1.0, postscale_factor=1.0,
+                process_set=global_process_set):
+        op = handle_average_backwards_compatibility(op, average)
+        ctx.args = (op, float(prescale_factor), float(postscale_factor), process_set)
+        return _allreduce_now(tensor, *ctx.args[:3], name, process_set)
 
     @staticmethod
     def backward(ctx, grad):
         op, pre, post, ps = ctx.args
         out = _allreduce_now(grad.contiguous(), op, pre, post, None, ps)
-        return out, None, None, None, None, None
+        return out, None, None, None, None, None, None
 
 
-class _GroupedAllreduce(torch.autograd.Function):
+class HorovodGroupedAllreduce(torch.autograd.Function):
+    """Allreduce of several tensors in one request; gradients as ``HorovodAllreduce``'s."""
+
     @staticmethod
-    def forward(ctx, op, pre, post, name, process_set, *tensors):
-        ctx.args = (op, pre, post, process_set)
-        return tuple(_grouped_allreduce_now(tensors, op, pre, post, name, process_set))
+    def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set, *tensors):
+        op = handle_average_backwards_compatibility(op, average)
+        ctx.args = (op, float(prescale_factor), float(postscale_factor), process_set)
+        return tuple(_grouped_allreduce_now(tensors, *ctx.args[:3], name, process_set))
 
     @staticmethod
     def backward(ctx, *grads):
         op, pre, post, ps = ctx.args
         outs = _grouped_allreduce_now([g.contiguous() for g in grads], op, pre, post, None, ps)
-        return (None, None, None, None, None, *outs)
+        return (None, None, None, None, None, None, *outs)
 
 
-class _Allgather(torch.autograd.Function):
+class HorovodAllgather(torch.autograd.Function):
+    """Allgather along dim 0; the gradient is this rank's rows of the averaged output gradient."""
+
     @staticmethod
     def forward(ctx, tensor, name, process_set):
         outs, rows = _allgather_now([tensor], name, process_set)
@@ -85,7 +98,9 @@ class _Allgather(torch.autograd.Function):
         return (reduced.narrow(0, start, ctx.rows[me]) if reduced.dim() else reduced), None, None
 
 
-class _GroupedAllgather(torch.autograd.Function):
+class HorovodGroupedAllgather(torch.autograd.Function):
+    """Allgather of several tensors in one request; gradients as ``HorovodAllgather``'s."""
+
     @staticmethod
     def forward(ctx, name, process_set, *tensors):
         outs, rows = _allgather_now(tensors, name, process_set)
@@ -103,7 +118,9 @@ class _GroupedAllgather(torch.autograd.Function):
         return (None, None, *mine)
 
 
-class _Broadcast(torch.autograd.Function):
+class HorovodBroadcast(torch.autograd.Function):
+    """Broadcast from ``root_rank``; the root's gradient is the averaged output gradient, others' zero."""
+
     @staticmethod
     def forward(ctx, tensor, root_rank, name, process_set):
         ctx.root, ctx.process_set = root_rank, process_set
@@ -117,7 +134,9 @@ class _Broadcast(torch.autograd.Function):
         return reduced, None, None, None
 
 
-class _Alltoall(torch.autograd.Function):
+class HorovodAlltoall(torch.autograd.Function):
+    """Alltoall by ``splits``; returns (output, received splits); the gradient goes back the same way."""
+
     @staticmethod
     def forward(ctx, tensor, splits, name, process_set):
         out, received = alltoall_now(tensor, splits, name, process_set)
@@ -131,9 +150,12 @@ class _Alltoall(torch.autograd.Function):
         return out, None, None, None
 
 
-class _Reducescatter(torch.autograd.Function):
+class HorovodReducescatter(torch.autograd.Function):
+    """Reduce-scatter along dim 0; the gradient is the allgathered output gradient, scaled as the op was."""
+
     @staticmethod
-    def forward(ctx, tensor, op, pre, post, name, process_set):
+    def forward(ctx, tensor, name, op, process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+        op, pre, post = reduce_op_of(op), float(prescale_factor), float(postscale_factor)
         ctx.factor = pre * post * (_group(process_set).size if op == Sum else 1)
         ctx.process_set = process_set
         return _reducescatter_now([tensor], op, pre, post, name, process_set)[0]
@@ -144,9 +166,12 @@ class _Reducescatter(torch.autograd.Function):
         return gathered * ctx.factor, None, None, None, None, None
 
 
-class _GroupedReducescatter(torch.autograd.Function):
+class HorovodGroupedReducescatter(torch.autograd.Function):
+    """Reduce-scatter of several tensors in one request; gradients as ``HorovodReducescatter``'s."""
+
     @staticmethod
-    def forward(ctx, op, pre, post, name, process_set, *tensors):
+    def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
+        op, pre, post = reduce_op_of(op), float(prescale_factor), float(postscale_factor)
         ctx.factor = pre * post * (_group(process_set).size if op == Sum else 1)
         ctx.process_set = process_set
         return tuple(_reducescatter_now(tensors, op, pre, post, name, process_set))
@@ -167,10 +192,10 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     if compression is Compression.none or compression is NoneCompressor:
         if not (tensor.requires_grad and torch.is_grad_enabled()):
             return _allreduce_now(tensor, rop, prescale_factor, postscale_factor, name, process_set)
-        return _Allreduce.apply(tensor, rop, float(prescale_factor), float(postscale_factor), name, process_set)
+        return HorovodAllreduce.apply(tensor, None, name, rop, prescale_factor, postscale_factor, process_set)
     compression = resolve_compression(compression)  # Compression.powersgd without its call: its wire
     compressed, cctx = compression.compress(tensor)
-    reduced = _Allreduce.apply(compressed, rop, float(prescale_factor), float(postscale_factor), name, process_set)
+    reduced = HorovodAllreduce.apply(compressed, None, name, rop, prescale_factor, postscale_factor, process_set)
     return compression.decompress(reduced, cctx)
 
 
@@ -182,8 +207,8 @@ def grouped_allreduce(tensors, average: bool | None = None, name: str | None = N
     rop = handle_average_backwards_compatibility(op, average)
     compression = resolve_compression(compression)
     pairs = [compression.compress(t) for t in tensors]
-    outs = _GroupedAllreduce.apply(rop, float(prescale_factor), float(postscale_factor), name, process_set,
-                                   *[p[0] for p in pairs])
+    outs = HorovodGroupedAllreduce.apply(None, name, rop, prescale_factor, postscale_factor, process_set,
+                                         *[p[0] for p in pairs])
     return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs)]
 
 
@@ -193,7 +218,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
     check_tensor_arg("allgather", tensor)
     if not (tensor.requires_grad and torch.is_grad_enabled()):
         return _allgather_now([tensor], name, process_set)[0][0]
-    return _Allgather.apply(tensor, name, process_set)
+    return HorovodAllgather.apply(tensor, name, process_set)
 
 
 def grouped_allgather(tensors, name: str | None = None,
@@ -203,7 +228,7 @@ def grouped_allgather(tensors, name: str | None = None,
     tensors = check_tensor_list("allgather", tensors)
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         return _allgather_now(tensors, name, process_set)[0]
-    return list(_GroupedAllgather.apply(name, process_set, *tensors))
+    return list(HorovodGroupedAllgather.apply(name, process_set, *tensors))
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -212,7 +237,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     check_tensor_arg("broadcast", tensor)
     if not (tensor.requires_grad and torch.is_grad_enabled()):
         return _broadcast_now(tensor, root_rank, name, process_set)
-    return _Broadcast.apply(tensor, root_rank, name, process_set)
+    return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
 
 
 def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None,
@@ -220,7 +245,7 @@ def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None,
     """Send ``splits[i]`` rows to rank i. Returns the tensor, or ``(tensor, received_splits)`` when
     ``splits`` is given (Horovod's convention). Differentiable."""
     check_tensor_arg("alltoall", tensor)
-    out, received = _Alltoall.apply(tensor, splits, name, process_set)
+    out, received = HorovodAlltoall.apply(tensor, splits, name, process_set)
     return out if splits is None else (out, received)
 
 
@@ -231,8 +256,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression=Com
     check_tensor_arg("reducescatter", tensor)
     compression = resolve_compression(compression)  # Compression.powersgd without its call: its wire
     compressed, cctx = compression.compress(tensor)
-    out = _Reducescatter.apply(compressed, reduce_op_of(op), float(prescale_factor), float(postscale_factor), name,
-                               process_set)
+    out = HorovodReducescatter.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)
     return compression.decompress(out, cctx)
 
 
@@ -242,6 +266,6 @@ def grouped_reducescatter(tensors, name: str | None = None, compression=Compress
     tensors = check_tensor_list("reducescatter", tensors)
     compression = resolve_compression(compression)
     pairs = [compression.compress(t) for t in tensors]
-    outs = _GroupedReducescatter.apply(reduce_op_of(op), float(prescale_factor), float(postscale_factor), name,
-                                       process_set, *[p[0] for p in pairs])
+    outs = HorovodGroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor,
+                                             *[p[0] for p in pairs])
     return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs)]

@@ -550,3 +550,37 @@ def stop_while_rank_0s_link_closes() -> str:
     t.join(10)
     hvd.shutdown()
     return "; ".join(errors) or "ok"
+
+
+# -- bfloat16 reductions where Gloo has none (torch 2.1) ------------------------------------------
+
+def bf16_reductions(widen: bool) -> dict:
+    """A bfloat16 allreduce and reduce-scatter, large enough for the data plane; with ``widen`` they
+    take the float32 path torch 2.1's Gloo needs (forced here on any torch)."""
+    from gpucomm.backends import gloo
+
+    native = gloo.GLOO_REDUCES_BF16
+    if widen:
+        gloo.GLOO_REDUCES_BF16 = False
+    try:
+        return _bf16_reductions()
+    finally:
+        gloo.GLOO_REDUCES_BF16 = native  # this process serves later tests (the harness's rank pool)
+
+
+def _bf16_reductions() -> dict:
+    hvd.init()
+    rank = hvd.rank()
+    x = torch.full((1 << 15,), 1.5 + rank, dtype=torch.bfloat16)
+    summed = hvd.allreduce(x, op=hvd.Sum, name="bf16.sum")
+    scattered = hvd.reducescatter(torch.full((4, 1 << 13), 0.5 * (rank + 1), dtype=torch.bfloat16), op=hvd.Sum,
+                                  name="bf16.rs")
+    async_handle = hvd.allreduce_async_(torch.full((1 << 15,), 2.0, dtype=torch.bfloat16), op=hvd.Average,
+                                        name="bf16.async")
+    averaged = hvd.synchronize(async_handle)
+    stats = hvd.stats()
+    hvd.shutdown()
+    return {"sum": sorted(set(summed.float().tolist())), "sum_dtype": str(summed.dtype),
+            "scattered": sorted(set(scattered.float().reshape(-1).tolist())), "scattered_shape": list(scattered.shape),
+            "averaged": sorted(set(averaged.float().tolist())), "gloo": stats["gloo_collectives"]}
+

@@ -102,3 +102,27 @@ def optimizer_guards() -> dict:
     opt.zero_grad()  # after step: allowed
     hvd.shutdown()
     return out
+
+
+def horovod_autograd_classes() -> dict:
+    """Horovod's eight autograd classes called with Horovod's own ``apply`` arguments (2 ranks)."""
+    from gpucomm.torch import mpi_ops as m
+
+    hvd.init()
+    rank, ps = hvd.rank(), hvd.global_process_set
+    x = torch.full((2,), float(rank + 1), requires_grad=True)
+    summed = m.HorovodAllreduce.apply(x, None, "ac.allreduce", hvd.Sum, 1.0, 1.0, ps)
+    summed.sum().backward()
+    grouped = m.HorovodGroupedAllreduce.apply(None, "ac.grouped", hvd.Average, 1.0, 2.0, ps,
+                                              torch.tensor([0.5 + rank]), torch.tensor([1.0 + rank]))
+    gathered = m.HorovodAllgather.apply(torch.tensor([float(rank)]), "ac.allgather", ps)
+    m.HorovodGroupedAllgather.apply("ac.grouped_allgather", ps, torch.tensor([float(rank)]))
+    broadcast = m.HorovodBroadcast.apply(torch.tensor([float(rank)]), 0, "ac.broadcast", ps)
+    _, splits = m.HorovodAlltoall.apply(torch.tensor([1.0, 2.0]), torch.tensor([1, 1]), "ac.alltoall", ps)
+    scattered = m.HorovodReducescatter.apply(torch.ones(2), "ac.reducescatter", hvd.Sum, ps, 1.0, 1.0)
+    m.HorovodGroupedReducescatter.apply("ac.grouped_rs", hvd.Sum, ps, 1.0, 1.0, torch.ones(2))
+    out = {"rank": rank, "allreduce": summed.tolist(), "allreduce_grad": x.grad.tolist(),
+           "grouped": [t.tolist() for t in grouped], "allgather": gathered.tolist(), "broadcast": broadcast.tolist(),
+           "reducescatter": scattered.tolist(), "alltoall_splits": splits.tolist()}
+    hvd.shutdown()
+    return out
