@@ -52,7 +52,7 @@ def test_every_import_inside_a_function_has_a_reason():
 
 SEAM = "gpucomm.torch.submission"
 BELOW_THE_SEAM = ("gpucomm.job", "gpucomm.control", "gpucomm.dataplane")
-EXTENDED = {("gpucomm.torch.zero", "gpucomm.dataplane.bucket_kinds"): ["Bucket"],
+EXTENDED = {("gpucomm.torch.zero_bucket", "gpucomm.dataplane.bucket_kinds"): ["Bucket"],
             ("gpucomm.torch.powersgd", "gpucomm.dataplane.bucket_kinds"): ["Bucket"]}
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import gpucomm.torch as hvd
-from gpucomm.torch.optimizer import TWICE_ERROR, ZERO_GRAD_ERROR
+from gpucomm.torch.parameters import TWICE_ERROR, ZERO_GRAD_ERROR
 
 BATCH, IN, OUT = 16, 6, 3
 

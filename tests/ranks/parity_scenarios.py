@@ -80,7 +80,7 @@ def optimizer_guards() -> dict:
     accumulated locally) raises; ``step()`` after ``synchronize()`` warns with Horovod's text."""
     import warnings
 
-    from gpucomm.torch.optimizer import STEP_AFTER_SYNC_WARNING, ZERO_GRAD_ERROR
+    from gpucomm.torch.parameters import STEP_AFTER_SYNC_WARNING, ZERO_GRAD_ERROR
 
     hvd.init()
     model = torch.nn.Linear(3, 1)
