@@ -72,14 +72,22 @@ def set_reporter(reporter: Callable[[BaseException], None] | None) -> None:
     previous = sys.excepthook
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-        reporter = _reporter
-        if reporter is not None:
-            t = threading.Thread(target=_quietly, args=(reporter, exc), name="gpucomm-failure-report", daemon=True)
-            t.start()
-            t.join(REPORT_TIMEOUT)
+        report(exc)
         previous(exc_type, exc, tb)
 
     sys.excepthook = hook
+
+
+def report(exc: BaseException) -> None:
+    """Report ``exc`` as this rank's failure now, as an uncaught exception is reported: for hosts that
+    catch a rank's exceptions themselves (a Ray actor lives on after its function raised), so that
+    the other ranks fail at once naming it instead of waiting in a collective. At most
+    ``REPORT_TIMEOUT`` seconds; nothing without an initialized job."""
+    reporter = _reporter
+    if reporter is not None:
+        t = threading.Thread(target=_quietly, args=(reporter, exc), name="gpucomm-failure-report", daemon=True)
+        t.start()
+        t.join(REPORT_TIMEOUT)
 
 
 def _quietly(reporter: Callable[[BaseException], None], exc: BaseException) -> None:
@@ -89,4 +97,4 @@ def _quietly(reporter: Callable[[BaseException], None], exc: BaseException) -> N
         pass
 
 
-__all__ = ["Failure", "read_failures", "record_failure", "set_reporter", "summarize"]
+__all__ = ["Failure", "read_failures", "record_failure", "report", "set_reporter", "summarize"]

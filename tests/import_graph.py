@@ -32,6 +32,7 @@ LAYERS = {
     "torch": 6, "scaling": 6,
     "timeline": 0,
     "runner": 6,
+    "ray": 6,  # gpucomm.ray launches jobs on Ray: it stands beside the runner and reuses it
 }
 # package-root modules that belong to a layer above the utilities (runtime, startup: main's names)
 ROOT_MODULE_LAYERS = {"job": "job", "runtime": "job", "startup": "job", "process_sets": "job", "failures": "job",
