@@ -11,6 +11,7 @@ import pytest
 
 from gpucomm.bootstrap.rendezvous import (HELLO_BYTES, RendezvousAuthError, RendezvousClient, RendezvousError,
                                 RendezvousServer, RendezvousTimeout, barrier, wait_for_ranks)
+from tests.harness import free_port
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 
@@ -159,18 +160,41 @@ def test_replayed_frame_is_rejected(server):
 
 
 def test_connect_retries_until_server_appears():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    started = {}
-    threading.Timer(0.5, lambda: started.setdefault("s", RendezvousServer(SECRET, "127.0.0.1", port))).start()
-    try:
-        c = RendezvousClient("127.0.0.1", port, SECRET, connect_timeout=10)
+    """Nothing listens yet: the client's attempts are refused and it tries again; the server starts only
+    once the client has counted two such retries (so they are not a matter of timing), and the client
+    then connects and works."""
+    port = free_port()  # below the ephemeral range: a retried connect cannot meet another socket's port
+    clients: list[RendezvousClient] = []
+    outcome: dict = {}
+
+    class Published(RendezvousClient):
+        """Hands its instance out before connecting, so the test can read its retry counter meanwhile."""
+
+        def __init__(self, *args, **kwargs):
+            clients.append(self)
+            super().__init__(*args, **kwargs)
+
+    def connect() -> None:
+        try:
+            outcome["client"] = Published("127.0.0.1", port, SECRET, connect_timeout=60)
+        except Exception as e:  # noqa: BLE001 - reported by the assertions below
+            outcome["error"] = e
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60  # a hang guard, never a measure
+    while thread.is_alive() and not (clients and clients[0].connect_retries >= 2) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # refused twice and still retrying (not failed): only now does the store start
+    assert thread.is_alive() and clients[0].connect_retries >= 2, outcome
+    with RendezvousServer(SECRET, "127.0.0.1", port) as server:
+        thread.join(60)
+        assert "error" not in outcome, outcome["error"]
+        c = outcome["client"]
         c.set("a", b"b")
-    finally:
-        time.sleep(0.6)
-        if "s" in started:
-            started["s"].close()
+        assert c.get("a") == b"b"
+        assert server.connection_counts() == {"authenticated": 1, "pending": 0}  # one connection, made once
+        c.close()
 
 
 def test_connect_timeout_explains_causes():

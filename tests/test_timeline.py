@@ -5,12 +5,14 @@ process under a real file-size limit (RLIMIT_FSIZE), so the OS itself makes the 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
 import textwrap
 import threading
 import time
+from collections import Counter
 
 import pytest
 
@@ -20,6 +22,7 @@ from tests.harness import PYTHON, Result, run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+HANG_GUARD_S = 30.0  # how long a test waits for the writer thread before calling it stuck: never a measure
 
 
 def _records(path) -> list[dict]:
@@ -64,8 +67,14 @@ def test_header_records_and_wall_clock_of_ts_zero(tmp_path):
             {"name": "process_sort_index", "ph": "M", "pid": 0, "args": {"sort_index": 0}},
         ]
         assert before_us <= start <= after_us
-        # ts is µs since that wall-clock instant: start + now_us() tracks the wall clock
-        assert abs(start + tl.now_us() - time.time_ns() / 1000) < 50_000
+        # ts is µs since that wall-clock instant: start + now_us() tracks the wall clock. Bracketed by
+        # wall-clock reads, so a descheduled test cannot fail it; the 50 ms only absorbs the two clocks'
+        # rate difference (NTP slew) and the constructor's gap between its two clock reads, itself at
+        # most after_us - before_us.
+        wall_before = time.time_ns() / 1000
+        tracked = start + tl.now_us()
+        wall_after = time.time_ns() / 1000
+        assert wall_before - 50_000 <= tracked <= wall_after + (after_us - before_us) + 50_000
     finally:
         tl.close()
 
@@ -191,15 +200,17 @@ def test_file_is_valid_json_after_every_flush_while_open(timeline):
         assert _pid_names(records)[round_ + 1] == name
 
 
-def test_events_reach_the_file_without_flush_within_a_tenth_of_a_second(timeline):
+def test_events_reach_the_file_without_flush(timeline):
+    """The writer thread writes by itself (no flush(), no close()). How soon (about one 50 ms wake-up
+    period) is measured by benchmarks/timeline_cost.py; the deadline here only stops a hang."""
     timeline.op_start("allreduce.test_allreduce", "allreduce")
     start = time.monotonic()
-    while time.monotonic() - start < 2.0:  # generous deadline for a loaded CI box; usually ~50 ms
+    while time.monotonic() - start < HANG_GUARD_S:
         if "allreduce.test_allreduce" in open(timeline.path).read():
             break
         time.sleep(0.01)
     else:
-        pytest.fail("an event did not reach the file within 2 s without flush(); "
+        pytest.fail(f"an event did not reach the file within {HANG_GUARD_S:g} s without flush(); "
                     "the writer thread is not writing periodically")
     assert json.loads(open(timeline.path).read())
 
@@ -335,16 +346,53 @@ def test_disk_error_in_writer_warns_once_keeps_valid_file_and_never_raises(tmp_p
     assert os.path.getsize(path) < 64 * 1024
 
 
-def test_writer_hot_path_costs_microseconds_not_io(timeline):
-    n = 20_000
-    start = time.perf_counter()
-    for _ in range(n):
-        timeline.activity_start("allreduce.x", "NCCL_ALLREDUCE")
-        timeline.activity_end("allreduce.x")
-    per_call_us = (time.perf_counter() - start) / (2 * n) * 1e6
-    assert timeline.flush(timeout=30)
-    assert per_call_us < 20, f"{per_call_us:.2f} µs per event call: the hot path is doing I/O or locking"
-    assert len(_records(timeline.path)) == 2 + 2 + 2 * n
+def _profiled(fn) -> tuple[Counter, Counter]:
+    """Run ``fn`` under ``sys.setprofile`` (this thread only) and count what it called: Python
+    functions by name, and C functions (builtins: I/O, locks, formatting, clocks) by name. The cyclic
+    garbage collector is paused meanwhile, so a finalizer of some other object it happens to collect
+    (a suspended generator's close, say) is not counted as the code's own work."""
+    python_calls: Counter = Counter()
+    c_calls: Counter = Counter()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is not fn.__code__:
+            python_calls[frame.f_code.co_name] += 1
+        elif event == "c_call" and arg is not sys.setprofile:
+            c_calls[arg.__name__] += 1
+
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+        if was_enabled:
+            gc.enable()
+    return python_calls, c_calls
+
+
+def test_writer_hot_path_only_enqueues(tmp_path):
+    """An event call does two Python calls (the method and ``_put``), one clock read and one deque
+    append: no formatting, no lock, no write. Counted, not timed (the time per call, beside a bare
+    deque append, is benchmarks/timeline_cost.py's); the writer sleeps through the calls, and the
+    file holds only its header until flush() wakes it."""
+    n = 2_000
+    with Timeline(str(tmp_path / "t.json"), flush_interval_s=3600) as tl:
+        header_bytes = os.path.getsize(tl.path)
+
+        def events():
+            for _ in range(n):
+                tl.activity_start("allreduce.x", "NCCL_ALLREDUCE")
+                tl.activity_end("allreduce.x")
+
+        python_calls, c_calls = _profiled(events)
+        assert python_calls == Counter({"activity_start": n, "activity_end": n, "_put": 2 * n})
+        assert c_calls == Counter({"perf_counter_ns": 2 * n, "append": 2 * n})
+        assert os.path.getsize(tl.path) == header_bytes  # nothing written by the calls themselves
+        assert tl.flush(timeout=30)
+    assert len(_records(tl.path)) == 2 + 2 + 2 * n
 
 
 # -- GPU activities --------------------------------------------------------------------------------
@@ -522,10 +570,11 @@ def test_render_an_open_trace_with_unfinished_ops(tmp_path):
         tl.close()
 
 
-def test_render_handles_a_large_trace_quickly(tmp_path):
-    trace_path = str(tmp_path / "big.json")
-    with Timeline(trace_path, mark_cycles=True) as tl:
-        for step in range(500):
+def _training_trace(path: str, steps: int) -> None:
+    """Per step: a cycle mark, a backward span, and 8 bucket allreduces with three activities each
+    (33 spans, 67 records per step; 20 more: the header and 9 names' metadata)."""
+    with Timeline(path, mark_cycles=True) as tl:
+        for step in range(steps):
             t = step * 10_000
             tl.mark_cycle(t)
             tl.span("DistributedOptimizer.backward", "BACKWARD", t, t + 6000)
@@ -537,14 +586,34 @@ def test_render_handles_a_large_trace_quickly(tmp_path):
                     tl.activity_start(name, label, s + a)
                     tl.activity_end(name, s + z)
                 tl.op_end(name, "float32", [1 << 20], s + 650)
-    start = time.perf_counter()
-    summary = render(trace_path, str(tmp_path / "big.png"))
-    elapsed = time.perf_counter() - start
-    assert summary["n_records"] > 33_000 and summary["n_spans"] == 500 * (1 + 8 * 4)
-    assert elapsed < 10, f"rendering {summary['n_records']} records took {elapsed:.1f} s"
-    zoom = render(trace_path, str(tmp_path / "zoom.png"), window_ms=(0.0, 10.0))
+
+
+# Python calls one more record may cost a render: reading it, drawing its share of a collection. About 15
+# today; one matplotlib artist per span (ax.add_patch of a Rectangle, then drawing it) costs some 700
+# calls, about 340 per record, which this bound refuses.
+RENDER_CALLS_PER_RECORD = 40
+
+
+def test_render_work_grows_by_a_few_calls_per_record(tmp_path):
+    """Drawing uses one collection per colour, so a larger trace costs a few Python calls more per
+    record, not an artist per span. Counted over two trace sizes (the difference cancels the fixed
+    cost of a figure); the render time of a 33k-record trace is benchmarks/timeline_cost.py's."""
+    calls, summaries = [], []
+    _training_trace(str(tmp_path / "warm.json"), 2)
+    render(str(tmp_path / "warm.json"), str(tmp_path / "warm.png"))  # matplotlib's imports and set-up
+    for steps in (100, 300):
+        trace_path = str(tmp_path / f"steps{steps}.json")
+        _training_trace(trace_path, steps)
+        box = {}
+        python_calls, _ = _profiled(lambda: box.update(render(trace_path, str(tmp_path / f"steps{steps}.png"))))
+        calls.append(sum(python_calls.values()))
+        summaries.append(box)
+        assert box["n_spans"] == steps * (1 + 8 * 4) and box["n_records"] == 20 + steps * 67
+    per_record = (calls[1] - calls[0]) / (summaries[1]["n_records"] - summaries[0]["n_records"])
+    assert per_record < RENDER_CALLS_PER_RECORD, f"{per_record:.0f} Python calls per added record"
+    zoom = render(str(tmp_path / "steps300.json"), str(tmp_path / "zoom.png"), window_ms=(0.0, 10.0))
     _assert_png(tmp_path / "zoom.png")
-    assert zoom["n_spans"] == summary["n_spans"]  # the summary always covers the whole trace
+    assert zoom["n_spans"] == summaries[1]["n_spans"]  # the summary always covers the whole trace
 
 
 def test_render_rejects_a_reversed_window(tmp_path):
@@ -670,3 +739,34 @@ def test_the_gpu_timer_is_made_on_the_collectives_own_device(tmp_path, monkeypat
     finally:
         tracer.close()
     assert made == [torch.device("cuda", 1)]  # made once, on the stream's GPU
+
+
+# -- the cost figures, measured where a time may vary -------------------------------------------------
+
+
+def _numbers(doc, where: str = "") -> list[tuple[str, float]]:
+    """Every number in ``doc`` with its path (the strict parse above already refused NaN and infinities)."""
+    if isinstance(doc, dict):
+        return [p for k, v in doc.items() for p in _numbers(v, f"{where}.{k}")]
+    if isinstance(doc, list):
+        return [p for i, v in enumerate(doc) for p in _numbers(v, f"{where}[{i}]")]
+    return [(where, doc)] if isinstance(doc, (int, float)) and not isinstance(doc, bool) else []
+
+
+def test_timeline_cost_benchmark_reports_each_figure_beside_its_anchor(tmp_path):
+    """benchmarks/timeline_cost.py holds the times these tests no longer bound. Its smoke run is
+    checked for what it measured and printed, never for how long anything took."""
+    out = tmp_path / "timeline_cost.json"
+    r = _run([os.path.join(REPO, "benchmarks", "timeline_cost.py"), "--quick", "--calls", "200", "--rounds", "2",
+              "--latency-rounds", "2", "--steps", "3", "--json", str(out)])
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    for prefix in ("hot path: ", "event to file without flush(): ", "render of 221 records (99 spans): "):
+        assert any(line.startswith(prefix) for line in lines), (prefix, r.stdout)
+    doc = json.loads(out.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+    hot, latency, rendered = doc["hot_path"], doc["latency"], doc["render"]
+    assert hot["event_calls_per_round"] == 200 and len(hot["us_per_call"]) == len(hot["floor_us_per_call"]) == 2
+    assert len(latency["ms"]) == 2 and latency["flush_interval_ms"] == 50.0
+    assert (rendered["n_records"], rendered["n_spans"], len(rendered["render_s"]), len(rendered["parse_s"])) == \
+        (221, 99, 1, 1)
+    assert [p for p, v in _numbers(doc) if v < 0] == []

@@ -457,6 +457,7 @@ class RendezvousClient:
         self._closed = False
         self._gone: str | None = None  # why the store is known to be gone (every call then fails at once)
         self._connected_once = False  # then a refused reconnection means the store's process is gone
+        self.connect_retries = 0  # failed connection attempts that were tried again (store not up or answering)
         self._release(self._connect())  # fail fast, with the retry loop, at construction
         self._connected_once = True
 
@@ -508,6 +509,8 @@ class RendezvousClient:
                     f"or has died, and its own output says why; the address is not reachable from this "
                     f"host (firewall, wrong interface); ranks disagree on GPUCOMM_RENDEZVOUS_ADDR/PORT. "
                     f"Raise the limit with GPUCOMM_START_TIMEOUT if rank 0 starts slowly.")
+            with self._lock:
+                self.connect_retries += 1
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
