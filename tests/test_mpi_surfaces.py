@@ -5,7 +5,7 @@ launchers (rank side: ``tests/ranks/mpi_surface_program.py``; the rank channel's
 - a rank killed by a signal is named on every other rank and in gpucomm-run's summary, whichever
   rank it is, and gpucomm-run exits 128 + the signal, as under its own launcher;
 - a one-host job's sockets listen on loopback only, except the MPI launcher's own listeners, which
-  neither MPICH's Hydra nor Open MPI's mpirun can be told to bind (README, "Security");
+  neither MPICH's Hydra nor Open MPI's mpirun can be told to bind (docs/guide/security.md, "MPI's own sockets");
 - the options and variables that bind MPI's sockets, and the blame rules, as pure functions.
 """
 
@@ -118,7 +118,7 @@ def test_a_one_host_job_listens_on_loopback_only(tmp_path, flavor):
 def test_mpi_is_told_the_interface_gpucomm_chose():
     lo = loopback_interface()
     assert binding_interface(["localhost", "localhost"], None) == lo
-    assert binding_interface(["localhost", "node2"], None) is None  # several hosts: MPI's own choice (README)
+    assert binding_interface(["localhost", "node2"], None) is None  # several hosts: MPI's own choice (docs: security)
     assert binding_interface(["node1", "node2"], "eth1") == "eth1"
     one_host = binding_environment(lo, local_only=True, env={})
     assert one_host == {"FI_TCP_IFACE": lo, "FI_SOCKETS_IFACE": lo, "MPIR_CVAR_NEMESIS_TCP_NETWORK_IFACE": lo,

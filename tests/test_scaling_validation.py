@@ -1,4 +1,4 @@
-"""``benchmarks/scaling_validation.py``: the claims the README makes about it hold (DDP's 8- and
+"""``benchmarks/scaling_validation.py``: the claims docs/guide/scaling.md makes about it hold (DDP's 8- and
 16-GPU rows within 5 % with the per-gradient cost fitted on the 1-GPU row, and not without it;
 Horovod's VGG-16 loses far more than its other two models; with the cluster's ring speed and
 straggler noise fitted on Horovod's 16-GPU rows alone, its 128- and 512-GPU efficiencies land within

@@ -77,6 +77,7 @@ def shutdown() -> None:
 
 
 def is_initialized() -> bool:
+    """Whether ``init()`` has run in this process (and ``shutdown()`` has not since)."""
     return job_initialized()
 
 
@@ -129,6 +130,7 @@ def nccl_built() -> int:
 
 
 def gloo_built() -> bool:
+    """Whether torch has Gloo, which carries CPU collectives (when they are not on MPI). Callable before init."""
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_gloo_available()
@@ -152,6 +154,8 @@ def mpi_enabled() -> bool:
 
 
 def cuda_built() -> bool:
+    """Whether CUDA tensors can be reduced: CuPy's NCCL loads (``nccl_built()`` gives its version). Callable
+    before init."""
     return _nccl_version() > 0
 
 
