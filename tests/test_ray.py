@@ -295,6 +295,23 @@ def test_ranks_follow_the_nodes_where_ray_placed_the_workers():
         check_distinct_gpus([infos[1], ActorInfo("a", "10.0.0.9", "h9", 15, ("1",))])
 
 
+def test_each_worker_sees_the_gpus_that_make_gpucomm_pin_its_own():
+    """Pure: what each worker's CUDA_VISIBLE_DEVICES is set to. Two GPUs per worker: the worker's own
+    first GPU at the index of its local rank (Ray Train's shared listing "0,1,2,3" would give local
+    rank 1 its neighbour's GPU 1); ids past 9 in numeric order of the workers, not as text; an elastic
+    worker sees its own GPU alone (its local rank changes between rounds); no GPU: nothing visible."""
+    from gpucomm.ray.layout import ActorInfo, cuda_visible_devices
+
+    two_each = [ActorInfo("a", "10.0.0.9", "h", 1, ("0", "1")), ActorInfo("a", "10.0.0.9", "h", 2, ("2", "3"))]
+    listed = cuda_visible_devices(two_each, True)
+    assert listed == ["0,2,1,3", "0,2,1,3"]
+    assert [v.split(",")[rank] for rank, v in enumerate(listed)] == ["0", "2"]  # what local rank r pins
+    eleven = [ActorInfo("a", "10.0.0.9", "h", i, (str(i),)) for i in (2, 10)]
+    assert [v.split(",")[r] for r, v in enumerate(cuda_visible_devices(eleven, True))] == ["2", "10"]
+    assert cuda_visible_devices(two_each, True, own_only=True) == ["0", "2"]
+    assert cuda_visible_devices(two_each, False) == ["", ""]
+
+
 # ---------------------------------------------------------------------------------------------
 # elastic
 

@@ -137,7 +137,7 @@ def test_job_variables_win_over_inherited_and_tunables():
 def test_secret_is_never_on_a_command_line():
     secret = bytes.fromhex("ab" * 32)
     slots = assign_slots([HostSlots("localhost", 1), HostSlots("user@far", 1)], 2)
-    launches = build_launches(slots, ["python", "train.py"], {"PATH": "/bin"}, {}, rendezvous_addr="10.0.0.1",
+    launches = build_launches(slots, ["python", "train.py"], {"PATH": "/bin"}, {}, rendezvous_addr=lambda host: "10.0.0.1",
                               rendezvous_port=99, secret=secret, run_id="r", cwd="/work",
                               ssh=SshOptions(port=2222, identity_file="/k"), grace=3.0)
     local, remote = launches
@@ -158,7 +158,7 @@ def _payload_env(launch):
 
 def test_remote_env_carries_hostname_without_login():
     slots = assign_slots([HostSlots("user@far", 1)], 1)
-    (launch,) = build_launches(slots, ["x"], {}, {}, rendezvous_addr="a", rendezvous_port=1, secret=b"s" * 16,
+    (launch,) = build_launches(slots, ["x"], {}, {}, rendezvous_addr=lambda host: "a", rendezvous_port=1, secret=b"s" * 16,
                                run_id="r", cwd="/", ssh=SshOptions(), grace=1.0)
     assert _payload_env(launch)["GPUCOMM_HOSTNAME"] == "far"
 

@@ -110,17 +110,24 @@ def test_every_setting_is_checked_at_once_and_the_first_error_names_the_others()
 
 
 def _string_constants() -> dict[str, set[str]]:
-    """Module-level names bound to a string or a tuple of strings anywhere in gpucomm/ -> their values."""
-    table: dict[str, set[str]] = {}
+    """Module-level names bound to a string or a tuple of strings anywhere in gpucomm/ -> their values
+    (also through other such names: ``A = "X"; B = (A, "Y")``)."""
+    bindings = []
     for path in PACKAGE.rglob("*.py"):
         for node in ast.parse(path.read_text()).body:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
                 node, ast.AnnAssign) else []
-            values = _strings(node.value, {}) if targets and node.value is not None else None
-            for target in targets:
-                if values is not None and isinstance(target, ast.Name):
-                    table.setdefault(target.id, set()).update(values)
-    return table
+            if targets and node.value is not None:
+                bindings += [(target.id, node.value) for target in targets if isinstance(target, ast.Name)]
+    table: dict[str, set[str]] = {}
+    while True:  # until no binding resolves to more strings
+        size = sum(len(v) for v in table.values())
+        for name, value in bindings:
+            values = _strings(value, table)
+            if values is not None:
+                table.setdefault(name, set()).update(values)
+        if sum(len(v) for v in table.values()) == size:
+            return table
 
 
 def _strings(node: ast.AST, table: dict[str, set[str]]) -> set[str] | None:

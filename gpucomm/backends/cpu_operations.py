@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Mapping, NamedTuple
 
 from ..settings import CPU_OPERATIONS, ELASTIC
-from .mpi import MpiUnavailable, launcher_family, load_mpi, mpi4py_installed
+from ..bootstrap.launch_env import MPICH_MARKERS, OPENMPI_MARKERS, mpi_launcher
+from .mpi import MpiUnavailable, load_mpi, mpi4py_installed
 
 CHOICE_VARS = CPU_OPERATIONS.names
 CHOICES = ("auto", "gloo", "mpi")
@@ -45,15 +46,15 @@ def explain_cpu_operations(env: Mapping[str, str]) -> CpuOperations:
     requested, var = requested_cpu_operations(env)
     if requested == "gloo":
         return CpuOperations("gloo", f"{var}=gloo")
-    launcher = launcher_family(env)
+    launcher = mpi_launcher(env)
     elastic = ELASTIC.read(env, False)
     if requested == "mpi":
         if elastic:
             raise MpiUnavailable(f"{var}=mpi, but this is an elastic job: MPI's communicators cannot add or remove "
                                  f"ranks, so elastic jobs run on Gloo. Unset {var} (or set it to gloo).")
         if launcher is None:
-            raise MpiUnavailable(f"{var}=mpi, but no MPI launcher started this process (none of OMPI_COMM_WORLD_SIZE, "
-                                 f"PMIX_RANK, PMI_SIZE is set), so MPI would see each rank alone. Launch with "
+            raise MpiUnavailable(f"{var}=mpi, but no MPI launcher started this process (none of "
+                                 f"{', '.join(OPENMPI_MARKERS + MPICH_MARKERS)} is set), so MPI would see each rank alone. Launch with "
                                  f"`gpucomm-run --mpi`, mpiexec or mpirun, or unset {var}.")
         load_mpi(env)  # raises MpiUnavailable with the reason and the fix
         return CpuOperations("mpi", f"{var}=mpi, under {_LAUNCHER_NAMES[launcher]}")

@@ -25,260 +25,29 @@ MPI calls is still stuck (or after such a timeout) calls ``MPI_Abort`` from an `
 message instead of the job hanging in ``MPI_Finalize``. A peer that dies is normally seen first by
 the launcher (``mpiexec`` and ``mpirun`` stop the whole job when a rank exits abnormally).
 
-Reductions. Integer and float32/64 types reduce with MPI's own types and operations (int8/uint8 as
-``MPI_INT8_T``/``MPI_UINT8_T``: sums wrap around modulo 256, as in torch and Gloo). MPI has no
-float16 or bfloat16: they travel as 2-byte ``MPI_UINT16_T`` elements and reduce through a
-user-defined, commutative ``MPI_Op`` whose function applies torch's own kernel to the two buffers
-(``torch.frombuffer`` views, no copy): each pairwise step rounds to the half type, as Gloo and NCCL
-do, and the wire carries 2 bytes per element. ``BackendOp.AVG`` is a sum followed by a division of the
-result (floating types only). Data movement (allgather, broadcast, alltoall) sends elements of the
-dtype's size, so any fixed-size dtype moves, bool and bfloat16 included.
+Reductions and element types: ``mpi_types``. Loading and initializing the library, and the exit hook:
+``mpi_library``.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import sys
 import threading
 import time
-import weakref
 import zlib
-from importlib.util import find_spec
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from ..errors import CollectiveError, MpiUnavailable
 from .base import BackendOp
+from .mpi_library import LIVE_BACKENDS, factory_comm, library_family, load_mpi, mpi4py_installed
+from .mpi_types import HALF_TYPES, buffer_of, describe_op, half_op, move_type, overlap, reduce_op, reduce_type
 
 log = logging.getLogger("gpucomm")
 
 POLL_S = 0.2  # how often a wait with a ``failed`` callback asks whether the job failed elsewhere
-EXIT_GRACE_S = 10.0  # at exit, how long a collective still running may take before MPI_Abort
-INSTALL_HINT = 'pip install "gpucomm[mpi]" brings mpi4py and MPICH from PyPI, no system MPI needed'
-
-# The launchers' own variables: which MPI started this process (None: none did).
-OPENMPI_MARKERS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
-MPICH_MARKERS = ("PMI_SIZE", "PMI_RANK")
-SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK")
-
-
-# ---------------------------------------------------------------------------------------------
-# the library
-
-
-def launcher_family(env: Mapping[str, str]) -> str | None:
-    """``"openmpi"`` or ``"mpich"`` when an MPI launcher started this process (its variables are
-    set), else None. Intel MPI and MVAPICH use MPICH's launcher protocol (PMI) and count as MPICH."""
-    if any(v in env for v in OPENMPI_MARKERS):
-        return "openmpi"
-    if any(v in env for v in MPICH_MARKERS):
-        return "mpich"
-    return None
-
-
-def library_family(version: str) -> str:
-    """The family of an MPI library from ``MPI_Get_library_version``'s text: openmpi, mpich or other."""
-    if "Open MPI" in version:
-        return "openmpi"
-    if any(name in version for name in ("MPICH", "Intel(R) MPI", "MVAPICH")):
-        return "mpich"
-    return "other"
-
-
-def mpi4py_installed() -> bool:
-    """Whether mpi4py can be imported (without importing it)."""
-    return find_spec("mpi4py") is not None
-
-
-_init_lock = threading.Lock()
-_factory_comm: Any = None  # a private duplicate of COMM_WORLD that only creates communicators
-_live: "weakref.WeakSet[MpiBackend]" = weakref.WeakSet()
-_exit_hook_installed = False
-
-
-def _thread_level_name(MPI: Any, level: int) -> str:
-    names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
-             MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED", MPI.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE"}
-    return names.get(level, str(level))
-
-
-def load_mpi(env: Mapping[str, str] | None = None) -> Any:
-    """mpi4py's ``MPI`` module, initialized with ``MPI_THREAD_MULTIPLE``; raises ``MpiUnavailable``
-    saying why not and what to do.
-
-    When this call is the first to import ``mpi4py.MPI``, MPI's library is loaded first and
-    initialized only if it belongs to the launcher that started the process (MPICH's library
-    aborts the process in ``MPI_Init`` under Open MPI's ``mpirun``). If the program initialized MPI
-    itself, its thread level is checked instead."""
-    env = os.environ if env is None else env
-    with _init_lock:
-        try:
-            import mpi4py  # noqa: PLC0415 - optional dependency, imported only when MPI is wanted
-        except ImportError:
-            raise MpiUnavailable(f"mpi4py is not installed, so gpucomm cannot use MPI; {INSTALL_HINT}, or use "
-                                 f"Gloo (GPUCOMM_CPU_OPERATIONS=gloo).") from None
-        if "mpi4py.MPI" not in sys.modules:
-            mpi4py.rc.initialize = False  # checked below before MPI_Init can abort the process
-            mpi4py.rc.finalize = True  # ... and still finalized at exit, after our own exit hook
-        try:
-            from mpi4py import MPI  # noqa: PLC0415
-        except (ImportError, RuntimeError, OSError) as e:
-            raise MpiUnavailable(f"mpi4py is installed but could not load an MPI library ({e}); {INSTALL_HINT}, or "
-                                 f"point mpi4py at one with MPI4PY_LIBMPI=/path/to/libmpi.so.") from None
-        if MPI.Is_finalized():
-            raise MpiUnavailable("MPI was already finalized in this process (MPI_Finalize was called); it cannot be "
-                                 "initialized again. Call gpucomm's init() before finalizing MPI, or use Gloo.")
-        version = MPI.Get_library_version().strip().splitlines()[0]
-        if not MPI.Is_initialized():
-            launcher, library = launcher_family(env), library_family(version)
-            if launcher is not None and library != "other" and launcher != library:
-                raise MpiUnavailable(_mismatch(launcher, library, version))
-            MPI.Init_thread(MPI.THREAD_MULTIPLE)
-        provided = MPI.Query_thread()
-        if provided < MPI.THREAD_MULTIPLE:
-            raise MpiUnavailable(
-                f"MPI runs at thread level {_thread_level_name(MPI, provided)} in this process ({version}), but "
-                f"gpucomm's MPI data plane needs MPI_THREAD_MULTIPLE: each communicator makes its MPI calls on "
-                f"its own thread, and two of them may be inside MPI at once. Likely causes: the program imported "
-                f"mpi4py with mpi4py.rc.thread_level set lower, or called MPI_Init itself, before gpucomm's init(); "
-                f"or this MPI library was built without thread support. Fix: leave mpi4py.rc.thread_level at its "
-                f"default ('multiple'), use an MPI built with threads ({INSTALL_HINT}), or use Gloo "
-                f"(GPUCOMM_CPU_OPERATIONS=gloo).")
-        _install_exit_hook()
-        return MPI
-
-
-def _mismatch(launcher: str, library: str, version: str) -> str:
-    names = {"openmpi": "Open MPI", "mpich": "MPICH"}
-    if launcher == "openmpi":
-        fix = ("launch with MPICH's mpiexec instead (`gpucomm-run --mpi` picks the one beside this Python), or make "
-               "mpi4py load Open MPI's library: export MPI4PY_MPIABI=openmpi and pass it with `mpirun -x "
-               "MPI4PY_MPIABI` (launch/mpirun.sh does this)")
-    else:
-        fix = ("launch with Open MPI's mpirun instead, or make mpi4py load an MPICH library (unset MPI4PY_MPIABI / "
-               "MPI4PY_LIBMPI, or pip install mpich)")
-    return (f"this process was started by {names[launcher]}'s launcher, but mpi4py loads {names[library]}'s library "
-            f"({version}); an MPI library only runs under its own launcher (MPICH aborts in MPI_Init under Open "
-            f"MPI's). Fix: {fix}; or use Gloo (GPUCOMM_CPU_OPERATIONS=gloo).")
-
-
-def _install_exit_hook() -> None:
-    global _exit_hook_installed
-    if not _exit_hook_installed:
-        atexit.register(_abort_if_stuck)  # Python's atexit hooks run before mpi4py's MPI_Finalize
-        _exit_hook_installed = True
-
-
-def _abort_if_stuck() -> None:
-    """At exit: a collective still inside MPI (a peer stopped, or it timed out) would make
-    ``MPI_Finalize`` hang; wait briefly, then ``MPI_Abort`` so the launcher stops every rank."""
-    backends = [b for b in list(_live) if b.in_flight() is not None or b.broken() is not None]
-    if not backends:
-        return
-    deadline = time.monotonic() + EXIT_GRACE_S
-    while time.monotonic() < deadline and any(b.in_flight() is not None for b in backends):
-        if all(b.broken() is not None for b in backends if b.in_flight() is not None):
-            break  # already timed out once: waiting longer will not help
-        time.sleep(0.05)
-    stuck = [(b, b.in_flight()) for b in backends if b.in_flight() is not None]
-    if not stuck:
-        return
-    from mpi4py import MPI  # noqa: PLC0415 - loaded already (a backend exists)
-
-    what = "; ".join(f"{w} on communicator '{b.label}'" for b, w in stuck)
-    sys.stderr.write(f"gpucomm: exiting while MPI calls are still in progress ({what}): a peer rank stopped or "
-                     f"died, or the ranks issued collectives in different orders. Calling MPI_Abort so that the MPI "
-                     f"launcher stops every rank instead of this process hanging in MPI_Finalize.\n")
-    sys.stderr.flush()
-    MPI.COMM_WORLD.Abort(1)
-
-
-# ---------------------------------------------------------------------------------------------
-# types and operations
-
-
-def _buf(MPI: Any, t: torch.Tensor) -> Any:
-    """The tensor's own memory as an MPI buffer (no copy)."""
-    return MPI.buffer.fromaddress(t.data_ptr(), t.numel() * t.element_size())
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
-
-
-_HALF = (torch.float16, torch.bfloat16)
-_half_ops: dict[tuple[torch.dtype, BackendOp], Any] = {}
-_types_lock = threading.Lock()
-_move_types: dict[int, Any] = {}
-
-
-_reduce_types: dict[torch.dtype, Any] = {}
-
-
-def _reduce_type(MPI: Any, dtype: torch.dtype) -> Any:
-    found = _reduce_types.get(dtype)
-    if found is not None:
-        return found
-    table = {torch.uint8: MPI.UINT8_T, torch.int8: MPI.INT8_T, torch.int16: MPI.INT16_T,
-             torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T, torch.float32: MPI.FLOAT,
-             torch.float64: MPI.DOUBLE, torch.float16: MPI.UINT16_T, torch.bfloat16: MPI.UINT16_T}
-    for name in ("uint16", "uint32", "uint64"):  # torch >= 2.3
-        dt = getattr(torch, name, None)
-        if dt is not None:
-            table[dt] = getattr(MPI, name.upper() + "_T")
-    _reduce_types.update(table)
-    mpi_type = table.get(dtype)
-    if mpi_type is None:
-        raise ValueError(f"the MPI backend cannot reduce {dtype}: it reduces uint8, int8, int16, int32, int64, float16, "
-                         f"bfloat16, float32 and float64 (the op layer validates this first; reaching here is a bug).")
-    return mpi_type
-
-
-def _half_op(MPI: Any, dtype: torch.dtype, op: BackendOp) -> Any:
-    """A user-defined MPI reduction for a half type: torch's kernel on the two buffers."""
-    key = (dtype, op)
-    with _types_lock:
-        found = _half_ops.get(key)
-        if found is None:
-            combine: Callable[[torch.Tensor, torch.Tensor], Any] = {
-                BackendOp.SUM: lambda acc, x: acc.add_(x), BackendOp.AVG: lambda acc, x: acc.add_(x),
-                BackendOp.PRODUCT: lambda acc, x: acc.mul_(x),
-                BackendOp.MIN: lambda acc, x: torch.minimum(acc, x, out=acc),
-                BackendOp.MAX: lambda acc, x: torch.maximum(acc, x, out=acc)}[op]
-
-            def reduce(inbuf: Any, inoutbuf: Any, _datatype: Any) -> None:
-                if len(inoutbuf) == 0:
-                    return
-                combine(torch.frombuffer(inoutbuf, dtype=dtype), torch.frombuffer(inbuf, dtype=dtype))
-
-            found = _half_ops[key] = MPI.Op.Create(reduce, commute=True)
-        return found
-
-
-def _reduce_op(MPI: Any, op: BackendOp) -> Any:
-    return {BackendOp.SUM: MPI.SUM, BackendOp.AVG: MPI.SUM, BackendOp.MIN: MPI.MIN, BackendOp.MAX: MPI.MAX,
-            BackendOp.PRODUCT: MPI.PROD}[op]
-
-
-def _move_type(MPI: Any, itemsize: int) -> Any:
-    """An MPI type of ``itemsize`` bytes to move elements of that size (counts stay in elements)."""
-    known = {1: MPI.BYTE, 2: MPI.UINT16_T, 4: MPI.UINT32_T, 8: MPI.UINT64_T}
-    if itemsize in known:
-        return known[itemsize]
-    with _types_lock:
-        t = _move_types.get(itemsize)
-        if t is None:
-            t = _move_types[itemsize] = MPI.BYTE.Create_contiguous(itemsize).Commit()
-        return t
-
-
-def _describe(kind: str, t: torch.Tensor, extra: str = "") -> str:
-    return f"{kind} of {t.numel()} {str(t.dtype).replace('torch.', '')}{extra}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,7 +134,7 @@ class MpiBackend:
         self._dups = 0
         self._thread = threading.Thread(target=self._serve, name=f"gpucomm-mpi-{label}", daemon=True)
         self._thread.start()
-        _live.add(self)
+        LIVE_BACKENDS.add(self)
 
     # -- state ----------------------------------------------------------------------------------
     def in_flight(self) -> str | None:
@@ -447,10 +216,10 @@ class MpiBackend:
         if send.data_ptr() == recv.data_ptr():
             source: Any = MPI.IN_PLACE
         else:
-            if _overlap(send, recv):
+            if overlap(send, recv):
                 send = send.clone()
-            source = [_buf(MPI, send), n, mpi_type]
-        target = [_buf(MPI, recv), n, mpi_type]
+            source = [buffer_of(MPI, send), n, mpi_type]
+        target = [buffer_of(MPI, recv), n, mpi_type]
         comm, average, size = self.comm, op is BackendOp.AVG, self.size
 
         def call() -> None:
@@ -458,7 +227,7 @@ class MpiBackend:
             if average:
                 recv.div_(size)
 
-        return self._issue(_describe("allreduce", recv, f" ({op.value})"), call, (send, recv))
+        return self._issue(describe_op("allreduce", recv, f" ({op.value})"), call, (send, recv))
 
     def allgather(self, send: torch.Tensor, recv: torch.Tensor, *, recv_counts: Sequence[int] | None = None,
                   stream: int | None = None) -> MpiWork:
@@ -469,28 +238,28 @@ class MpiBackend:
         if len(counts) != size or counts[self.rank] != n or sum(counts) != recv.numel() or send.dtype != recv.dtype:
             raise ValueError(f"allgather: recv must hold every rank's part ({counts}, {recv.numel()} elements of "
                              f"{recv.dtype}) and this rank sends {n} {send.dtype}.")
-        mtype = _move_type(MPI, recv.element_size())
+        mtype = move_type(MPI, recv.element_size())
         displs = [sum(counts[:r]) for r in range(size)]
         at = recv.data_ptr() + displs[self.rank] * recv.element_size()
         if n and send.data_ptr() == at:
             source: Any = MPI.IN_PLACE
         else:
-            if _overlap(send, recv):
+            if overlap(send, recv):
                 send = send.clone()
-            source = [_buf(MPI, send), n, mtype]
+            source = [buffer_of(MPI, send), n, mtype]
         comm = self.comm
         if recv_counts is None:
-            target: Any = [_buf(MPI, recv), n, mtype]
+            target: Any = [buffer_of(MPI, recv), n, mtype]
 
             def call() -> None:
                 comm.Allgather(source, target)
         else:
-            target = [_buf(MPI, recv), (counts, displs), mtype]
+            target = [buffer_of(MPI, recv), (counts, displs), mtype]
 
             def call() -> None:
                 comm.Allgatherv(source, target)
 
-        return self._issue(_describe("allgather", recv), call, (send, recv))
+        return self._issue(describe_op("allgather", recv), call, (send, recv))
 
     def broadcast(self, send: torch.Tensor, recv: torch.Tensor, *, root: int, stream: int | None = None) -> MpiWork:
         if not 0 <= root < self.size:
@@ -498,12 +267,12 @@ class MpiBackend:
         if self.rank == root and send.data_ptr() != recv.data_ptr():
             recv.copy_(send)
         MPI, comm = self._MPI, self.comm
-        target = [_buf(MPI, recv), recv.numel(), _move_type(MPI, recv.element_size())]
+        target = [buffer_of(MPI, recv), recv.numel(), move_type(MPI, recv.element_size())]
 
         def call() -> None:
             comm.Bcast(target, root)
 
-        return self._issue(_describe("broadcast", recv, f" from rank {root}"), call, (recv,))
+        return self._issue(describe_op("broadcast", recv, f" from rank {root}"), call, (recv,))
 
     def alltoall(self, send: torch.Tensor, recv: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
                  *, stream: int | None = None) -> MpiWork:
@@ -514,21 +283,21 @@ class MpiBackend:
                 or send.dtype != recv.dtype:
             raise ValueError(f"alltoall: {size} send counts {sc} (of {send.numel()}) and receive counts {rc} (of "
                              f"{recv.numel()}) needed, one per rank, within the tensors, of one dtype.")
-        mtype = _move_type(MPI, recv.element_size())
+        mtype = move_type(MPI, recv.element_size())
         sd, rd = [sum(sc[:r]) for r in range(size)], [sum(rc[:r]) for r in range(size)]
         if send.data_ptr() == recv.data_ptr() and sc == rc:
             source: Any = MPI.IN_PLACE
         else:
-            if _overlap(send, recv):
+            if overlap(send, recv):
                 send = send.clone()
-            source = [_buf(MPI, send), (sc, sd), mtype]
-        target = [_buf(MPI, recv), (rc, rd), mtype]
+            source = [buffer_of(MPI, send), (sc, sd), mtype]
+        target = [buffer_of(MPI, recv), (rc, rd), mtype]
         comm = self.comm
 
         def call() -> None:
             comm.Alltoallv(source, target)
 
-        return self._issue(_describe("alltoall", send), call, (send, recv))
+        return self._issue(describe_op("alltoall", send), call, (send, recv))
 
     def reducescatter(self, send: torch.Tensor, recv: torch.Tensor, *, op: BackendOp, stream: int | None = None) -> MpiWork:
         """Part ``r`` (``recv.numel()`` elements) of the reduction of every rank's ``send`` to rank ``r``."""
@@ -538,9 +307,9 @@ class MpiBackend:
                              f"{send.dtype}.")
         mpi_type, mpi_op = self._reduction(recv.dtype, op)
         comm, average, rank = self.comm, op is BackendOp.AVG, self.rank
-        if _overlap(send, recv) and recv.data_ptr() == send.data_ptr() + rank * n * send.element_size():
+        if overlap(send, recv) and recv.data_ptr() == send.data_ptr() + rank * n * send.element_size():
             # in place (recv is this rank's part of send): MPI leaves the result at the start of send
-            whole = [_buf(MPI, send), n, mpi_type]
+            whole = [buffer_of(MPI, send), n, mpi_type]
 
             def call() -> None:
                 comm.Reduce_scatter_block(MPI.IN_PLACE, whole, mpi_op)
@@ -549,16 +318,16 @@ class MpiBackend:
                 if average:
                     recv.div_(size)
         else:
-            if _overlap(send, recv):
+            if overlap(send, recv):
                 send = send.clone()
-            source, target = [_buf(MPI, send), n, mpi_type], [_buf(MPI, recv), n, mpi_type]
+            source, target = [buffer_of(MPI, send), n, mpi_type], [buffer_of(MPI, recv), n, mpi_type]
 
             def call() -> None:
                 comm.Reduce_scatter_block(source, target, mpi_op)
                 if average:
                     recv.div_(size)
 
-        return self._issue(_describe("reducescatter", recv, f" ({op.value})"), call, (send, recv))
+        return self._issue(describe_op("reducescatter", recv, f" ({op.value})"), call, (send, recv))
 
     def barrier(self) -> MpiWork:
         comm = self.comm
@@ -569,8 +338,8 @@ class MpiBackend:
         if op is BackendOp.AVG and not dtype.is_floating_point:
             raise ValueError(f"the MPI backend averages floating types only, not {dtype}; reduce with SUM and scale "
                              f"(gpucomm's op layer does this for hvd.Average).")
-        mpi_type = _reduce_type(MPI, dtype)
-        return mpi_type, (_half_op(MPI, dtype, op) if dtype in _HALF else _reduce_op(MPI, op))
+        mpi_type = reduce_type(MPI, dtype)
+        return mpi_type, (half_op(MPI, dtype, op) if dtype in HALF_TYPES else reduce_op(MPI, op))
 
     # -- communicators ----------------------------------------------------------------------------
     def dup(self, label: str | None = None) -> "MpiBackend":
@@ -605,7 +374,7 @@ def _create(MPI: Any, world_ranks: Sequence[int], label: str, timeout: float) ->
     the members take part, and creations on different threads may run at once (tags tell them
     apart). Bounded by ``timeout``: a member that never arrives raises ``CollectiveError``."""
     ranks = tuple(int(r) for r in world_ranks)
-    factory = _factory(MPI)
+    factory = factory_comm(MPI)
     tag = zlib.crc32(label.encode()) % (int(factory.Get_attr(MPI.TAG_UB)) + 1)
     result: dict[str, Any] = {}
     finished = threading.Event()
@@ -635,17 +404,6 @@ def _create(MPI: Any, world_ranks: Sequence[int], label: str, timeout: float) ->
     comm.Set_name(f"gpucomm:{label}")
     return MpiBackend(MPI, comm, label=label, timeout=timeout, world_ranks=ranks)
 
-
-def _factory(MPI: Any) -> Any:
-    """This process's private duplicate of ``MPI_COMM_WORLD``, used only to create communicators
-    (never for data, so creating one never races a collective). Made once, by the first
-    ``mpi_world`` call, which every rank makes at the same point (init)."""
-    global _factory_comm
-    with _init_lock:
-        if _factory_comm is None:
-            _factory_comm = MPI.COMM_WORLD.Dup()
-            _factory_comm.Set_name("gpucomm:factory")
-        return _factory_comm
 
 
 def mpi_world(*, timeout: float, expected_rank: int | None = None, expected_size: int | None = None,
@@ -685,5 +443,5 @@ def mpi_group(world: MpiBackend, ranks: Sequence[int], rank: int, *, label: str 
     return _create(world._MPI, ranks, label or "group/" + ",".join(map(str, ranks)), world.timeout)
 
 
-__all__ = ["MpiBackend", "MpiUnavailable", "MpiWork", "launcher_family", "library_family", "load_mpi", "mpi4py_installed",
+__all__ = ["MpiBackend", "MpiUnavailable", "MpiWork", "library_family", "load_mpi", "mpi4py_installed",
            "mpi_group", "mpi_world"]

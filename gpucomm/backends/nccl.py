@@ -241,12 +241,6 @@ def cupy_major() -> int:
         return 0
 
 
-def nccl_reducible(dtype: torch.dtype) -> bool:
-    """True if NCCL can reduce this dtype (it has no int16 or bool kernels)."""
-    nccl = nccl_module()
-    return nccl is not None and dtype in _tables(nccl)[0]
-
-
 class NcclBackend:
     """Collectives on CUDA memory through one NCCL communicator on this process's GPU."""
 

@@ -1,5 +1,7 @@
-"""How the ranks of a job meet: the rendezvous store (served by rank 0, the launcher, or published
-through torchrun's store), every rank's arrival record, and Horovod's cross rank and size.
+"""How the ranks of a job meet: where the rendezvous store is (served by rank 0, the launcher, or
+published through torchrun's store), every rank's arrival record, and Horovod's cross rank and size.
+The store itself, its server and client, is ``rendezvous.py``: "rendezvous" names the store, as in
+``GPUCOMM_RENDEZVOUS_ADDR``/``_PORT``; "arrival" names a rank's meeting the others there.
 
 Trust at the edges: a store keyed with a derived secret (MPI, Slurm, manual launches without
 ``GPUCOMM_SECRET``) is announced once on rank 0, or refused with ``GPUCOMM_REQUIRE_SECRET=1``;

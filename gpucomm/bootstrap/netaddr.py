@@ -7,6 +7,27 @@ import functools
 import ipaddress
 import socket
 
+from ..errors import GpucommError
+
+
+class InterfaceError(GpucommError):
+    """A network interface named by the user does not exist here or has no IPv4 address."""
+
+
+def interface_address(nic: str, source: str) -> str:
+    """The IPv4 address of local network interface ``nic``; raises ``InterfaceError`` naming
+    ``source`` (where the name came from) and, for a missing interface, the ones that exist."""
+    import psutil  # noqa: PLC0415
+
+    addrs = psutil.net_if_addrs()
+    if nic not in addrs:
+        raise InterfaceError(f"the network interface {nic!r} ({source}) does not exist on this host; it has "
+                             f"{', '.join(sorted(addrs)) or 'none'}.")
+    address = interface_ipv4(nic)
+    if address is None:
+        raise InterfaceError(f"the network interface {nic!r} ({source}) has no IPv4 address.")
+    return address
+
 
 def interface_ipv4(nic: str) -> str | None:
     """The IPv4 address of local network interface ``nic``, or None when it has none (or does not exist)."""
@@ -63,4 +84,4 @@ def resolves_here(name: str) -> bool:
     return bool(resolved & local_addresses())
 
 
-__all__ = ["address_towards", "interface_ipv4", "interface_of", "local_addresses", "resolves_here"]
+__all__ = ["InterfaceError", "address_towards", "interface_address", "interface_ipv4", "interface_of", "local_addresses", "resolves_here"]

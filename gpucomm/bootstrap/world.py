@@ -18,6 +18,9 @@ from typing import Callable, Mapping, NamedTuple
 
 from .slurm import SlurmSyntaxError, expand_slurm_nodelist, parse_slurm_tasks_per_node
 from ..errors import WorldError
+from .launch_env import (GPUCOMM_HOSTNAME, GPUCOMM_RENDEZVOUS_ADDR, GPUCOMM_RENDEZVOUS_HOSTED, GPUCOMM_RENDEZVOUS_PORT,
+                         GPUCOMM_RUN_ID, GPUCOMM_SECRET, HOROVOD_HOSTNAME, OMPI_RANK, OMPI_SIZE, PMI_RANK, PMI_SIZE,
+                         mpi_launcher)
 from .placement import Placement
 
 __all__ = [
@@ -25,22 +28,14 @@ __all__ = [
     "expand_slurm_nodelist", "parse_slurm_tasks_per_node",
 ]
 
-# gpucomm's own variables (exported by gpucomm-run; the last five also act as
-# overrides under every other launcher).
+# gpucomm's own variables (exported by gpucomm-run; the local and cross counts, GPUCOMM_HOSTNAME and the
+# rendezvous variables of gpucomm.bootstrap.launch_env also act as overrides under every other launcher).
 GPUCOMM_RANK = "GPUCOMM_RANK"
 GPUCOMM_SIZE = "GPUCOMM_SIZE"
 GPUCOMM_LOCAL_RANK = "GPUCOMM_LOCAL_RANK"
 GPUCOMM_LOCAL_SIZE = "GPUCOMM_LOCAL_SIZE"
 GPUCOMM_CROSS_RANK = "GPUCOMM_CROSS_RANK"
 GPUCOMM_CROSS_SIZE = "GPUCOMM_CROSS_SIZE"
-GPUCOMM_HOSTNAME = "GPUCOMM_HOSTNAME"
-GPUCOMM_RENDEZVOUS_ADDR = "GPUCOMM_RENDEZVOUS_ADDR"
-GPUCOMM_RENDEZVOUS_PORT = "GPUCOMM_RENDEZVOUS_PORT"
-GPUCOMM_RENDEZVOUS_HOSTED = "GPUCOMM_RENDEZVOUS_HOSTED"
-GPUCOMM_SECRET = "GPUCOMM_SECRET"
-GPUCOMM_RUN_ID = "GPUCOMM_RUN_ID"
-
-HOROVOD_HOSTNAME = "HOROVOD_HOSTNAME"
 HOROVOD_GLOO_RENDEZVOUS_ADDR = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
 HOROVOD_GLOO_RENDEZVOUS_PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
 MASTER_ADDR = "MASTER_ADDR"
@@ -83,9 +78,9 @@ HOROVOD_VARS = LauncherVars("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK"
                             "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
 TORCHRUN_VARS = LauncherVars("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                              "GROUP_RANK", None)
-OMPI_VARS = LauncherVars("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+OMPI_VARS = LauncherVars(OMPI_RANK, OMPI_SIZE,
                          "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
-PMI_VARS = LauncherVars("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+PMI_VARS = LauncherVars(PMI_RANK, PMI_SIZE, "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
 SLURM_VARS = LauncherVars("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID",
                           "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID", "SLURM_STEP_NUM_NODES")
 
@@ -359,7 +354,7 @@ def _torchrun(env: Mapping[str, str], hostname: str | None) -> World | None:
 
 
 def _openmpi(env: Mapping[str, str], hostname: str | None) -> World | None:
-    if OMPI_VARS.rank not in env:
+    if mpi_launcher(env) != "openmpi" or OMPI_VARS.rank not in env:
         return None
     c = _read_counts(env, OMPI_VARS)
     run_id = _get(env, OMPI_JOBID) or _get(env, PMIX_NAMESPACE) or ""
@@ -370,7 +365,7 @@ def _openmpi(env: Mapping[str, str], hostname: str | None) -> World | None:
 
 
 def _mpich(env: Mapping[str, str], hostname: str | None) -> World | None:
-    if PMI_VARS.rank not in env:
+    if mpi_launcher(env) != "mpich" or PMI_VARS.rank not in env:
         return None
     c = _read_counts(env, PMI_VARS)
     how = f"{GPUCOMM_RENDEZVOUS_ADDR}=<rank 0's host> and pass it with `mpiexec " \

@@ -33,7 +33,9 @@ from .coordinator import Coordinator, set_bits
 from .hub import CoordinatorHub
 from .negotiation import Descriptor, descriptor_of
 from .stalls import negotiation_timeout, stall_report
+from .shutdown import Shutdown
 from .standins import StandIns
+from .upkeep import Upkeep
 
 log = logging.getLogger("gpucomm.control")
 
@@ -41,8 +43,6 @@ Key = tuple[int, str]
 Run = Callable[[Handle, dict], None]  # the data plane: issue an agreed request (now or in order) and settle it
 
 HANDBACK = 0.002  # s the background thread leaves progress to callers after the last one's wait ended
-HOUSEKEEPING_S = 0.05  # s between the time-based checks (each limit they apply is >= 0.5 s)
-BLOCKED_NOTE_AFTER = 0.5  # s a caller waits on an unfinished negotiation before rank 0 hears of it
 
 
 @dataclass
@@ -53,11 +53,12 @@ class _Local:
     descriptor: Descriptor
 
 
-class Controller:
+class Controller(Upkeep, Shutdown):
     """Submits requests to the coordinator and hands its answers to the data plane (``run``); one
     per initialized job. ``standins`` takes part with zeros once this rank joined; ``on_fail``
     learns the job failed (the data plane then aborts its communicators); ``select_device`` makes
-    this rank's GPU current on the control thread before anything else runs there."""
+    this rank's GPU current on the control thread before anything else runs there. Its time-based
+    checks (``upkeep.Upkeep``) and its shutdown (``shutdown.Shutdown``) live in base classes of their own."""
 
     def __init__(self, rank: int, size: int, run: Run, config: ControlConfig, *,
                  coordinator: Coordinator | None = None, links: ControlLinks = ControlLinks(),
@@ -394,67 +395,6 @@ class Controller:
                 local.handle.settle(error=error(local))
         self._cv.notify_all()
 
-    # ------------------------------------------------------------------ housekeeping
-
-    def _stall_tick(self) -> float:
-        tick = 0.25 if self._hub is not None else 1.0
-        if self._liveness is not None:
-            tick = min(tick, self._liveness.interval / 2)  # beats go out on time
-        return tick
-
-    def _housekeeping(self) -> None:
-        """Time-based checks (heartbeat silence, blocked callers, stalls, clashes, deadlocks, joined
-        stand-ins): every limit they apply is half a second or more, so at most every
-        ``HOUSEKEEPING_S``, not on every frame."""
-        now = time.monotonic()
-        if now < self._next_housekeeping:
-            return
-        self._next_housekeeping = now + HOUSEKEEPING_S
-        self._standins.prune()
-        if self._liveness is not None and self._failure is None:
-            self._beat_to_root()
-        if self._blocked_since and self._failure is None:
-            self._tell_blocked()
-        if self._hub is not None and self._failure is None:
-            self._hub.check_liveness()
-            self._hub.check_clashes()
-            if self._hub.stalls is not None:
-                self._hub.stalls.check()  # once the job has failed, a stall is no news: say nothing more
-
-    def _tell_blocked(self) -> None:
-        """Tell rank 0 which operations a caller has been blocked on for a while, so it can see a
-        deadlock (every member blocked on an operation that lacks another member)."""
-        now = time.monotonic()
-        with self._state:
-            due = [k for k, t in self._blocked_since.items() if now - t >= BLOCKED_NOTE_AFTER
-                   and k not in self._blocked_told and k in self._inflight]
-            self._blocked_told.update(due)
-        for set_id, name in due:
-            if self._hub is not None:
-                self._hub.coordinator.note_blocked(0, (set_id, name))
-            elif self._link is not None:
-                try:
-                    channel.send(self._link, [("blocked", set_id, name)])
-                except OSError:
-                    pass  # the receive side reports the broken connection
-
-    def _beat(self) -> None:
-        """One heartbeat (the beating thread: no control lock needed; channels serialise sends)."""
-        link = self._link  # read once: the reader may clear it meanwhile
-        if self._hub is not None:
-            self._hub.beat()
-        elif link is not None:
-            channel.send(link, [("hb",)])
-
-    def _beat_to_root(self) -> None:
-        """Other ranks: fail if rank 0 has fallen silent."""
-        for _, seconds in self._liveness.silent():
-            self.coordinator_lost = True
-            self._fail(f"rank 0 (the coordinator) stopped responding: nothing heard from rank 0{self._root_host} for "
-                       f"{seconds:.0f} s. Likely causes: rank 0 was stopped (SIGSTOP, a debugger), its host froze or "
-                       f"lost the network (a cut link, a partition). GPUCOMM_LIVENESS_TIMEOUT sets this limit (0 turns "
-                       f"the check off).")
-
     # ------------------------------------------------------------------ background thread
 
     def _background(self) -> None:
@@ -501,91 +441,5 @@ class Controller:
                     self._fail("the gpucomm control thread failed (see the log above); this is a gpucomm bug.")
             finally:
                 self._release()
-
-    # ------------------------------------------------------------------ shutdown
-
-    def report_failure(self, text: str, *, locked: bool = False) -> None:
-        """This rank is failing with ``text``: tell the coordinator first, so every rank names it
-        (``locked``: the caller already holds the progress lock)."""
-        if not locked:
-            with self._lock:
-                return self.report_failure(text, locked=True)
-        if self._hub is not None:
-            self._hub.abort_all(f"rank {self.rank} failed: {text}")
-        else:
-            if self._link is not None:
-                try:
-                    channel.send(self._link, [("fail", text)])
-                except OSError:
-                    pass
-            self._fail(f"rank {self.rank} failed: {text}")
-
-    def abort(self, reason: str) -> None:
-        """End the job on every rank with ``reason`` as it stands (no "rank N failed:" prefix: the
-        reason is the job's, e.g. a second process claiming a rank). Rank 0 tells every rank; another
-        rank tells rank 0, which does."""
-        with self._lock:
-            if self._hub is not None:
-                self._hub.abort_all(reason)
-            else:
-                link = self._link
-                if link is not None:
-                    try:
-                        channel.send(link, [("fail", reason)])
-                    except OSError:
-                        pass
-                self._fail(reason)
-
-    def stop(self) -> None:
-        """Stop taking requests; pending ones fail with ``ShutdownError``. Rank 0 keeps serving the
-        coordinator until ``close``."""
-        with self._state:
-            if self._closed:
-                return
-            self._fail_pending(lambda local: ShutdownError(
-                f"{local.handle.request.describe()} never ran: gpucomm was shut down while it was pending."))
-        if self._link is None:  # rank 0 keeps serving until close; another rank already lost rank 0
-            return
-        with self._lock:  # the reader clears ``_link`` (rank 0 went away) under this lock: read it here
-            self._closed = True
-            link = self._link
-            if link is not None:
-                try:
-                    channel.send(link, [("bye",)])
-                except OSError:
-                    pass
-
-    def wait_workers_gone(self, grace: float) -> bool:
-        """Rank 0: serve the other ranks until each has shut down (or ``grace`` s passed)."""
-        if self._hub is None:
-            return True
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            with self._lock:
-                if self._hub.everyone_left():
-                    return True
-                self._receive(min(0.05, max(0.0, deadline - time.monotonic())))
-        return self._hub.everyone_left()
-
-    def close(self) -> None:
-        """Stop the thread and close every connection."""
-        self.stop()
-        self._closed = True
-        if self._stop_beating is not None:
-            self._stop_beating.set()
-        self._bg_wake.set()
-        self._waker.wake()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
-        with self._lock:
-            if self._hub is not None:
-                self._hub.close()
-            if self._link is not None:
-                try:
-                    self._link.sock.close()
-                except OSError:
-                    pass
-        self._waker.close()
-
 
 __all__ = ["ControlConfig", "ControlLinks", "Controller", "Send", "stall_report"]

@@ -1,4 +1,6 @@
-"""Agreement in a one-rank job: there is nothing to agree on, so collectives run inline.
+"""Agreement in a one-rank job: there is nothing to agree on, so collectives run on the caller's
+thread. ("Inline" in gpucomm means something else: a small CPU collective riding the control round,
+``gpucomm.dataplane.inline``.)
 
 A data collective is computed on the caller's thread where its data lies (``dataplane.local``: no
 negotiation, no background thread, no backend, no NCCL: a copy, or nothing in place). Control

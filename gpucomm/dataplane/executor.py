@@ -105,6 +105,10 @@ class Executor:
         self._streams: dict[int, int] = {}  # device index -> this executor's communication stream (raw)
         self._completions: dict[int, StreamCompletion] = {}
         self._made = threading.Lock()  # a device's stream and completion are made once, whatever thread asks
+        # each collective kind's plan (the one dispatch from a request's kind)
+        self._plans: dict[str, Callable[..., Plan]] = {
+            "allreduce": self._allreduce, "broadcast": self._broadcast, "allgather": self._allgather,
+            "alltoall": self._alltoall, "reducescatter": self._reducescatter}
 
     def __call__(self, req: Request, meta: dict) -> Issued:
         group = self._groups(req.set_id)
@@ -115,7 +119,7 @@ class Executor:
         COUNTERS.collectives += 1
         COUNTERS.bytes += nbytes
         if req.device.type not in cuda_calls.calls().gpu_types:
-            backend = group.gloo()
+            backend = group.cpu_backend()
             name = backend.name
             if name == "gloo":
                 COUNTERS.gloo_collectives += 1
@@ -212,7 +216,7 @@ class Executor:
             cuda_calls.calls().destroy_stream(stream)
 
     def _plan(self, req: Request, meta: dict, group, backend, stream: int | None) -> Plan:
-        return getattr(self, "_" + req.kind)(req, meta, group, backend, stream)
+        return self._plans[req.kind](req, meta, group, backend, stream)
 
     # -- collectives -------------------------------------------------------------------------
     @staticmethod

@@ -1,5 +1,6 @@
 """A registered process set as the data plane sees it: its members in order, this rank's index in
-it, and its backends, built on first use (a Gloo group on the rendezvous store; an NCCL
+it, and its backends, built on first use (the CPU backend: a Gloo group on the rendezvous store or an
+MPI communicator; an NCCL
 communicator from a unique id the set's first member publishes). Every member reaches the first
 use of a set in the same collective, so lazy construction is safe.
 """
@@ -15,27 +16,29 @@ from ..errors import CollectiveError
 class Group:
     """One registered set as the data plane sees it."""
 
-    def __init__(self, set_id: int, ranks: Sequence[int], my_rank: int, make_gloo: Callable[["Group"], Any],
+    def __init__(self, set_id: int, ranks: Sequence[int], my_rank: int, make_cpu: Callable[["Group"], Any],
                  make_nccl: Callable[["Group"], Any]) -> None:
         self.id, self.ranks = set_id, tuple(ranks)
         self.size = len(self.ranks)
         self.rank = self.ranks.index(my_rank) if my_rank in self.ranks else -1
-        self._make_gloo, self._make_nccl = make_gloo, make_nccl
-        self._gloo = self._nccl = None
+        self._make_cpu, self._make_nccl = make_cpu, make_nccl
+        self._cpu = self._nccl = None
         self._closed = False
         self._lock = threading.Lock()
 
     def index_of(self, global_rank: int) -> int:
         return self.ranks.index(global_rank)
 
-    def gloo(self):
+    def cpu_backend(self):
+        """The set's backend for CPU tensors (Gloo or MPI, as the job's transport), created on first use."""
         with self._lock:
-            if self._gloo is None:
+            if self._cpu is None:
                 self._check_open()
-                self._gloo = self._make_gloo(self)
-            return self._gloo
+                self._cpu = self._make_cpu(self)
+            return self._cpu
 
     def nccl(self):
+        """The set's NCCL backend for CUDA tensors, created on first use."""
         with self._lock:
             if self._nccl is None:
                 self._check_open()
@@ -65,9 +68,9 @@ class Group:
         with self._lock:
             if self._nccl is not None:
                 self._nccl.close(abort=abort)
-            if self._gloo is not None:
-                self._gloo.close(abort=abort)
-            self._gloo = self._nccl = None
+            if self._cpu is not None:
+                self._cpu.close(abort=abort)
+            self._cpu = self._nccl = None
             self._closed = True
 
 

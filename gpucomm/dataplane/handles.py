@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -35,6 +35,19 @@ class Issued:
     covered: Any = None  # a fixed schedule's launch: its step's one done event completes it (``completion``)
 
 
+class HandleOwner(Protocol):
+    """What a handle asks of its owner (the controller, the one-rank runner or a fixed schedule). An
+    owner may also say ``has_peers`` (default True: a failed transfer may be another rank's failure)."""
+
+    timeout: float
+
+    def wait_ready(self, handle: Handle, timeout: float) -> None:
+        """Block until ``handle`` is agreed (issued, queued or failed), or raise."""
+
+    def failure(self) -> CollectiveError | None:
+        """The job's failure as the control plane names it, or None."""
+
+
 class Handle:
     """One submitted request: ``poll`` never blocks; ``wait`` returns the result or raises.
 
@@ -42,7 +55,7 @@ class Handle:
 
     __slots__ = ("request", "_issued", "_error", "_result", "_finished", "_owner", "_queued")
 
-    def __init__(self, request: Any, owner: Any, issued: Issued | None = None) -> None:
+    def __init__(self, request: Any, owner: HandleOwner, issued: Issued | None = None) -> None:
         self.request, self._owner = request, owner
         self._issued: Issued | None = issued
         self._error: BaseException | None = None
@@ -188,7 +201,7 @@ def _describe(request: Any) -> str:
     return describe() if callable(describe) else repr(request)
 
 
-def _first_cause(owner: Any, grace: float) -> CollectiveError | None:
+def _first_cause(owner: HandleOwner, grace: float) -> CollectiveError | None:
     """The job's failure as the control plane names it, waiting up to ``grace`` seconds for it: when
     a peer dies, its data connection (a Gloo reset) and its control connection close together, and
     the collective's error can reach the waiter before the control thread has read the closed link.
@@ -203,4 +216,4 @@ def _first_cause(owner: Any, grace: float) -> CollectiveError | None:
         time.sleep(0.01)
 
 
-__all__ = ["Handle", "Issued"]
+__all__ = ["Handle", "HandleOwner", "Issued"]

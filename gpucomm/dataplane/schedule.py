@@ -11,7 +11,7 @@ places the step's NCCL calls among the negotiated ones the same way on every ran
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -22,13 +22,16 @@ from .requests import Request
 from . import cuda_calls
 from .executor import prepare
 
+if TYPE_CHECKING:
+    from .plane import DataPlane
+
 
 class Schedule:
     """Launches requests on ``group`` in the order given; the caller keeps that order the same on
     every rank. ``plane`` is the job's data plane (executor, events, watchdog, issue orders,
     failure); the schedule touches nothing of the control plane."""
 
-    def __init__(self, group: Group, plane: Any, *, number: int = 0) -> None:
+    def __init__(self, group: Group, plane: DataPlane, *, number: int = 0) -> None:
         self.group = group
         self.number = number
         self.timeout = plane.timeout
@@ -46,7 +49,7 @@ class Schedule:
         if cuda_calls.is_gpu(device):
             self.group.nccl()
         else:
-            self.group.gloo()
+            self.group.cpu_backend()
 
     # -- steps -------------------------------------------------------------------------------------
     def begin_step(self, flush: Callable[[], None]) -> None:

@@ -17,13 +17,15 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from ..bootstrap import rounds
+from ..bootstrap.launch_env import (GPUCOMM_ELASTIC_WORKER, GPUCOMM_RENDEZVOUS_ADDR, GPUCOMM_RENDEZVOUS_PORT,
+                                    GPUCOMM_RUN_ID, GPUCOMM_SECRET)
 from ..bootstrap.placement import placement_env
 from ..bootstrap.rendezvous import RendezvousClient
 from ..errors import GpucommError, RoundReplaced, WorkerRemoved
 
 log = logging.getLogger("gpucomm")
 
-WORKER_VAR = "GPUCOMM_ELASTIC_WORKER"
+WORKER_VAR = GPUCOMM_ELASTIC_WORKER
 POLL_S = 0.05
 
 
@@ -52,7 +54,7 @@ class Membership:
         if not worker:
             raise GpucommError(f"GPUCOMM_ELASTIC=1 but {WORKER_VAR} is not set: elastic workers are started by "
                                f"gpucomm-run --host-discovery-script/--min-np, which names each worker.")
-        run_id = env.get("GPUCOMM_RUN_ID", "")
+        run_id = env.get(GPUCOMM_RUN_ID, "")
         timeout = rounds.elastic_timeout(env)
         client = _client(env, timeout)
         try:
@@ -88,8 +90,8 @@ class Membership:
 
 def _client(env: Mapping[str, str], timeout: float) -> RendezvousClient:
     try:
-        addr, port = env["GPUCOMM_RENDEZVOUS_ADDR"], int(env["GPUCOMM_RENDEZVOUS_PORT"])
-        secret = bytes.fromhex(env["GPUCOMM_SECRET"])
+        addr, port = env[GPUCOMM_RENDEZVOUS_ADDR], int(env[GPUCOMM_RENDEZVOUS_PORT])
+        secret = bytes.fromhex(env[GPUCOMM_SECRET])
     except (KeyError, ValueError) as e:
         raise GpucommError(f"elastic mode needs the store's address, port and secret from gpucomm-run ({e} is "
                            f"missing or malformed): start elastic jobs with gpucomm-run --min-np/--max-np/"

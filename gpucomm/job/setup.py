@@ -16,7 +16,7 @@ from ..backends.local import SelfBackend
 from ..backends.mpi import mpi_world
 from ..bootstrap import devices
 from ..bootstrap.arrival import arrive, claim_arrival, conflict_key, cross_placement, open_store, watch_conflicts
-from ..bootstrap.netaddr import address_towards, interface_ipv4, interface_of
+from ..bootstrap.netaddr import address_towards, interface_address, interface_of
 from ..bootstrap.rendezvous import RendezvousClient, RendezvousError, wait_for_ranks
 from ..bootstrap.world import World, detect_world
 from ..control.channel import ControlListener, connect as connect_control
@@ -121,11 +121,11 @@ def _explain_autotune_off(world: World, env: Mapping[str, str]) -> None:
 
 def _cpu_backend(choice: CpuOperations | None, world: World, client: RendezvousClient, prefix: str, timeout: float,
                  one_host: bool, iface: str | None, interrupt, steps: SetupSteps):
-    """The job's CPU backend: inline in a one-rank job (``choice`` None); else an MPI communicator
+    """The job's CPU backend: ``SelfBackend`` in a one-rank job (``choice`` None); else an MPI communicator
     over every rank or a Gloo group, as ``choice`` says. Every rank builds it at this point. An
     elastic job is always on Gloo (``explain_cpu_operations``): its rounds change the ranks, which
     an MPI communicator cannot."""
-    if choice is None:  # nothing to exchange: CPU collectives are computed inline
+    if choice is None:  # nothing to exchange: CPU collectives are computed locally
         return SelfBackend()
     if choice.name == "mpi":
         cpu = mpi_world(timeout=timeout, expected_rank=world.rank, expected_size=world.size, label=f"{prefix}world")
@@ -242,7 +242,7 @@ def _connect_control(client: RendezvousClient, prefix: str, world: World, secret
     key = f"{prefix}control"
     hosts = tuple(str(rec.get("host")) for rec in records)
     if world.rank == 0:
-        host = "127.0.0.1" if one_host else (_interface_address(iface) if iface else
+        host = "127.0.0.1" if one_host else (interface_address(iface, "GPUCOMM_GLOO_IFACE") if iface else
                                              address_towards(world.rendezvous_addr or "8.8.8.8"))
         listener = ControlListener(secret, host)  # only the address the other ranks are told
         client.set(key, json.dumps({"host": host, "port": listener.port}).encode())
@@ -274,13 +274,6 @@ def _interface_towards_store(world: World) -> str | None:
     the other hosts to connect there (``connectFullMesh failed ... remote=[127.0.1.1]``). None when
     no interface holds that address (Gloo's own choice then)."""
     return interface_of(address_towards(world.rendezvous_addr or "8.8.8.8"))
-
-
-def _interface_address(iface: str) -> str:
-    address = interface_ipv4(iface)
-    if address is None:
-        raise GpucommError(f"GPUCOMM_GLOO_IFACE={iface!r} names no interface with an IPv4 address on this host.")
-    return address
 
 
 __all__ = ["DEFAULT_START_TIMEOUT", "DEFAULT_TIMEOUT", "build_job"]

@@ -1,7 +1,7 @@
 """One initialized job in this process: what ``hvd.init()`` built, and the entry point every
 collective takes (``submit``).
 
-A one-rank job has nothing to agree on: its collectives run inline on the caller's thread (no
+A one-rank job has nothing to agree on: its collectives run on the caller's thread (no
 control plane, no background thread, no negotiation). A larger job negotiates ad-hoc collectives
 through ``gpucomm.control``, while DistributedOptimizer buckets bypass it on fixed schedules
 (``new_schedule``), each on a group of its own. Both end in the job's data plane
@@ -124,11 +124,6 @@ class Job:
         return isinstance(self.cpu, MpiBackend)
 
     @property
-    def gloo(self) -> GlooBackend | MpiBackend | SelfBackend:
-        """The job's CPU backend under its name from before MPI (``cpu``: Gloo or MPI)."""
-        return self.cpu
-
-    @property
     def elastic(self) -> bool:
         return self.elastic_round > 0
 
@@ -150,7 +145,7 @@ class Job:
 
     # -- submitting ------------------------------------------------------------------------------
     def submit(self, request: Request, *, send: Send = Send.CYCLE) -> Handle:
-        """Run ``request``: inline in a one-rank job, else after negotiation (``Send`` says when
+        """Run ``request``: on the caller's thread in a one-rank job, else after negotiation (``Send`` says when
         its request leaves). CUDA requests record a ready event on the caller's stream, looked up
         once here."""
         gpu = cuda_calls.is_gpu(request.device)

@@ -24,7 +24,6 @@ is remembered: the same ``KernelUnavailableError`` is raised again without compi
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import os
@@ -149,12 +148,6 @@ def _compile_now(spec: KernelSpec, device: torch.device) -> Any:
         error.__cause__ = e
         _failed[spec.name] = error
         raise error from e
-
-
-def _device_guard(index: int):
-    if index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(index)
 
 
 class Launch:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from ..runner.elastic_driver import ElasticLimits
+from ..runner.round_policy import ElasticLimits
 from .discovery import RayHostDiscovery
 from .elastic_driver import ActorShape, ElasticRayDriver
 from .executor import check_driver, check_gpus

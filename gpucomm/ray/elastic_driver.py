@@ -31,9 +31,10 @@ import ray
 from ray.exceptions import RayError, RayTaskError
 
 from ..bootstrap import rounds
+from ..bootstrap.launch_env import elastic_worker_env
 from ..bootstrap.placement import place
 from ..errors import ElasticJobError
-from ..runner.elastic_driver import ElasticLimits
+from ..runner.round_policy import RAY_ARGUMENTS, ElasticLimits, RoundBook, state_lost
 from .layout import ActorInfo
 from .ray_logger import LogPump
 from .stopping import stop_actors
@@ -94,10 +95,7 @@ class ElasticRayDriver:
         self._actor_cls = ray.remote(BaseGpucommWorker)
         self._workers: dict[str, _Worker] = {}  # the latest worker of each slot
         self._started: list[_Worker] = []
-        self._first_members: set[str] = set()
-        self._members: list[str] = []
-        self._round = 0
-        self._resets = 0
+        self._book = RoundBook(limits, RAY_ARGUMENTS, store.server, store.run_id)  # the rounds and their members
         self._hosts: dict[str, int] = {}
         self._blacklist: dict[str, str] = {}  # slot -> why
         self._reform_reasons: list[str] = []
@@ -162,7 +160,7 @@ class ElasticRayDriver:
                 if not self._finishing:
                     why, self._reform_reasons = "; ".join(dict.fromkeys(self._reform_reasons)), []
                     self._form_round(why)
-            members = [self._workers[w] for w in self._members]
+            members = [self._workers[w] for w in self._book.members]
             if members and all(w.ended for w in members):
                 return
 
@@ -213,7 +211,7 @@ class ElasticRayDriver:
         formed hold no state and nobody will meet them: they are stopped."""
         self._finishing = True
         self._say("a worker finished training; waiting for the others to finish (no more re-forms)")
-        done = {k.rsplit("/", 1)[-1] for k in self._store.server.snapshot(rounds.base(self._store.run_id) + "done/")}
+        done = self._book.finished_workers()
         holders = self._holders()
         for w in self._workers.values():
             if not w.ended and w.removed is None and w.wid not in done and w.wid not in holders:
@@ -222,8 +220,7 @@ class ElasticRayDriver:
                 self._kill(w)
 
     def _holders(self) -> set[str]:
-        prefix = rounds.base(self._store.run_id) + "holds/"
-        return self._first_members | {k[len(prefix):] for k in self._store.server.snapshot(prefix)}
+        return self._book.holders()
 
     def _rediscover(self) -> None:
         try:
@@ -233,42 +230,24 @@ class ElasticRayDriver:
         except Exception as e:  # noqa: BLE001 - a later discovery failure keeps the last good answer
             self._tell(f"host discovery failed ({type(e).__name__}: {e}); keeping the last host list")
             return
-        before, now = set(self._slots(self._hosts)), set(self._slots(hosts))
+        before = self._slots(self._hosts)
         self._hosts = hosts
-        gone = [wid for wid in self._members if wid not in now and not self._workers[wid].ended]
-        room = (self._limits.max_np or 10**9) - len(self._members)
-        available = self._available()
-        added = [s for s in self._slots(hosts) if s not in before and s not in self._members and s in available]
-        if gone:
-            self._reform_reasons.append(f"discovery no longer lists {', '.join(sorted(gone))}")
-        if added and room > 0:
-            self._reform_reasons.append(f"discovery added {', '.join(added[:room])}")
+        self._reform_reasons += self._book.discovery_changes(before, self._slots(hosts), self._available(),
+                                                             self._running)
 
     def _read_requests(self) -> None:
-        base = rounds.base(self._store.run_id)
-        if not self._finishing and self._store.server.snapshot(base + "done/"):
+        if not self._finishing and self._book.finished_workers():
             self._finish()
-        prefix = base + "want/"
-        for key, value in self._store.server.snapshot(prefix).items():
-            try:
-                asked = int(value)
-            except ValueError:
-                continue
-            wid = key[len(prefix):]
-            if asked >= self._round and wid in self._members:
-                self._stop_absentees(asked)
-                self._reform_reasons.append(f"worker {wid} asked for a new round after a failed collective")
+        for wid, asked in self._book.requests():
+            self._stop_absentees(asked)
+            self._reform_reasons.append(f"worker {wid} asked for a new round after a failed collective")
 
     def _stop_absentees(self, number: int) -> None:
         """Members that never arrived in round ``number`` although others did are hung: stopped as
         failed, so the next round goes on without them."""
-        arrived = {int(k.rsplit("/", 1)[-1])
-                   for k in self._store.server.snapshot(f"{self._store.run_id}/e{number}/arrive/")}
-        if not arrived:
-            return
-        for rank, wid in enumerate(self._members):
+        for wid in self._book.absentees(number, self._running):
             w = self._workers[wid]
-            if rank not in arrived and not w.ended and w.removed is None:
+            if w.removed is None:
                 w.stopped_because = f"never arrived in round {number} (hung or stopped) and was stopped"
                 self._tell(f"worker {w.number} ({wid}) never arrived in round {number} although others did; "
                            f"stopping it as failed")
@@ -297,13 +276,8 @@ class ElasticRayDriver:
 
     def _form_round(self, why: str) -> None:
         """Choose the members, start the new ones, publish the round, then start their function."""
-        if self._round > 0:
-            if self._limits.reset_limit is not None and self._resets >= self._limits.reset_limit:
-                raise ElasticJobError(f"the job had to be re-formed again ({why}) but it was already re-formed "
-                                      f"{self._resets} time(s), the reset_limit. Look at the causes above; raise "
-                                      f"reset_limit to tolerate more changes.")
-            self._resets += 1
-        previous = set(self._members)
+        self._book.count_reset(why)
+        previous = set(self._book.members)
         if previous:
             self._check_state_survives(why)
         while True:
@@ -313,22 +287,12 @@ class ElasticRayDriver:
                 break
         if previous and not set(members) & set(self._surviving_holders()):
             raise ElasticJobError(f"no worker that holds the trained state survives ({why}).")
-        self._round += 1
-        number, run_id = self._round, self._store.run_id
-        put = self._store.server.put
-        for wid, p in place([(wid, self._workers[wid].host) for wid in members]).items():
-            put(rounds.placement_key(run_id, number, wid), rounds.encode_placement(p))
+        placements = place([(wid, self._workers[wid].host) for wid in members])
         for wid, w in self._workers.items():
             if wid not in members and not w.ended and w.removed is None:
                 w.removed, w.removed_at = self._why_removed(wid), time.monotonic()
-            if w.removed is not None:
-                put(rounds.placement_key(run_id, number, wid), rounds.encode_placement(None, w.removed))
-        if number > 1 and any(wid not in previous for wid in members):
-            put(rounds.hosts_added_key(run_id, number), b"1")
-        self._members = members
-        if number == 1:
-            self._first_members = set(members)
-        put(rounds.round_key(run_id), str(number).encode())
+        removed = [(wid, w.removed) for wid, w in self._workers.items() if w.removed is not None]
+        number = self._book.publish(members, placements, removed, previous)
         for wid in new:
             w = self._workers[wid]
             w.future = w.actor.execute_elastic.remote(self._fn)
@@ -345,12 +309,11 @@ class ElasticRayDriver:
             w = _Worker(len(self._started), wid, host, actor)
             self._started.append(w)
             self._workers[wid] = w
-            env = {**self._env, **self._store.meeting_env(), "GPUCOMM_ELASTIC": "1", "HOROVOD_ELASTIC": "1",
-                   "GPUCOMM_ELASTIC_WORKER": wid, "GPUCOMM_ELASTIC_TIMEOUT": f"{self._limits.elastic_timeout:g}",
-                   "HOROVOD_ELASTIC_TIMEOUT": f"{self._limits.elastic_timeout:g}", "GPUCOMM_HOSTNAME": host,
-                   "HOROVOD_HOSTNAME": host}
+            env = {**self._env, **self._store.meeting_env(),
+                   **elastic_worker_env(wid, host, self._limits.elastic_timeout)}
             cls, args, kwargs = self._executable
-            starting.append((w, actor.prepare.remote(env, cls, list(args), dict(kwargs))))
+            # its own GPU alone (none without GPUs): its local rank changes from round to round
+            starting.append((w, actor.prepare.remote(env, cls, list(args), dict(kwargs), own_gpu_only=True)))
         refs = [ref for _, ref in starting]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self._start_timeout) if refs else ([], [])
         ok = True
@@ -376,9 +339,7 @@ class ElasticRayDriver:
         return ok
 
     def _surviving_holders(self) -> list[str]:
-        holders = self._holders()
-        return [wid for wid in self._members if wid in holders and self._running(wid)
-                and self._workers[wid].removed is None]
+        return self._book.surviving_holders(lambda wid: self._running(wid) and self._workers[wid].removed is None)
 
     def _check_state_survives(self, why: str) -> None:
         if self._surviving_holders():
@@ -390,9 +351,7 @@ class ElasticRayDriver:
                 f"no worker is left{also}: every worker has ended ({ends}), so nobody holds the trained state and no "
                 f"new worker could start from it; waiting for hosts cannot help. Fix the workers' errors: an elastic "
                 f"job survives failures only while a worker of its last round is alive.")
-        raise ElasticJobError(f"no worker that holds the trained state survives ({why}): the workers of the last "
-                              f"round that finished a sync are all gone, so there is no state to hand to new "
-                              f"workers.")
+        raise state_lost(why)
 
     def _ends(self) -> str:
         return "; ".join(f"worker {w.number} ({w.wid}) " + ("removed, " if w.removed else "") + (w.why or "returned")
@@ -402,28 +361,14 @@ class ElasticRayDriver:
         """Survivors that hold the state first (in their old rank order, so rank 0 holds it), then
         the other survivors, then new slots, up to max_num_proc; waits up to elastic_timeout for
         min_num_proc (and stops waiting once no worker holding the state is left)."""
-        deadline = time.monotonic() + self._limits.elastic_timeout
-        said = False
-        while True:
-            available = self._available()
-            alive = [wid for wid in self._members if wid in available and self._running(wid)]
-            holders = self._holders()
-            alive = [wid for wid in alive if wid in holders] + [wid for wid in alive if wid not in holders]
-            fresh = [wid for wid in available if wid not in alive and not self._running(wid)]
-            members = (alive + fresh)[: self._limits.max_np or None]
-            if len(members) >= self._limits.min_np:
-                return members
-            if time.monotonic() > deadline:
-                left_out = "; ".join(f"{s} ({c})" for s, c in self._blacklist.items())
-                raise ElasticJobError(
-                    f"only {len(members)} slot(s) available ({', '.join(members) or 'none'}), fewer than "
-                    f"min_num_proc {self._limits.min_np}, for elastic_timeout {self._limits.elastic_timeout:g} s "
-                    f"({why}). " + (f"Slots left out after failures: {left_out}. " if left_out else "")
-                    + "Add nodes to the Ray cluster, give each slot fewer resources, or lower min_num_proc.")
-            if not said:
-                self._tell(f"waiting up to {self._limits.elastic_timeout:g} s for min_num_proc "
-                           f"{self._limits.min_np} slots (have {len(members)}){self._no_slots_hint()}")
-                said = True
+        def too_few(members: list[str]) -> ElasticJobError:
+            left_out = "; ".join(f"{s} ({c})" for s, c in self._blacklist.items())
+            return ElasticJobError(
+                self._book.too_few_message(members, why)
+                + (f"Slots left out after failures: {left_out}. " if left_out else "")
+                + "Add nodes to the Ray cluster, give each slot fewer resources, or lower min_num_proc.")
+
+        def tick() -> None:
             self._collect(0.05)
             if previous:
                 self._check_state_survives(why)
@@ -432,6 +377,10 @@ class ElasticRayDriver:
                 self._hosts = self._discover(first=False)
             except Exception as e:  # noqa: BLE001 - keep the last good answer
                 self._tell(f"host discovery failed ({type(e).__name__}: {e}); keeping the last host list")
+
+        return self._book.wait_for_members(
+            lambda: self._book.choose(self._available(), self._running), too_few=too_few, tick=tick,
+            waiting=lambda members: self._tell(self._book.waiting_note(len(members)) + self._no_slots_hint()))
 
     def _no_slots_hint(self) -> str:
         if self._hosts:
@@ -481,12 +430,12 @@ class ElasticRayDriver:
                      if raised else "")
             raise ElasticJobError(f"gpucomm.ray: the elastic job failed: {self._failure}{trace}") \
                 from (raised.error if raised else None)
-        members = [self._workers[wid] for wid in self._members]
+        members = [self._workers[wid] for wid in self._book.members]
         bad = [w for w in members if w.why is not None and w.removed is None]
         if bad:
             raise ElasticJobError(f"gpucomm.ray: the elastic job failed: worker {bad[0].number} ({bad[0].wid}) "
                                   f"{bad[0].why}") from bad[0].error
-        self._say(f"elastic job finished: round {self._round}, {len(members)} worker(s), re-formed {self._resets} "
+        self._say(f"elastic job finished: round {self._book.number}, {len(members)} worker(s), re-formed {self._book.resets} "
                   f"time(s)")
         return [w.result for w in members if w.removed is None]
 

@@ -25,10 +25,10 @@ from typing import Any, Callable, Sequence
 import ray
 
 from ..errors import RunError
-from ..runner.elastic_driver import ElasticLimits
+from ..runner.round_policy import ElasticLimits
 from .discovery import RayHostDiscovery
 from .elastic_driver import ActorShape, ElasticRayDriver
-from .layout import ActorInfo, check_distinct_gpus, placements, rank_order, visible_devices
+from .layout import ActorInfo, check_distinct_gpus, cuda_visible_devices, placements, rank_order
 from .outcomes import failure_error, gather
 from .placement_groups import WorkerPlacement, WorkerShape
 from .ray_logger import LogPump
@@ -173,13 +173,11 @@ class RayExecutor:
         self.workers = [actors[i] for i in order]
         self._infos = [infos[i] for i in order]
         check_distinct_gpus(self._infos)
-        devices = visible_devices(self._infos) if self._use_gpu else [None] * len(order)
+        devices = cuda_visible_devices(self._infos, self._use_gpu)
         cls, args, kwargs = self._executable
         ready = []
         for worker, slot, visible in zip(self.workers, placements(self._infos), devices):
-            env = {**self._env, **self._store.rank_env(slot)}
-            if visible is not None:
-                env["CUDA_VISIBLE_DEVICES"] = visible
+            env = {**self._env, **self._store.rank_env(slot), "CUDA_VISIBLE_DEVICES": visible}
             ready.append(worker.prepare.remote(env, cls, args, kwargs))
         outcome = gather(ready)
         if outcome.failures:

@@ -66,6 +66,23 @@ def visible_devices(ranked: Sequence[ActorInfo]) -> list[str | None]:
     return [listing[info.node_ip] if info.gpu_ids else None for info in ranked]
 
 
+def cuda_visible_devices(ranked: Sequence[ActorInfo], use_gpu: bool, *, own_only: bool = False) -> list[str]:
+    """What each worker (rank order) must set ``CUDA_VISIBLE_DEVICES`` to before CUDA starts in it:
+
+    - ``use_gpu`` off: ``""``. Ray leaves a zero-GPU actor's variable alone, and gpucomm would
+      otherwise pin GPUs that Ray gave to nobody (or to other work);
+    - ``own_only`` (elastic jobs, whose local ranks change from round to round): the worker's first
+      GPU alone, so that gpucomm pins it at every round, whatever the local rank;
+    - else ``visible_devices``: the node's GPUs, the worker's own at the index of its local rank
+      (Ray's own shared listing sorts ids as text, "10" before "2", and a worker with two GPUs
+      would find its neighbour's at its local rank)."""
+    if not use_gpu:
+        return [""] * len(ranked)
+    if own_only:
+        return [info.gpu_ids[0] if info.gpu_ids else "" for info in ranked]
+    return [visible if visible is not None else "" for visible in visible_devices(ranked)]
+
+
 def check_distinct_gpus(ranked: Sequence[ActorInfo]) -> None:
     """Two workers of one node given the same GPU would both pin it: refuse before training starts."""
     seen: dict[tuple[str, str], int] = {}
@@ -78,4 +95,4 @@ def check_distinct_gpus(ranked: Sequence[ActorInfo]) -> None:
                                    f"gpus_per_worker; give each worker whole GPUs (gpus_per_worker >= 1).")
 
 
-__all__ = ["ActorInfo", "check_distinct_gpus", "placements", "rank_order", "visible_devices"]
+__all__ = ["ActorInfo", "check_distinct_gpus", "cuda_visible_devices", "placements", "rank_order", "visible_devices"]

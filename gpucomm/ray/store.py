@@ -10,6 +10,7 @@ from typing import Sequence
 
 import ray
 
+from ..bootstrap.launch_env import rendezvous_env
 from ..bootstrap.netaddr import interface_ipv4
 from ..bootstrap.placement import Placement
 from ..bootstrap.rendezvous import RendezvousClient, RendezvousServer
@@ -49,9 +50,7 @@ class DriverStore:
 
     def meeting_env(self) -> dict[str, str]:
         """Only where to meet (an elastic worker learns its place from the rounds)."""
-        return {"GPUCOMM_RENDEZVOUS_ADDR": self.addr, "GPUCOMM_RENDEZVOUS_PORT": str(self.port),
-                "GPUCOMM_RENDEZVOUS_HOSTED": "1", "GPUCOMM_SECRET": self.secret.hex(), "GPUCOMM_RUN_ID": self.run_id,
-                "PYTHONUNBUFFERED": "1"}
+        return rendezvous_env(self.addr, self.port, self.secret, self.run_id)
 
     def client(self) -> RendezvousClient:
         """A client of this store for the driver itself (to delete what it has consumed)."""

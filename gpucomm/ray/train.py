@@ -15,9 +15,10 @@ The backend plugs in where Ray's own backends do (``BackendConfig.backend_cls``;
 before it stops it; Train V1's, with ``RAY_TRAIN_V2_ENABLED=0``, does the same). ``on_start``
 serves the job's rendezvous store from the process that runs it (Train V2's controller actor) and
 gives each worker the environment that places it: gpucomm's rank is Ray Train's world rank, and
-local ranks follow the workers' nodes. Ray Train shares a node's GPUs among its workers
-(``share_cuda_visible_devices``), ordered by GPU id like the local ranks, so gpucomm's local-rank
-pinning picks each worker's own GPU.
+local ranks follow the workers' nodes. With GPUs, each worker's ``CUDA_VISIBLE_DEVICES`` is set here
+(after Ray Train's own sharing, which sorts GPU ids as text and would put a two-GPU worker's neighbour
+at its local rank): the node's GPUs, the worker's own at the index of its local rank, which is the GPU
+gpucomm pins. Without GPUs it is set empty, so no worker pins a GPU Ray did not give it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import ray
 from ray.train.backend import Backend, BackendConfig
 from ray.train.v2._internal.constants import is_v2_enabled
 
-from .layout import ActorInfo, placements
+from .layout import ActorInfo, cuda_visible_devices, placements
 from .settings import check_worker_env, nic_list, positive_seconds, RaySettings, tunables
 from .store import DriverStore
 from .worker import describe_process, leave_job, set_env
@@ -65,17 +66,20 @@ class GpucommBackend(Backend):
     share_cuda_visible_devices: bool = True
 
     def __init__(self) -> None:
-        self.store: DriverStore | None = None
+        # Ray makes one Backend per process (a singleton): one store per worker group it serves
+        self.stores: dict[int, DriverStore] = {}
 
     def on_start(self, worker_group: Any, backend_config: GpucommConfig) -> None:
         settings = backend_config.settings()
         env = tunables(settings)
         check_worker_env(env, "GpucommConfig")
-        self.close_store()
+        self.close_store(worker_group)
         infos = [ActorInfo.from_dict(d) for d in worker_group.execute(describe_process)]  # by world rank
-        self.store = DriverStore(settings.nics)
-        ray.get([worker_group.execute_single_async(rank, set_env, {**env, **self.store.rank_env(slot)})
-                 for rank, slot in enumerate(placements(infos))])
+        devices = cuda_visible_devices(infos, use_gpu=any(info.gpu_ids for info in infos))
+        store = self.stores[id(worker_group)] = DriverStore(settings.nics)
+        ray.get([worker_group.execute_single_async(rank, set_env, {**env, **store.rank_env(slot),
+                                                                   "CUDA_VISIBLE_DEVICES": visible})
+                 for rank, (slot, visible) in enumerate(zip(placements(infos), devices))])
 
     def on_shutdown(self, worker_group: Any, backend_config: GpucommConfig) -> None:
         """The workers leave gpucomm's job first (else rank 0 would report the store lost), then the
@@ -83,10 +87,11 @@ class GpucommBackend(Backend):
         try:
             worker_group.execute(leave_job)
         finally:
-            self.close_store()
+            self.close_store(worker_group)
 
-    def close_store(self) -> None:
-        store, self.store = self.store, None
+    def close_store(self, worker_group: Any) -> None:
+        """Close the store served for ``worker_group``, if any."""
+        store = self.stores.pop(id(worker_group), None)
         if store is not None:
             store.close()
 

@@ -80,8 +80,14 @@ class BaseGpucommWorker:
             self.executable = executable_cls(*(executable_args or ()), **(executable_kwargs or {}))
 
     def prepare(self, env_vars: Mapping[str, Any], executable_cls: type | None = None,
-                executable_args: list | None = None, executable_kwargs: dict | None = None) -> dict[str, Any]:
-        """``update_env_vars``, then ``start_executable``, in one call; returns ``describe()``."""
+                executable_args: list | None = None, executable_kwargs: dict | None = None, *,
+                own_gpu_only: bool = False) -> dict[str, Any]:
+        """``update_env_vars``, then ``start_executable``, in one call; returns ``describe()``. With
+        ``own_gpu_only`` (elastic workers, whose local ranks change between rounds) the worker sees only
+        the first GPU Ray gave it (none without GPUs), so gpucomm pins that one at every round; Ray's
+        own setting is not relied on (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` turns it off)."""
+        if own_gpu_only:
+            env_vars = {**env_vars, "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in ray.get_gpu_ids()[:1])}
         self.update_env_vars(env_vars)
         self.start_executable(executable_cls, executable_args, executable_kwargs)
         return self.describe()

@@ -27,8 +27,9 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Mapping
 
+from ..bootstrap.launch_env import elastic_worker_env, rendezvous_env
 from ..bootstrap.rendezvous import RendezvousServer
 from ..bootstrap import rounds
 from ..bootstrap.placement import Placement, place
@@ -36,8 +37,9 @@ from . import proctree
 from .discovery import DiscoveryError
 from .hosts import HostSlots
 from .output import OutputSink
+from .round_policy import RUN_FLAGS, ElasticLimits, RoundBook, state_lost
 from .remote import ELASTIC_SERVER_ALIVE_S
-from .spawn import SshOptions, launch_for
+from .spawn import SshOptions, StoreAddress, launch_for
 from .supervisor import Launch, describe_exit, exit_status
 from ..errors import ElasticJobError
 
@@ -63,19 +65,11 @@ class _Worker:
     pumps: list[threading.Thread] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class ElasticLimits:
-    min_np: int
-    max_np: int | None
-    elastic_timeout: float
-    reset_limit: int | None
-
-
 class ElasticDriver:
     """Runs an elastic job to its end and returns the launcher's exit status."""
 
     def __init__(self, discovery, limits: ElasticLimits, command: list[str], base_env: Mapping[str, str],
-                 tunables: Mapping[str, str], server: RendezvousServer, *, rendezvous_addr: Callable[[str], str],
+                 tunables: Mapping[str, str], server: RendezvousServer, *, rendezvous_addr: StoreAddress,
                  secret: bytes,
                  run_id: str, sink: OutputSink, ssh: SshOptions, grace: float, verbose: bool = False,
                  discovery_interval: float = DISCOVERY_INTERVAL_S) -> None:
@@ -96,10 +90,7 @@ class ElasticDriver:
         self._interval = discovery_interval
         self._workers: dict[str, _Worker] = {}  # the latest worker of each slot
         self._started: list[_Worker] = []  # every worker ever started (their output pumps are joined at the end)
-        self._first_members: set[str] = set()  # round 1: everyone starts from the same state
-        self._members: list[str] = []  # worker ids of the current round, in rank order
-        self._round = 0
-        self._resets = 0
+        self._book = RoundBook(limits, RUN_FLAGS, server, run_id)  # the rounds formed and their members
         self._hosts: list[HostSlots] = []
         self._blacklist: dict[str, str] = {}  # host -> why
         self._events: queue.Queue[tuple[_Worker, int]] = queue.Queue()
@@ -159,7 +150,7 @@ class ElasticDriver:
                 if not self._finishing:
                     why, self._reform_reasons = "; ".join(dict.fromkeys(self._reform_reasons)), []
                     self._form_round(why)
-            members = [self._workers[w] for w in self._members]
+            members = [self._workers[w] for w in self._book.members]
             if members and all(w.exit_code is not None for w in members):
                 return  # every member is done (their codes decide the report)
 
@@ -195,7 +186,7 @@ class ElasticDriver:
         never formed (they hold no state and nobody will meet them) are stopped as removed."""
         self._finishing = True
         self._say("a worker finished training; waiting for the others to finish (no more re-forms)")
-        done = {k.rsplit("/", 1)[-1] for k in self._server.snapshot(rounds.base(self._run_id) + "done/")}
+        done = self._book.finished_workers()
         stranded = [w for w in self._alive() if w.removed is None and w.wid not in done and w.wid not in self._holders()]
         for w in stranded:
             w.removed, w.removed_at = "training finished before it could join", time.monotonic()
@@ -205,9 +196,7 @@ class ElasticDriver:
             self._stop(stranded)
 
     def _holders(self) -> set[str]:
-        """Workers that hold the trained state: those of the first round, and those that finished a sync."""
-        prefix = rounds.base(self._run_id) + "holds/"
-        return self._first_members | {k[len(prefix):] for k in self._server.snapshot(prefix)}
+        return self._book.holders()
 
     def _rediscover(self) -> None:
         try:
@@ -217,44 +206,26 @@ class ElasticDriver:
         except DiscoveryError as e:
             self._sink.say(f"host discovery failed ({e}); keeping the last host list")
             return
-        before = {s for s in self._slots(self._hosts)}
-        now = {s for s in self._slots(hosts)}
+        before = self._slots(self._hosts)
         self._hosts = hosts
-        gone = [wid for wid in self._members if wid not in now and self._workers[wid].exit_code is None]
-        room = (self._limits.max_np or 10**9) - len(self._members)
-        available = self._available()
-        added = [s for s in self._slots(hosts) if s not in before and s not in self._members and s in available]
-        if gone:
-            self._reform_reasons.append(f"discovery no longer lists {', '.join(sorted(gone))}")
-        if added and room > 0:
-            self._reform_reasons.append(f"discovery added {', '.join(added[:room])}")
+        self._reform_reasons += self._book.discovery_changes(before, self._slots(hosts), self._available(),
+                                                             self._is_running)
 
     def _read_requests(self) -> None:
         """Workers whose collective failed without anyone dying ask for a round after theirs; a
         worker whose training function returned says so (the job is finishing)."""
-        if not self._finishing and self._server.snapshot(rounds.base(self._run_id) + "done/"):
+        if not self._finishing and self._book.finished_workers():
             self._finish()
-        prefix = rounds.base(self._run_id) + "want/"
-        for key, value in self._server.snapshot(prefix).items():
-            try:
-                asked = int(value)
-            except ValueError:
-                continue
-            if asked >= self._round and key[len(prefix):] in self._members:
-                self._stop_absentees(asked)
-                self._reform_reasons.append(f"worker {key[len(prefix):]} asked for a new round after a failed "
-                                            f"collective")
+        for wid, asked in self._book.requests():
+            self._stop_absentees(asked)
+            self._reform_reasons.append(f"worker {wid} asked for a new round after a failed collective")
 
     def _stop_absentees(self, number: int) -> None:
         """A worker gave up on round ``number``: members that never arrived in it although others
         did are hung (stopped, or stuck before init), not slow starters. They are stopped, and their
         exit blacklists their host like any failure, so the next round goes on without them."""
-        arrived = {int(k.rsplit("/", 1)[-1])
-                   for k in self._server.snapshot(f"{self._run_id}/e{number}/arrive/")}
-        if not arrived:
-            return
-        absent = [self._workers[wid] for rank, wid in enumerate(self._members)
-                  if rank not in arrived and self._is_running(wid) and self._workers[wid].removed is None]
+        absent = [self._workers[wid] for wid in self._book.absentees(number, self._is_running)
+                  if self._workers[wid].removed is None]
         if absent:
             for w in absent:
                 w.stopped_because = f"never arrived in round {number} (hung or stopped) and was stopped"
@@ -273,44 +244,26 @@ class ElasticDriver:
 
     def _form_round(self, why: str) -> None:
         """Choose the members, start the new ones, and publish the round."""
-        if self._round > 0:
-            if self._limits.reset_limit is not None and self._resets >= self._limits.reset_limit:
-                raise ElasticJobError(f"the job had to be re-formed again ({why}) but it was already re-formed "
-                                      f"{self._resets} time(s), the --reset-limit. Look at the causes above; raise "
-                                      f"--reset-limit to tolerate more changes.")
-            self._resets += 1
-        previous = set(self._members)
+        self._book.count_reset(why)
+        previous = set(self._book.members)
         if previous:
             self._check_state_survives(why)
         members = self._wait_for_members(why, previous)
         if previous and not set(members) & set(self._surviving_holders()):
             raise ElasticJobError(f"no worker that holds the trained state survives ({why}).")
         new = [wid for wid in members if wid not in self._workers or self._workers[wid].exit_code is not None]
-        self._round += 1
-        number = self._round
         placements = place([(wid, wid.rsplit(":", 1)[0]) for wid in members])
         for wid in new:
             self._start(wid, wid.rsplit(":", 1)[0])
-        for wid, p in placements.items():
-            self._server_set(rounds.placement_key(self._run_id, number, wid), rounds.encode_placement(p))
         for wid, w in self._workers.items():
             if wid not in placements and w.exit_code is None and w.removed is None:
                 w.removed, w.removed_at = self._why_removed(wid), time.monotonic()
-            if w.removed is not None:
-                self._server_set(rounds.placement_key(self._run_id, number, wid),
-                                 rounds.encode_placement(None, w.removed))
-        if number > 1 and any(wid not in previous for wid in members):
-            self._server_set(rounds.hosts_added_key(self._run_id, number), b"1")
-        self._members = members
-        if number == 1:
-            self._first_members = set(members)
-        self._server_set(rounds.round_key(self._run_id), str(number).encode())
+        removed = [(wid, w.removed) for wid, w in self._workers.items() if w.removed is not None]
+        number = self._book.publish(members, placements, removed, previous)
         self._say(f"round {number}: {len(members)} worker(s) [{', '.join(members)}] ({why})")
 
     def _surviving_holders(self) -> list[str]:
-        holders = self._holders()
-        return [wid for wid in self._members if wid in holders and self._is_running(wid)
-                and self._workers[wid].removed is None]
+        return self._book.surviving_holders(lambda wid: self._is_running(wid) and self._workers[wid].removed is None)
 
     def _check_state_survives(self, why: str) -> None:
         """A re-formed job continues from a worker of the last round that holds the trained state; when
@@ -323,9 +276,7 @@ class ElasticDriver:
                 f"trained state and no new worker could start from it; waiting for hosts cannot help. Look at the "
                 f"workers' errors above and fix them: an elastic job survives failures only while a worker of its "
                 f"last round is alive.")
-        raise ElasticJobError(f"no worker that holds the trained state survives ({why}): the workers of the "
-                              f"last round that finished a sync are all gone, so there is no state to hand to "
-                              f"new workers.")
+        raise state_lost(why)
 
     def _exits(self) -> str:
         """How each worker ever started ended, in start order."""
@@ -338,28 +289,15 @@ class ElasticDriver:
         """Survivors that hold the state first (in their old rank order, so rank 0 holds it), then
         the other survivors, then new slots, up to --max-np; waits up to --elastic-timeout for --min-np
         (a re-form stops waiting as soon as no worker holding the state is left: ``_check_state_survives``)."""
-        deadline = time.monotonic() + self._limits.elastic_timeout
-        said = False
-        while True:
-            available = self._available()
-            alive = [wid for wid in self._members if wid in available and self._workers[wid].exit_code is None]
-            holders = self._holders()
-            alive = [wid for wid in alive if wid in holders] + [wid for wid in alive if wid not in holders]
-            fresh = [wid for wid in available if wid not in alive and not self._is_running(wid)]
-            members = (alive + fresh)[: self._limits.max_np or None]
-            if len(members) >= self._limits.min_np:
-                return members
-            if time.monotonic() > deadline:
-                raise ElasticJobError(
-                    f"only {len(members)} slot(s) available ({', '.join(members) or 'none'}), fewer than --min-np "
-                    f"{self._limits.min_np}, for --elastic-timeout {self._limits.elastic_timeout:g} s ({why}). "
-                    + (f"Blacklisted hosts: {'; '.join(f'{h} ({c})' for h, c in self._blacklist.items())}. "
-                       if self._blacklist else "")
-                    + "Add hosts through the discovery script or lower --min-np.")
-            if not said:
-                self._say(f"waiting up to {self._limits.elastic_timeout:g} s for --min-np {self._limits.min_np} "
-                          f"slots (have {len(members)})")
-                said = True
+
+        def too_few(members: list[str]) -> ElasticJobError:
+            return ElasticJobError(
+                self._book.too_few_message(members, why)
+                + (f"Blacklisted hosts: {'; '.join(f'{h} ({c})' for h, c in self._blacklist.items())}. "
+                   if self._blacklist else "")
+                + "Add hosts through the discovery script or lower --min-np.")
+
+        def tick() -> None:
             self._collect_exits(timeout=0.05)
             if self._signal is not None:
                 raise _Stopped()
@@ -371,6 +309,10 @@ class ElasticDriver:
                 self._hosts = self._discover(first=False)
             except DiscoveryError as e:
                 self._sink.say(f"host discovery failed ({e}); keeping the last host list")
+
+        return self._book.wait_for_members(lambda: self._book.choose(self._available(), self._is_running),
+                                           too_few=too_few, tick=tick,
+                                           waiting=lambda members: self._say(self._book.waiting_note(len(members))))
 
     def _why_removed(self, wid: str) -> str:
         host = wid.rsplit(":", 1)[0]
@@ -397,14 +339,8 @@ class ElasticDriver:
     def _start(self, wid: str, host: str) -> None:
         number = len(self._started)
         env = dict(self._tunables)
-        env.update({
-            "GPUCOMM_ELASTIC": "1", "HOROVOD_ELASTIC": "1", "GPUCOMM_ELASTIC_WORKER": wid,
-            "GPUCOMM_ELASTIC_TIMEOUT": f"{self._limits.elastic_timeout:g}",
-            "HOROVOD_ELASTIC_TIMEOUT": f"{self._limits.elastic_timeout:g}",
-            "GPUCOMM_HOSTNAME": host, "HOROVOD_HOSTNAME": host,
-            "GPUCOMM_RENDEZVOUS_ADDR": self._addr(host), "GPUCOMM_RENDEZVOUS_PORT": str(self._server.port),
-            "GPUCOMM_RENDEZVOUS_HOSTED": "1", "GPUCOMM_SECRET": self._secret.hex(), "GPUCOMM_RUN_ID": self._run_id,
-            "PYTHONUNBUFFERED": "1"})
+        env.update(elastic_worker_env(wid, host, self._limits.elastic_timeout))
+        env.update(rendezvous_env(self._addr(host), self._server.port, self._secret, self._run_id))
         launch: Launch = launch_for(Placement(host, number, 0, 0, 0, 0, 0), self._command, self._base_env, env,
                                     cwd=os.getcwd(), ssh=self._ssh, grace=self._grace)
         w = self._workers[wid] = _Worker(number, wid, host)
@@ -442,23 +378,16 @@ class ElasticDriver:
         """SIGTERM, the grace period, then SIGKILL of each worker's process tree."""
         if not workers:
             return
-        for w in workers:
-            if w.proc.stdin is not None:
+        def close_stdin(proc: subprocess.Popen) -> None:
+            if proc.stdin is not None:
                 try:
-                    w.proc.stdin.close()  # a remote wrapper takes EOF as "terminate"
+                    proc.stdin.close()  # a remote wrapper takes EOF as "terminate"
                 except OSError:
                     pass
-        trees = proctree.terminate([w.proc.pid for w in workers])
-        deadline = time.monotonic() + self._grace
-        while any(w.proc.poll() is None for w in workers) and time.monotonic() < deadline:
-            time.sleep(0.05)
+
+        stuck = proctree.stop_and_reap([w.proc for w in workers], self._grace, close_stdin=close_stdin)
         for w in workers:
-            if w.proc.poll() is None:
-                proctree.signal_group(w.proc.pid, signal.SIGKILL)
-            proctree.kill_all(trees[w.proc.pid])
-            try:
-                w.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
+            if w.proc in stuck:
                 self._sink.say(f"worker {w.number} (pid {w.proc.pid}) did not exit even after SIGKILL")
 
     # ------------------------------------------------------------------ signals, store, report
@@ -481,13 +410,13 @@ class ElasticDriver:
         if self._signal is not None:
             self._sink.say(f"received {signal.Signals(self._signal).name}; stopped every worker")
             return 128 + self._signal
-        members = [self._workers[w] for w in self._members]
+        members = [self._workers[w] for w in self._book.members]
         bad = [w for w in members if w.exit_code not in (0, None) and w.removed is None]
         if bad:
             w = bad[0]
             self._sink.say(f"elastic job failed: worker {w.number} ({w.wid}) {describe_exit(w.exit_code)}")
             return exit_status(w.exit_code)
-        self._say(f"elastic job finished: round {self._round}, {len(members)} worker(s), re-formed {self._resets} "
+        self._say(f"elastic job finished: round {self._book.number}, {len(members)} worker(s), re-formed {self._book.resets} "
                   f"time(s)")
         return 0
 

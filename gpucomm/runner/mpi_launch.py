@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
+from ..bootstrap.launch_env import rendezvous_env
+from ..bootstrap.placement import PLACEMENT_VARS
 from ..bootstrap.rendezvous import RendezvousServer
 from ..errors import MpiLaunchError
 from ..settings import MPIEXEC
@@ -54,10 +56,8 @@ FAILURE_GRACE_S = 3.0  # how long a job whose rank failed may take to end before
 ENDS_WAIT_S = 1.0  # after the launcher exited, how long the ranks' last reports may take to arrive
 SETTLE_S = 0.5  # once every rank still running has reported its error, time for it to print it
 RELEASE_WAIT_S = 2.0  # how long the launcher may take to exit once every rank has ended or been released
-# Variables that place one rank (gpucomm-run's own spawning sets them): under MPI the launcher's
-# variables do, and a stale GPUCOMM_RANK would take precedence in gpucomm.bootstrap.world.
-PLACEMENT_VARS = tuple(f"{p}_{v}" for p in ("GPUCOMM", "HOROVOD") for v in
-                       ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME"))
+# PLACEMENT_VARS: variables that place one rank (gpucomm-run's own spawning sets them): under MPI the
+# launcher's variables do, and a stale GPUCOMM_RANK would take precedence in gpucomm.bootstrap.world.
 # What Open MPI forwards to every rank besides GPUCOMM_*/HOROVOD_* and the tunables, when set.
 FORWARDED = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "VIRTUAL_ENV",
              "MPI4PY_MPIABI", "MPI4PY_LIBMPI", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
@@ -214,9 +214,7 @@ def rank_environment(base: Mapping[str, str], tunables: Mapping[str, str], launc
     variables, plus the tunables and the job's store, secret and run id."""
     env = {k: v for k, v in base.items() if k not in PLACEMENT_VARS}
     env.update(tunables)
-    env.update({"GPUCOMM_RENDEZVOUS_ADDR": rendezvous_addr, "GPUCOMM_RENDEZVOUS_PORT": str(rendezvous_port),
-                "GPUCOMM_RENDEZVOUS_HOSTED": "1", "GPUCOMM_SECRET": secret.hex(), "GPUCOMM_RUN_ID": run_id,
-                "PYTHONUNBUFFERED": "1"})
+    env.update(rendezvous_env(rendezvous_addr, rendezvous_port, secret, run_id))
     if launcher.flavor == "openmpi":
         if "MPI4PY_MPIABI" not in env and "MPI4PY_LIBMPI" not in env:
             env["MPI4PY_MPIABI"] = "openmpi"  # not the MPICH library a gpucomm[mpi] install also brings

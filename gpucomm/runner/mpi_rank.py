@@ -32,6 +32,7 @@ import socket
 import sys
 import time
 
+# a copy of gpucomm.bootstrap.launch_env.MPI_RANK_VARS (this file cannot import gpucomm; a test keeps them equal)
 RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 MAGIC = b"GPCO"
 VERSION = 2  # 2: a challenge per connection (1 was a fixed HMAC per rank and stream, replayable)

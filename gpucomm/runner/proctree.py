@@ -11,9 +11,11 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
+from typing import Callable, Sequence
 
 import psutil
 
@@ -161,6 +163,46 @@ def terminate_trees(leaders: list[int], grace: float, sweep: tuple[int, ...] = (
     kill_all([p for p in procs.values() if alive(p)])
 
 
+def stop_and_reap(procs: Sequence[subprocess.Popen], grace: float, *, terminate_pids: Sequence[int] | None = None,
+                  close_stdin: Callable[[subprocess.Popen], None] | None = None,
+                  interrupted: Callable[[], bool] = lambda: False,
+                  on_kill: Callable[[list[subprocess.Popen]], None] | None = None) -> list[subprocess.Popen]:
+    """Stop the launcher's children ``procs`` (session leaders) and reap them: the one stop sequence of
+    gpucomm-run's supervisors. ``close_stdin`` is called on each first (a remote wrapper takes EOF as
+    "terminate"); then SIGTERM to the groups and trees of ``terminate_pids`` (default: every one of
+    ``procs``); up to ``grace`` s (or until ``interrupted()``) for them to exit; SIGKILL to the groups
+    still alive (``on_kill`` is told which first) and to every process of the trees; finally each
+    exit status is collected. Returns those that did not exit even after SIGKILL."""
+    if close_stdin is not None:
+        for p in procs:
+            close_stdin(p)
+    trees = terminate(list(terminate_pids) if terminate_pids is not None else [p.pid for p in procs])
+    deadline = time.monotonic() + grace
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline and not interrupted():
+        time.sleep(0.05)
+    leftover = [p for p in procs if p.poll() is None]
+    if leftover and on_kill is not None:
+        on_kill(leftover)
+    for p in leftover:
+        signal_group(p.pid, signal.SIGKILL)
+    kill_all([d for tree in trees.values() for d in tree] +
+             [d for p in leftover for d in [*_process(p.pid), *descendants(p.pid)]])
+    stuck = []
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            stuck.append(p)
+    return stuck
+
+
+def _process(pid: int) -> list[psutil.Process]:
+    try:
+        return [psutil.Process(pid)]
+    except psutil.Error:
+        return []
+
+
 def alive(p: psutil.Process) -> bool:
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
@@ -169,4 +211,4 @@ def alive(p: psutil.Process) -> bool:
 
 
 __all__ = ["alive", "become_subreaper", "descendants", "kill_all", "reap_orphans", "signal_group",
-           "signal_processes", "terminate_trees"]
+           "signal_processes", "stop_and_reap", "terminate_trees"]

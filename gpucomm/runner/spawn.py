@@ -7,7 +7,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from ..bootstrap.netaddr import resolves_here
 from ..bootstrap.placement import Placement
@@ -77,18 +77,22 @@ def launch_for(slot: Placement, command: list[str], base_env: Mapping[str, str],
     return Launch(slot, ssh_argv(slot.host, ssh), dict(base_env), True, payload)
 
 
+# The store's address as a rank on a host reaches it (host -> address): gpucomm-run's fixed and elastic jobs
+StoreAddress = Callable[[str], str]
+
+
 def build_launches(slots: list[Placement], command: list[str], base_env: Mapping[str, str], tunables: Mapping[str, str],
-                   *, rendezvous_addr: str, rendezvous_port: int, secret: bytes, run_id: str, cwd: str,
+                   *, rendezvous_addr: StoreAddress, rendezvous_port: int, secret: bytes, run_id: str, cwd: str,
                    ssh: SshOptions, grace: float, silence: float | None = None) -> list[Launch]:
     """One ``Launch`` per slot. Local ranks get their environment directly; remote ranks get it
-    through the wrapper's stdin. ``silence``: a remote wrapper stops its rank after that long
+    through the wrapper's stdin. ``rendezvous_addr(host)``: the store's address for a rank on ``host``. ``silence``: a remote wrapper stops its rank after that long
     without the launcher's heartbeat (``remote.py``; the ``Supervisor`` sends them)."""
     launches = []
     for slot in slots:
         remote = not is_local(slot.host)
         exported = Placement(split_user(slot.host)[1], slot.rank, slot.size, slot.local_rank, slot.local_size,
                         slot.cross_rank, slot.cross_size)
-        env = worker_env(base_env, exported, tunables, remote=remote, rendezvous_addr=rendezvous_addr,
+        env = worker_env(base_env, exported, tunables, remote=remote, rendezvous_addr=rendezvous_addr(slot.host),
                          rendezvous_port=rendezvous_port, secret=secret, run_id=run_id)
         if remote:
             payload = encode_request(command, cwd, env, grace, silence)
@@ -98,4 +102,4 @@ def build_launches(slots: list[Placement], command: list[str], base_env: Mapping
     return launches
 
 
-__all__ = ["SshOptions", "build_launches", "is_local", "launch_for", "split_user", "ssh_argv"]
+__all__ = ["SshOptions", "StoreAddress", "build_launches", "is_local", "launch_for", "split_user", "ssh_argv"]

@@ -14,7 +14,6 @@ import queue
 import signal
 import subprocess
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -219,31 +218,26 @@ class Supervisor:
             self._sink.say(f"received {signal.Signals(self._signal).name}; stopping all {len(running)} running "
                            f"rank(s).")
         signals_before = self._signals_seen
-        local = [r.proc.pid for r in running if not r.launch.remote]
-        trees = proctree.terminate(local)
-        for r in running:
-            if r.launch.remote and r.proc.stdin is not None:
+        remote_pids = {r.proc.pid for r in running if r.launch.remote}
+
+        def close_stdin(proc: subprocess.Popen) -> None:
+            if proc.pid in remote_pids and proc.stdin is not None:
                 with self._stdin_lock:
                     try:
-                        r.proc.stdin.close()  # the remote wrapper sees EOF and terminates the rank
+                        proc.stdin.close()  # the remote wrapper sees EOF and terminates the rank
                     except OSError:
                         pass
-        remote = any(r.launch.remote for r in running)
-        deadline = time.monotonic() + self._grace + (REMOTE_EXTRA_GRACE if remote else 0.0)
-        while self._alive() and time.monotonic() < deadline and self._signals_seen == signals_before:
-            time.sleep(0.05)
-        leftover = self._alive()
-        if leftover:
+
+        def on_kill(_leftover: list[subprocess.Popen]) -> None:
             if self._signals_seen != signals_before:
                 self._sink.say("second signal: killing all ranks now.")
-            for r in leftover:
-                proctree.signal_group(r.proc.pid, signal.SIGKILL)
-            proctree.kill_all([p for pid in local for p in trees[pid]] +
-                              [p for r in leftover for p in [*_process(r.proc.pid), *proctree.descendants(r.proc.pid)]])
+
+        stuck = proctree.stop_and_reap(
+            [r.proc for r in running], self._grace + (REMOTE_EXTRA_GRACE if remote_pids else 0.0),
+            terminate_pids=[r.proc.pid for r in running if not r.launch.remote], close_stdin=close_stdin,
+            interrupted=lambda: self._signals_seen != signals_before, on_kill=on_kill)
         for r in running:
-            try:
-                r.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
+            if r.proc in stuck:
                 self._sink.say(f"rank {r.launch.slot.rank} (pid {r.proc.pid}) did not exit even after SIGKILL.")
 
     def _sweep_leftovers(self) -> None:
@@ -301,13 +295,6 @@ class Supervisor:
         lines.append(f"job failed: rank {rank} on {slot.host} {how}; gpucomm-run exits with {exit_status(code)}.")
         self._sink.say("\n".join(lines))
         return exit_status(code)
-
-
-def _process(pid: int) -> list[psutil.Process]:
-    try:
-        return [psutil.Process(pid)]
-    except psutil.Error:
-        return []
 
 
 __all__ = ["Launch", "Supervisor", "describe_exit", "exit_status"]

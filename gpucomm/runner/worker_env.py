@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from ..bootstrap.launch_env import rendezvous_env
 from ..bootstrap.placement import Placement, placement_env
 
 # Launcher variables a remote host must not inherit from this one: they describe this shell, this
@@ -21,10 +22,7 @@ NOT_FORWARDED_PREFIXES = ("BASH_FUNC_", "XDG_", "SSH_")
 
 def job_env(slot: Placement, *, rendezvous_addr: str, rendezvous_port: int, secret: bytes, run_id: str) -> dict[str, str]:
     """``placement_env`` and where to meet: the store's address, the job secret and the run id."""
-    return placement_env(slot) | {
-        "GPUCOMM_RENDEZVOUS_ADDR": rendezvous_addr, "GPUCOMM_RENDEZVOUS_PORT": str(rendezvous_port),
-        "GPUCOMM_RENDEZVOUS_HOSTED": "1", "GPUCOMM_SECRET": secret.hex(), "GPUCOMM_RUN_ID": run_id,
-        "PYTHONUNBUFFERED": "1"}
+    return placement_env(slot) | rendezvous_env(rendezvous_addr, rendezvous_port, secret, run_id)
 
 
 def forwarded_env(env: Mapping[str, str]) -> dict[str, str]:

@@ -91,7 +91,7 @@ def communicators_on_failure(fail: bool) -> dict:
     r, n = hvd.rank(), hvd.size()
     job = jobs.current()
     backend = recording_backend(r, n)
-    group = job.data.register(Group(77, range(n), r, lambda g: job.gloo, lambda g: backend))
+    group = job.data.register(Group(77, range(n), r, lambda g: job.cpu, lambda g: backend))
     group.nccl()  # created, as the first CUDA collective on the set would
     hvd.allreduce(torch.ones(2), name="before")
     error = ""
@@ -127,7 +127,7 @@ def optimizer_schedules_outlive_garbage_collection() -> dict:
     opt2 = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     group = opt2._schedule.group
     opt2.close()
-    closed = group.nccl_if_created() is None and group._gloo is None
+    closed = group.nccl_if_created() is None and group._cpu is None
     after_close = len(job._schedules)
     opt2_closed_error = ""
     try:
