@@ -47,6 +47,7 @@ from typing import Any, Iterator, Sequence
 import psutil
 
 from tests.harness import Result, run, started
+from tests.steps import selected
 
 SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd", "/sbin/sshd")
 PREFIX = "gcnet"  # every namespace this module creates: gcnet-<pid>-<cluster>-<host>
@@ -76,7 +77,7 @@ def admin(*argv: str, timeout: float = ADMIN_TIMEOUT, check: bool = True) -> sub
 def netns_selected(config: Any) -> bool:
     """Whether this pytest run asked for the namespace tests (``-m netns``, or ``GPUCOMM_TEST_NETNS=1``):
     they start many processes and take minutes, so the main run leaves them to their own CI step."""
-    return "netns" in (config.getoption("markexpr", "") or "") or os.environ.get("GPUCOMM_TEST_NETNS") == "1"
+    return selected(config, "netns")
 
 
 def require_netns(config: Any) -> None:

@@ -50,6 +50,7 @@ from typing import Any, Iterator, Sequence
 import psutil
 
 from tests.harness import Result, free_port, run, started
+from tests.steps import selected
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "sinfo", "squeue", "scontrol", "scancel")
@@ -74,8 +75,7 @@ class SlurmError(RuntimeError):
 def slurm_selected(config: Any) -> bool:
     """Whether this pytest run asked for the Slurm tests (``-m slurm``, or ``GPUCOMM_TEST_SLURM=1``): they
     start daemons as root and real jobs, so the main run leaves them to their own CI step."""
-    expr = config.getoption("markexpr", "") or ""
-    return bool(re.search(r"(?<!not )\bslurm\b", expr)) or os.environ.get("GPUCOMM_TEST_SLURM") == "1"
+    return selected(config, "slurm")
 
 
 def require_slurm(config: Any) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from tests.steps import require_step
 from tests.harness import PYTHON, launcher_cmd, run
 
 PREFIX = "[0]<stdout>:"
@@ -174,6 +175,7 @@ def selected_cases(session: pytest.Session) -> list[str]:
 
 @pytest.fixture(scope="module")
 def bench_runs(request, tmp_path_factory):
+    require_step(request.config, "e2e")
     runs = Runs(tmp_path_factory, selected_cases(request.session))
     yield runs
     runs.close()
@@ -200,6 +202,7 @@ def non_finite_numbers(doc: Any, where: str = "") -> list[str]:
     return []
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case_id", list(CASES))
 def test_benchmark_runs_and_reports(bench_runs, case_id):
     r = bench_runs.get(case_id)

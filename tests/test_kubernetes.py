@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 
+from tests.steps import require_step
 from tests.harness import PYTHON, ROOT, free_port, run, started
 from tests.test_launchers import _torchrun
 
@@ -422,10 +423,12 @@ def check_job(out: str, size: int, local_size: int, launcher: str) -> None:
     assert len({(m[8], m[9], m[10]) for m in ranks}) == 1, f"the ranks disagree on the losses or parameters:\n{out}"
 
 
-def test_torch_runtime_environment_runs_a_two_node_job():
+@pytest.mark.e2e
+def test_torch_runtime_environment_runs_a_two_node_job(request):
     """trainjob-torch.yaml's command (plain ``torchrun script``) in two processes standing for its two pods,
     configured by nothing but the PET_* the torch plugin sets for each node (master address: this host; port:
     a free one; one process per node here, the manifest's 4 being its GPUs)."""
+    require_step(request.config, "e2e")
     job = manifest("trainjob-torch.yaml")
     num_nodes, port = job["spec"]["trainer"]["numNodes"], free_port()
     assert num_nodes == 2
@@ -452,11 +455,13 @@ def open_mpi_mpirun() -> str:
     pytest.skip("Open MPI's mpirun is not installed (apt-get install openmpi-bin; .ci/run does this)")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("operator", ["trainer-mpi-plugin", "mpi-operator"])
-def test_mpi_operator_environment_runs_a_job(operator, tmp_path):
+def test_mpi_operator_environment_runs_a_job(operator, tmp_path, request):
     """The launcher pod's command (launch/kubernetes/mpi-launcher.sh) with the operator's hostfile and
     OMPI_MCA_* variables: one host standing for the pods ("localhost slots=2"), the hostfile in a temporary
     directory instead of /etc/mpi, the test's training script in place of the example."""
+    require_step(request.config, "e2e")
     mpirun = open_mpi_mpirun()
     hostfile = tmp_path / "hostfile"
     hostfile.write_text(openmpi_hostfile(["localhost"], 2))

@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from tests.harness import PYTHON, run
+from tests.steps import selected
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,7 +31,7 @@ EXAMPLE = str(ROOT / "examples" / "ray_elastic_train.py")
 
 def ray_selected(config) -> bool:
     """Whether this run asked for the Ray tests (``-m ray``, or ``GPUCOMM_TEST_RAY=1``)."""
-    return "ray" in (config.getoption("markexpr", "") or "") or os.environ.get("GPUCOMM_TEST_RAY") == "1"
+    return selected(config, "ray")
 
 
 def ray_processes() -> set[int]:

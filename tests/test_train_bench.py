@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from tests.steps import require_step
 from tests.harness import PYTHON, ROOT, launcher_cmd, run
 
 QUICK = ("benchmarks/train.py", "--device", "cpu", "--quick", "--models", "cnn", "--rounds", "4",
@@ -46,7 +47,9 @@ def _baseline(path, rate: float = 100.0) -> dict:
     return record
 
 
-def test_two_ranks_report_throughput_ratio_and_scaling_efficiency(tmp_path):
+@pytest.mark.e2e
+def test_two_ranks_report_throughput_ratio_and_scaling_efficiency(tmp_path, request):
+    require_step(request.config, "e2e")
     base = _baseline(tmp_path / "one.json")
     two = run(launcher_cmd("-np", "2", PYTHON, *QUICK, "--baseline", str(tmp_path / "one.json"), "--json",
                            str(tmp_path / "two.json"), "--plot", str(tmp_path / "two.png")), timeout=180)

@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from ..runner.renamed import renamed
 from ..settings import settings_problems
 
 DEFAULT_TIMEOUT_S = 30.0  # Horovod's create_settings default
@@ -105,12 +106,8 @@ def create_elastic_settings(min_num_proc: int = 1, max_num_proc: int | None = No
     """Horovod's ``ElasticRayExecutor.create_settings`` (0.28.1 signature and defaults, with its
     deprecated ``min_np``/``max_np``). Of Horovod's further settings only ``verbose`` applies on Ray;
     ``cooldown_range`` is refused (a failed slot stays out for the rest of the job)."""
-    if min_np is not None:
-        warnings.warn("min_np is deprecated, use min_num_proc instead", DeprecationWarning, 2)
-        min_num_proc = min_np
-    if max_np is not None:
-        warnings.warn("max_np is deprecated, use max_num_proc instead", DeprecationWarning, 2)
-        max_num_proc = max_np
+    min_num_proc = renamed("min_np", min_np, "min_num_proc", min_num_proc)
+    max_num_proc = renamed("max_np", max_np, "max_num_proc", max_num_proc)
     if kwargs.get("cooldown_range") is not None:
         raise ValueError("gpucomm.ray: cooldown_range is not offered: a worker slot that failed stays out of the job "
                          "for its rest (a node Ray loses leaves discovery by itself, and one that joins later is "

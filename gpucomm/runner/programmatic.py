@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 from ..errors import RunError
 from .cli import build_parser, host_list, run_fixed_job, run_through_mpi
 from .hosts import HostSpecError, assign_slots
+from .renamed import renamed
 from .run_task import MAX_PAYLOAD, dumps, key
 from .supervisor import describe_exit
 
@@ -65,15 +66,9 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
     if network_interface:
         warnings.warn("network_interface is deprecated, use network_interfaces instead", DeprecationWarning, 2)
         network_interfaces = network_interface.split(",")
-    if np is not None:
-        warnings.warn("np is deprecated, use num_proc instead", DeprecationWarning, 2)
-        num_proc = np
-    if min_np is not None:
-        warnings.warn("min_np is deprecated, use min_num_proc instead", DeprecationWarning, 2)
-        min_num_proc = min_np
-    if max_np is not None:
-        warnings.warn("max_np is deprecated, use max_num_proc instead", DeprecationWarning, 2)
-        max_num_proc = max_np
+    num_proc = renamed("np", np, "num_proc", num_proc)
+    min_num_proc = renamed("min_np", min_np, "min_num_proc", min_num_proc)
+    max_num_proc = renamed("max_np", max_np, "max_num_proc", max_num_proc)
     if hosts is not None and hostfile is not None:
         raise ValueError("gpucomm.run: give hosts or hostfile, not both.")
     if use_gloo and use_mpi:
