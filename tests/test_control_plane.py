@@ -17,7 +17,8 @@ import torch
 from tests.ranks import control_scenarios as sc
 from tests.harness import run_rank_scripts, run_ranks
 
-ERROR_BOUND_S = 20.0  # a mismatch or a dead peer is an error within 2 s (benchmarks/control_plane.py); 10x that
+# How fast a mismatch or a dead peer becomes an error is measured by benchmarks/control_plane.py (within 2 s); the
+# tests here assert the error's cause, which a rank that waited out GPUCOMM_TIMEOUT would not be given.
 STALL_ENV = {"GPUCOMM_STALL_CHECK_TIME_SECONDS": "1", "GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS": "3"}
 
 
@@ -49,9 +50,8 @@ def test_mismatch_raises_on_every_rank_naming_ranks_and_values():
     for rank, seen in enumerate(results):
         assert set(seen) == set(expected), seen
         for case, fragment in expected.items():
-            elapsed, kind, message = seen[case]
+            _, kind, message = seen[case]
             assert kind == "CollectiveError", (rank, case, kind)  # a RuntimeError, as Horovod raises
-            assert elapsed < ERROR_BOUND_S, f"rank {rank} waited {elapsed:.2f} s for the {case} error"
             op_kind = {"root": "broadcast", "splits": "alltoall"}.get(case, "allreduce")
             assert f"{op_kind.upper()} '{op_kind}.{case}'" in message, message
             assert fragment in message, (rank, case, message)
@@ -104,8 +104,6 @@ def test_stall_is_reported_then_becomes_an_error_on_every_rank():
         assert "the stall inspector stopped the job after 3 s" in seen["error"], (rank, seen["error"])
         assert "1: [allreduce.forgotten]" in seen["error"]
         assert seen["later"] == seen["error"], "later collectives fail with the same cause"
-        if rank != 1:  # the ranks that waited got the error at the 3 s shutdown time, not at GPUCOMM_TIMEOUT (60 s)
-            assert 2.5 <= seen["elapsed"] < 30.0, (rank, seen["elapsed"])
 
 
 def test_stall_warning_without_shutdown_lets_the_job_finish():
@@ -242,8 +240,6 @@ def test_dead_rank_fails_the_waiting_ranks_fast(size, mode, dying):
             continue
         assert rc == 0, (rank, rc, stderr)
         seen = _report(stdout)
-        assert seen["elapsed"] < ERROR_BOUND_S, f"rank {rank} waited {seen['elapsed']:.1f} s (GPUCOMM_TIMEOUT is 60 s)"
-        assert seen["later_elapsed"] < ERROR_BOUND_S
         if mode == "raise":  # the uncaught exception was reported before the rank went away
             assert f"rank {dying} failed: ValueError: rank {dying} gave up" in seen["error"], seen["error"]
         elif dying == 0:
@@ -258,5 +254,4 @@ def test_rank_that_shuts_down_fails_the_waiting_ranks_fast():
     assert results[1] is None
     for rank in (0,):
         seen = results[rank]
-        assert seen["elapsed"] < ERROR_BOUND_S, (rank, seen)
         assert "rank 1 has shut gpucomm down" in seen["error"], seen["error"]
