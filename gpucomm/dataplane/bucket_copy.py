@@ -73,7 +73,8 @@ class TorchCopy:
     def _views_of(self, tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of ``flat`` shaped like ``tensors``, back to back (checked and built once per buffer and
         set of shapes: a bucket sends its gradients as they are or as flat views, step by step)."""
-        key = (flat.data_ptr(), flat.dtype, flat.numel(), *map(_SHAPE, tensors))
+        # the tensors' dtype too: a cache hit skips the dtype checks and the conversion rule
+        key = (flat.data_ptr(), flat.dtype, flat.numel(), tensors[0].dtype if tensors else None, *map(_SHAPE, tensors))
         if key != self._views_key:
             dtype, total = rules.validate(self.direction, tensors, flat)
             if dtype is None or total == 0:

@@ -242,7 +242,8 @@ def _connect_control(client: RendezvousClient, prefix: str, world: World, secret
     key = f"{prefix}control"
     hosts = tuple(str(rec.get("host")) for rec in records)
     if world.rank == 0:
-        host = "127.0.0.1" if one_host else (interface_address(iface, "GPUCOMM_GLOO_IFACE") if iface else
+        source = "GPUCOMM_GLOO_IFACE / HOROVOD_GLOO_IFACE, or the interface towards the store"
+        host = "127.0.0.1" if one_host else (interface_address(iface, source) if iface else
                                              address_towards(world.rendezvous_addr or "8.8.8.8"))
         listener = ControlListener(secret, host)  # only the address the other ranks are told
         client.set(key, json.dumps({"host": host, "port": listener.port}).encode())
