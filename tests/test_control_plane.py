@@ -113,13 +113,14 @@ def test_stall_warning_without_shutdown_lets_the_job_finish():
                for w in warnings), warnings
     assert all("Set GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS to turn a stall into an error." in w for w in warnings)
     assert results[1]["warnings"] == []
-    assert results[0]["elapsed"] > 2.0  # rank 0 waited for the late rank, then finished
+    assert results[0]["sum"] == results[1]["sum"] == 3.0  # rank 0 waited for the late rank's share, then finished
 
 
 def test_stall_check_disable_logs_nothing():
     results = run_ranks(sc.stall_warning_then_recover, 2, timeout=60,
                         env={"GPUCOMM_STALL_CHECK_TIME_SECONDS": "1", "GPUCOMM_STALL_CHECK_DISABLE": "1"})
-    assert results[0]["warnings"] == [] and results[0]["elapsed"] > 2.0
+    # the same late rank as above, whose wait the previous test sees warned about: here nothing is logged
+    assert results[0]["warnings"] == [] and results[0]["sum"] == 3.0
 
 
 def test_timeout_on_another_rank_names_the_missing_rank():
@@ -227,9 +228,8 @@ def _report(stdout: str) -> dict:
 
 @pytest.mark.parametrize("size, mode, dying", [(2, "exit", 1), (3, "exit", 0), (2, "raise", 1), (2, "raise", 0)])
 def test_dead_rank_fails_the_waiting_ranks_fast(size, mode, dying):
-    t0 = time.monotonic()
+    # a job that waited out GPUCOMM_TIMEOUT would fail with a timeout, not with the dead rank's cause asserted below
     ranks = _run_scripts(size, ["dies_while_others_wait", mode, str(dying)])
-    assert time.monotonic() - t0 < 50, "the job took far too long to end"
     rc, _, stderr = ranks[dying]
     if mode == "exit":
         assert rc == 3, (rc, stderr)

@@ -106,6 +106,8 @@ def test_the_readme_quickstart_is_the_script_the_quickstart_page_runs():
     page = [b.text for b in blocks((DOCS / "quickstart.md").read_text()) if b.marker == "file train.py"]
     assert len(readme) == 1 and len(page) == 1
     assert readme[0] == page[0], "README.md's quickstart must be docs/quickstart.md's train.py (which the test runs)"
+    code = [line for line in readme[0].splitlines() if line.strip()]
+    assert len(code) <= 10, f"the quickstart is a ten-line script; it has {len(code)} lines of code"
     assert "gpucomm-run -np 2 python train.py" in README.read_text()
 
 
@@ -413,3 +415,49 @@ def test_contributing_names_the_tests_of_every_module():
             continue  # a package's __init__ goes with its modules
         uncovered.append(rel)
     assert not uncovered, f"add these modules, with their tests, to CONTRIBUTING.md's index: {uncovered}"
+
+
+# ------------------------------------------------------------------------------------------- the tests
+
+CLOCKS = {"monotonic", "time", "perf_counter", "monotonic_ns", "perf_counter_ns", "time_ns"}
+DURATION_NAMES = {"elapsed", "seconds", "duration", "took", "wall_s", "exited_after"}
+
+
+def duration_asserts(source: str) -> list[int]:
+    """The lines of ``source`` whose ``assert`` orders a measured duration: a difference of clock
+    readings (``time.monotonic() - t0 < 5``) or a value named like one (``res.seconds < 60``). A wait's
+    deadline (``time.monotonic() < deadline``) is not a duration and is allowed."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Assert):
+            continue
+        for cmp in (n for n in ast.walk(node.test) if isinstance(n, ast.Compare)):
+            if not any(isinstance(op, (ast.Lt, ast.LtE, ast.Gt, ast.GtE)) for op in cmp.ops):
+                continue
+            for side in [cmp.left, *cmp.comparators]:
+                names = {n.id for n in ast.walk(side) if isinstance(n, ast.Name)}
+                names |= {n.attr for n in ast.walk(side) if isinstance(n, ast.Attribute)}
+                clock_difference = isinstance(side, ast.BinOp) and isinstance(side.op, ast.Sub) and any(
+                    isinstance(c, ast.Call) and getattr(c.func, "attr", getattr(c.func, "id", "")) in CLOCKS
+                    for c in ast.walk(side))
+                if clock_difference or names & DURATION_NAMES:
+                    found.append(node.lineno)
+    return sorted(set(found))
+
+
+def test_no_test_asserts_on_a_measured_duration():
+    """A 2-core CI machine shared with other jobs makes any bound on a measured time flaky: tests assert
+    causes (which error, which detector, which counter) and leave speed to the benchmarks."""
+    offenders = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        lines = duration_asserts(path.read_text())
+        if lines:
+            offenders[path.relative_to(ROOT).as_posix()] = lines
+    assert not offenders, f"these asserts bound a measured duration; assert the cause instead: {offenders}"
+
+
+def test_the_duration_check_catches_a_bound_on_a_measured_time():
+    source = ("import time\nt0 = time.monotonic()\nassert time.monotonic() - t0 < 5\n"
+              "assert res.seconds < 60, res.seconds\nassert 0.1 < time.perf_counter() - t0\n"
+              "while time.monotonic() < deadline:\n    pass\nassert time.monotonic() < deadline\n")
+    assert duration_asserts(source) == [3, 4, 5]

@@ -1,14 +1,15 @@
 """Network faults in multi-host jobs (issue 37): a link cut in the middle of an allreduce, the
 store host's link cut, a link that is down for 2 s and comes back, and a partition of an elastic job,
 on hosts made of network namespaces (``tests/cluster.py``). Every case must end within ``BOUND``
-seconds of the cut, never hang, name what was lost on every surviving rank, and leave no process
-behind on any host (the cut one included).
+seconds of the cut (the tests' deadline), never hang, name what was lost on every surviving rank, be
+detected by the control plane's liveness check (not by a longer timeout), and leave no process behind
+on any host (the cut one included).
 
 Each test prints one summary line (``pytest -s`` shows it): per rank, the time from the cut to the
 rank's error (``FAULT ...`` of tests/ranks/netfault_job.py, written to ``NETFAULT_OUT`` as well, so
 that a rank whose output cannot reach the launcher still tells it; the hosts share a clock), and what
-detected the fault (``detector``). The goal is 30 s per cut; the tests assert only the generous
-``BOUND``, never a measured duration.
+detected the fault (``detector``). The goal is 30 s per cut; the tests assert what detected each
+fault (``BY_LIVENESS``), never a measured duration.
 
 Who notices a silent host: a host whose link is cut sends nothing, not even a reset, so a blocked
 ``recv`` never ends by itself. gpucomm bounds it three ways: the control plane's heartbeats
@@ -39,7 +40,7 @@ from tests.cluster import Cluster, cluster
 from tests.harness import PYTHON, launcher_cmd
 from tests.test_multihost import NETFAULT, count_lines, elastic_partition_job, hosts_allowed, netns  # noqa: F401 - a fixture
 
-BOUND = 60.0  # s from a cut to every surviving rank's error: asserted (the goal, 30 s, is only reported)
+BOUND = 60.0  # s from a cut that the tests wait for each rank's error (a deadline; the goal, 30 s, is only reported)
 GOAL = 30.0
 
 # what detected a fault, from the error's text (the first match wins)
@@ -56,6 +57,11 @@ DETECTORS = (
 def detector(error: str) -> str:
     """What detected the fault behind ``error`` (see ``DETECTORS``); "unclassified" when nothing matches."""
     return next((name for pattern, name in DETECTORS if re.search(pattern, error)), "unclassified")
+
+
+# the detectors that bound a silent host by design (GPUCOMM_LIVENESS_TIMEOUT, 20 s): an error from any other
+# (Gloo's 60 s timeout, TCP's) means the liveness check missed the fault, whatever the time it took
+BY_LIVENESS = {name for _, name in DETECTORS[:3]}
 
 
 @dataclass
@@ -128,9 +134,8 @@ def _check_survivors(f: Faulted, survivors, names: tuple[str, ...]) -> None:
         assert r in f.ends, f"rank {r} wrote no record within {BOUND:g} s of the cut:\n{f.text[-6000:]}"
         end = f.ends[r]
         assert not end["outcome"].startswith("done"), (r, end)
-        assert f.after(r) <= BOUND, (r, f.after(r), end)
         assert any(name in end["outcome"] for name in names), (r, names, end)
-        assert detector(end["outcome"]) != "unclassified", (r, end)
+        assert detector(end["outcome"]) in BY_LIVENESS, (r, detector(end["outcome"]), end)
 
 
 @netns
@@ -142,7 +147,6 @@ def test_a_link_cut_mid_allreduce_is_named_on_every_surviving_rank(hosts_allowed
     f = fault_job(tmp_path, victim=2)
     assert f.code != 0, f.text[-4000:]
     _check_survivors(f, (0, 1), ("node2", "rank 2"))
-    assert f.exited_after <= BOUND + 30
     assert f.leftovers == [], f.leftovers
     print(f"\nnetfault link cut mid-allreduce (3 hosts x 1 rank, node2 cut): {f.summary(range(3))}; launcher exited "
           f"after {f.exited_after:.1f} s, nothing left on any host after {f.cleared_after:.1f} s (goal {GOAL:g} s)")
@@ -210,10 +214,10 @@ def test_an_elastic_job_re_forms_without_a_partitioned_host(hosts_allowed, tmp_p
     assert re.search(r"blacklisting host node3", text), text[-4000:]
     errors = [(t - cut_at, line) for t, _, line in job.lines if "gpucomm elastic:" in line and "restoring" in line]
     resets = [float(m.group(1)) - cut_at for m in re.finditer(r"reset at ([\d.]+)", text)]
-    assert len(errors) == 2 and all(t <= BOUND and "node3" in line for t, line in errors), errors
-    assert shrunk - cut_at <= BOUND + 30
+    assert len(errors) == 2 and all("node3" in line and detector(line) in BY_LIVENESS for _, line in errors), errors
     assert left == [], left
     blacklisted = job.when(r"blacklisting host node3") - cut_at  # its ssh gave up (ServerAlive*, runner/remote.py)
+    assert blacklisted < shrunk - cut_at, "the job re-formed at 2 workers before node3 was blacklisted"
     told = "; ".join(f"rank {line[1:line.index(']')]}: {t:.1f} s, {detector(line)}" for t, line in errors)
     print(f"\nnetfault elastic partition (3 workers, node3 cut, still discovered): collective failed on the survivors: "
           f"{told}; launcher blacklisted node3 after {blacklisted:.1f} s (its worker's ssh gave up); workers reset "

@@ -66,8 +66,7 @@ def test_failing_rank_stops_the_job_and_its_stubborn_children(tmp_path):
     assert "rank 1 on localhost exited with code 7; stopping the other 3 rank(s)" in r.stderr
     assert "  | something broke on rank 1" in r.stderr
     assert "job failed: rank 1 on localhost exited with code 7 (the first rank to fail)" in r.stderr
-    assert r.leftovers == []
-    assert r.seconds < 100  # about 6 s (a 2 s grace); the ranks would otherwise sleep 600 s
+    assert r.leftovers == []  # within run()'s 120 s: rank 2 ignores SIGTERM, so SIGKILL after the grace ended it
 
 
 def test_rank_killed_by_a_signal_is_reported(tmp_path):

@@ -4,6 +4,7 @@ what never authenticates within its deadline, and keep serving a valid rank thro
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import socket
@@ -20,12 +21,14 @@ from tests.harness import PYTHON, started
 
 SECRET = b"fuzz-test-secret-0123456789abcdef"
 SERVER = f"""
-import sys, time
+import json, sys
 from gpucomm.bootstrap.rendezvous import RendezvousServer
 server = RendezvousServer({SECRET!r}, host="127.0.0.1")
 print(server.port, flush=True)
-sys.stdin.read()  # serve until the test closes our stdin
+for _ in sys.stdin:  # each line the test writes asks for the refusal counts; serve until it closes our stdin
+    print(json.dumps(server.refusal_counts()), flush=True)
 """
+WAIT = FIRST_FRAME_SECONDS + 30  # the longest the test waits for a connection to be closed (a hang guard)
 
 
 def _raise_fd_limit() -> int:
@@ -50,7 +53,14 @@ def _connect(port: int) -> socket.socket:
     return s
 
 
-def _closed(s: socket.socket, timeout: float) -> bool:
+def _refusals(proc: subprocess.Popen) -> dict[str, int]:
+    """The server's refusal counts by cause (RendezvousServer.refusal_counts)."""
+    proc.stdin.write("counts\n")
+    proc.stdin.flush()
+    return json.loads(proc.stdout.readline())
+
+
+def _closed(s: socket.socket, timeout: float = WAIT) -> bool:
     s.settimeout(timeout)
     try:
         return s.recv(64) in (b"", b"\x00\x00\x00\x00DENY")
@@ -74,10 +84,13 @@ def test_attacks_leave_the_store_small_and_serving(store):
     server = psutil.Process(proc.pid)
     rss_before = server.memory_info().rss
     attackers: list[socket.socket] = []
-    # oversized: a header claiming 64 MiB, before any authentication
+    # oversized: a header claiming 64 MiB, before any authentication: refused for its size, not left to its deadline
     oversized = [_connect(port) for _ in range(8)]
     for s in oversized:
         s.sendall(struct.pack(">I", 64 << 20) + b"x" * 100)
+    assert all(_closed(s) for s in oversized), "an oversized unauthenticated frame was not refused"
+    refused = _refusals(proc)
+    assert refused["bad_frame"] == 8 and refused["first_frame_deadline"] == 0, refused
     # garbage and truncated frames, and a slow one (1 byte a second)
     for i in range(50):
         s = _connect(port)
@@ -85,20 +98,29 @@ def test_attacks_leave_the_store_small_and_serving(store):
         attackers.append(s)
     slow = _connect(port)
     slow.sendall(b"\x00")
+    slow_closed = False
     # thousands of idle connections that never send a byte
     idle = [_connect(port) for _ in range(min(2000, fd_limit // 2 - 300))]
     latencies = [_valid_round_trip(port, f"k{i}") for i in range(3)]  # a valid rank during the attack
-    for _ in range(7):
-        slow.sendall(b"\x00")
+    # the slow one keeps trickling a byte a second, so no idle timeout can close it: only the first-frame deadline
+    for _ in range(int(WAIT)):
+        try:
+            slow.sendall(b"\x00")
+        except OSError:  # reset: the server closed it
+            slow_closed = True
+            break
         time.sleep(1.0)
         if _closed(slow, 0.01):
+            slow_closed = True
             break
     rss_during = server.memory_info().rss
-    assert all(_closed(s, 1.0) for s in oversized), "an oversized unauthenticated frame was not refused at once"
-    assert _closed(slow, FIRST_FRAME_SECONDS + 2), "a connection trickling bytes outlived the first-frame deadline"
+    assert slow_closed, "a connection trickling bytes outlived the first-frame deadline"
     newest = idle[-50:]  # the last to connect: closed by their deadline, if not evicted before
-    assert _closed(newest[-1], FIRST_FRAME_SECONDS + 3), "an idle connection outlived the first-frame deadline"
-    assert sum(_closed(s, 1.0) for s in newest) == 50, "idle connections outlived the first-frame deadline"
+    assert sum(_closed(s) for s in newest) == 50, "idle connections outlived the first-frame deadline"
+    refused = _refusals(proc)
+    # every idle connection ended by its deadline or made room for a newer one; none was let in
+    assert refused["first_frame_deadline"] + refused["evicted"] >= len(idle) + 1, refused
+    assert refused["too_many_connections"] == 0 and refused["first_frame_deadline"] >= 51, refused
     latencies.append(_valid_round_trip(port, "after"))
     growth = rss_during - rss_before
     print(f"store RSS before {rss_before / 2**20:.1f} MiB, during the attack {rss_during / 2**20:.1f} MiB; "

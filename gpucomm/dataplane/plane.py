@@ -92,24 +92,9 @@ class DataPlane:
         """``handle``'s request is agreed (``meta``: the coordinator's additions): issue it through
         ``execute`` now, or in its device's order, and settle the handle."""
         if not self.orders_cpu and not cuda_calls.is_gpu(handle.request.device):  # the CPU hot path: no order
-            try:
-                issued = execute(handle.request, meta)
-            except BaseException as e:  # noqa: BLE001 - the error belongs to whoever waits on the handle
-                handle.settle(error=e)
-                return
-            handle.settle(issued=issued)
+            issue_and_settle(handle, meta, execute)
             return
-        order = self.order(handle.request.device)
-
-        def issue() -> None:
-            try:
-                issued = execute(handle.request, meta)
-            except BaseException as e:  # noqa: BLE001 - the error belongs to whoever waits on the handle
-                handle.settle(error=e)
-                return
-            handle.settle(issued=issued)
-
-        order.agreed(handle, issue)
+        self.order(handle.request.device).agreed(handle, lambda: issue_and_settle(handle, meta, execute))
 
     def run_unowned(self, request: Request, meta: dict, execute: Executor, keep: Callable[[Issued], None]) -> None:
         """Issue a request nobody waits on (a joined rank's zeros), in its device's order; ``keep``
@@ -205,6 +190,17 @@ class DataPlane:
             self.events.close()  # a failed job's events may still be waited on by aborted work: left to the process
 
 
+def issue_and_settle(handle: Handle, meta: dict, execute: Executor) -> None:
+    """Issue ``handle``'s agreed request through ``execute`` and settle the handle with what was issued,
+    or with the error, which belongs to whoever waits on the handle (never to the issuing thread)."""
+    try:
+        issued = execute(handle.request, meta)
+    except BaseException as e:  # noqa: BLE001 - the error belongs to whoever waits on the handle
+        handle.settle(error=e)
+        return
+    handle.settle(issued=issued)
+
+
 def _abort_together(groups: list[Group], select_device: Callable[[], None]) -> None:
     """Abort the communicators of ``groups`` in one NCCL group call where NCCL has one (2.22+): one
     by one, aborting the first can wait, in a device synchronisation, behind another one's kernel
@@ -229,4 +225,4 @@ def _abort_together(groups: list[Group], select_device: Callable[[], None]) -> N
                 log.debug("NCCL group abort: %s", e)
 
 
-__all__ = ["DataPlane", "ORDER_ENV"]
+__all__ = ["DataPlane", "ORDER_ENV", "issue_and_settle"]

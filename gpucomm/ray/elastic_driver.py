@@ -34,6 +34,7 @@ from ..bootstrap import rounds
 from ..bootstrap.launch_env import elastic_worker_env
 from ..bootstrap.placement import place
 from ..errors import ElasticJobError
+from ..runner.elastic_loop import ElasticLoop
 from ..runner.round_policy import RAY_ARGUMENTS, ElasticLimits, RoundBook, state_lost
 from .layout import ActorInfo
 from .ray_logger import LogPump
@@ -42,7 +43,6 @@ from .store import DriverStore
 from .worker import BaseGpucommWorker, Removed
 
 DISCOVERY_INTERVAL_S = 1.0
-SETTLE_S = 0.3  # failures this close together form one round (a death is often followed by its echoes)
 REMOVED_GRACE_S = 30.0  # a removed worker that has not returned by itself is stopped after this long
 POLL_S = 0.1
 
@@ -73,7 +73,7 @@ class _Worker:
     stopped_because: str | None = None
 
 
-class ElasticRayDriver:
+class ElasticRayDriver(ElasticLoop):
     """Runs one elastic job to its end: ``run(fn)`` returns the final round's results by rank."""
 
     def __init__(self, discovery: Any, limits: ElasticLimits, store: DriverStore, pump: LogPump, *,
@@ -111,12 +111,7 @@ class ElasticRayDriver:
         """Run ``fn(executable)`` elastically on the workers; their results by final rank."""
         self._fn, self._callbacks = fn, list(callbacks or ())
         try:
-            try:
-                self._hosts = self._discover(first=True)
-                self._form_round("job start")
-                self._watch()
-            except ElasticJobError as e:
-                self._failure = str(e)
+            self._run_rounds()
             if self._failure is not None:
                 self._store.server.put(rounds.fatal_key(self._store.run_id), self._failure.encode())
         except BaseException:
@@ -139,30 +134,10 @@ class ElasticRayDriver:
 
     # ------------------------------------------------------------------ the loop
 
-    def _watch(self) -> None:
-        next_discovery = time.monotonic() + self._interval
-        while True:
-            self._collect(POLL_S)
-            self._pump.poll(self._callbacks)
-            if self._failure is not None:
-                return
-            if time.monotonic() >= next_discovery:
-                next_discovery = time.monotonic() + self._interval
-                self._rediscover()
-            self._read_requests()
-            self._stop_lingering_removed()
-            if self._reform_reasons and not self._finishing:
-                deadline = time.monotonic() + SETTLE_S
-                while time.monotonic() < deadline:
-                    self._collect(0.05)
-                if self._failure is not None:
-                    return
-                if not self._finishing:
-                    why, self._reform_reasons = "; ".join(dict.fromkeys(self._reform_reasons)), []
-                    self._form_round(why)
-            members = [self._workers[w] for w in self._book.members]
-            if members and all(w.ended for w in members):
-                return
+    def _poll(self) -> bool:
+        self._collect(POLL_S)
+        self._pump.poll(self._callbacks)
+        return True
 
     def _collect(self, timeout: float) -> None:
         """Take the ends of the workers whose function returned, raised or died meanwhile."""
@@ -219,39 +194,14 @@ class ElasticRayDriver:
                 self._say(f"stopping worker {w.number} ({w.wid}): training finished before it could join")
                 self._kill(w)
 
-    def _holders(self) -> set[str]:
-        return self._book.holders()
+    def _discovery_failed(self, error: BaseException) -> None:
+        self._tell(f"host discovery failed ({type(error).__name__}: {error}); keeping the last host list")
 
-    def _rediscover(self) -> None:
-        try:
-            hosts = self._discover(first=False)
-        except ElasticJobError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a later discovery failure keeps the last good answer
-            self._tell(f"host discovery failed ({type(e).__name__}: {e}); keeping the last host list")
-            return
-        before = self._slots(self._hosts)
-        self._hosts = hosts
-        self._reform_reasons += self._book.discovery_changes(before, self._slots(hosts), self._available(),
-                                                             self._running)
-
-    def _read_requests(self) -> None:
-        if not self._finishing and self._book.finished_workers():
-            self._finish()
-        for wid, asked in self._book.requests():
-            self._stop_absentees(asked)
-            self._reform_reasons.append(f"worker {wid} asked for a new round after a failed collective")
-
-    def _stop_absentees(self, number: int) -> None:
-        """Members that never arrived in round ``number`` although others did are hung: stopped as
-        failed, so the next round goes on without them."""
-        for wid in self._book.absentees(number, self._running):
-            w = self._workers[wid]
-            if w.removed is None:
-                w.stopped_because = f"never arrived in round {number} (hung or stopped) and was stopped"
-                self._tell(f"worker {w.number} ({wid}) never arrived in round {number} although others did; "
-                           f"stopping it as failed")
-                self._kill(w)
+    def _stop_as_failed(self, workers: Sequence[_Worker], number: int) -> None:
+        for w in workers:
+            self._tell(f"worker {w.number} ({w.wid}) never arrived in round {number} although others did; "
+                       f"stopping it as failed")
+            self._kill(w)
 
     def _stop_lingering_removed(self) -> None:
         now = time.monotonic()
@@ -270,10 +220,6 @@ class ElasticRayDriver:
     def _available(self) -> list[str]:
         return [s for s in self._slots(self._hosts) if s not in self._blacklist]
 
-    def _running(self, wid: str) -> bool:
-        w = self._workers.get(wid)
-        return w is not None and not w.ended
-
     def _form_round(self, why: str) -> None:
         """Choose the members, start the new ones, publish the round, then start their function."""
         self._book.count_reset(why)
@@ -282,7 +228,7 @@ class ElasticRayDriver:
             self._check_state_survives(why)
         while True:
             members = self._wait_for_members(why, previous)
-            new = [wid for wid in members if not self._running(wid)]
+            new = [wid for wid in members if not self._is_running(wid)]
             if self._start(new):
                 break
         if previous and not set(members) & set(self._surviving_holders()):
@@ -338,9 +284,6 @@ class ElasticRayDriver:
             ok = False
         return ok
 
-    def _surviving_holders(self) -> list[str]:
-        return self._book.surviving_holders(lambda wid: self._running(wid) and self._workers[wid].removed is None)
-
     def _check_state_survives(self, why: str) -> None:
         if self._surviving_holders():
             return
@@ -379,7 +322,7 @@ class ElasticRayDriver:
                 self._tell(f"host discovery failed ({type(e).__name__}: {e}); keeping the last host list")
 
         return self._book.wait_for_members(
-            lambda: self._book.choose(self._available(), self._running), too_few=too_few, tick=tick,
+            lambda: self._book.choose(self._available(), self._is_running), too_few=too_few, tick=tick,
             waiting=lambda members: self._tell(self._book.waiting_note(len(members)) + self._no_slots_hint()))
 
     def _no_slots_hint(self) -> str:

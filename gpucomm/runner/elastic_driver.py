@@ -35,6 +35,7 @@ from ..bootstrap import rounds
 from ..bootstrap.placement import Placement, place
 from . import proctree
 from .discovery import DiscoveryError
+from .elastic_loop import ElasticLoop
 from .hosts import HostSlots
 from .output import OutputSink
 from .round_policy import RUN_FLAGS, ElasticLimits, RoundBook, state_lost
@@ -44,7 +45,6 @@ from .supervisor import Launch, describe_exit, exit_status
 from ..errors import ElasticJobError
 
 DISCOVERY_INTERVAL_S = 1.0
-SETTLE_S = 0.3  # events this close together form one round (a death is often followed by its echoes)
 REMOVED_GRACE_S = 60.0  # a removed worker that has not left by itself is stopped after this long
 
 
@@ -64,9 +64,15 @@ class _Worker:
     stopped_because: str | None = None  # the driver stopped it as failed (it hung)
     pumps: list[threading.Thread] = field(default_factory=list)
 
+    @property
+    def ended(self) -> bool:
+        return self.exit_code is not None
 
-class ElasticDriver:
+
+class ElasticDriver(ElasticLoop):
     """Runs an elastic job to its end and returns the launcher's exit status."""
+
+    DISCOVERY_ERRORS = (DiscoveryError,)
 
     def __init__(self, discovery, limits: ElasticLimits, command: list[str], base_env: Mapping[str, str],
                  tunables: Mapping[str, str], server: RendezvousServer, *, rendezvous_addr: StoreAddress,
@@ -107,12 +113,8 @@ class ElasticDriver:
         previous = proctree.install_stop_handlers(self._on_signal)
         try:
             try:
-                self._hosts = self._discover(first=True)
-                self._form_round("job start")
-                self._watch()
-            except ElasticJobError as e:
-                self._failure = str(e)
-                self._server_set(rounds.fatal_key(self._run_id), str(e).encode())
+                if self._run_rounds():
+                    self._server_set(rounds.fatal_key(self._run_id), self._failure.encode())
             except _Stopped:
                 pass  # the report says which signal
         finally:
@@ -128,33 +130,13 @@ class ElasticDriver:
 
     # ------------------------------------------------------------------ the loop
 
-    def _watch(self) -> None:
-        next_discovery = time.monotonic() + self._interval
-        while True:
-            if self._signal is not None:
-                return
-            self._collect_exits(timeout=0.05)
-            if self._failure is not None:
-                return
-            if time.monotonic() >= next_discovery:
-                next_discovery = time.monotonic() + self._interval
-                self._rediscover()
-            self._read_requests()
-            self._stop_lingering_removed()
-            if self._reform_reasons and not self._finishing:
-                deadline = time.monotonic() + SETTLE_S
-                while time.monotonic() < deadline:
-                    self._collect_exits(timeout=0.05)
-                if self._failure is not None:
-                    return
-                if not self._finishing:
-                    why, self._reform_reasons = "; ".join(dict.fromkeys(self._reform_reasons)), []
-                    self._form_round(why)
-            members = [self._workers[w] for w in self._book.members]
-            if members and all(w.exit_code is not None for w in members):
-                return  # every member is done (their codes decide the report)
+    def _poll(self) -> bool:
+        if self._signal is not None:
+            return False
+        self._collect(timeout=0.05)
+        return True
 
-    def _collect_exits(self, timeout: float) -> None:
+    def _collect(self, timeout: float) -> None:
         try:
             w, code = self._events.get(timeout=timeout)
         except queue.Empty:
@@ -177,9 +159,9 @@ class ElasticDriver:
         self._reform_reasons.append(cause)
 
     def _drain_exits(self) -> None:
-        """Take every worker exit already reported (``_collect_exits`` takes one at a time)."""
+        """Take every worker exit already reported (``_collect`` takes one at a time)."""
         while not self._events.empty():
-            self._collect_exits(timeout=0)
+            self._collect(timeout=0)
 
     def _finish(self) -> None:
         """Training has ended on some worker: no more rounds. Workers started for a round that
@@ -195,43 +177,13 @@ class ElasticDriver:
                            f"{', '.join(w.wid for w in stranded)}")
             self._stop(stranded)
 
-    def _holders(self) -> set[str]:
-        return self._book.holders()
+    def _discovery_failed(self, error: BaseException) -> None:
+        self._sink.say(f"host discovery failed ({error}); keeping the last host list")
 
-    def _rediscover(self) -> None:
-        try:
-            hosts = self._discover(first=False)
-        except ElasticJobError:
-            raise
-        except DiscoveryError as e:
-            self._sink.say(f"host discovery failed ({e}); keeping the last host list")
-            return
-        before = self._slots(self._hosts)
-        self._hosts = hosts
-        self._reform_reasons += self._book.discovery_changes(before, self._slots(hosts), self._available(),
-                                                             self._is_running)
-
-    def _read_requests(self) -> None:
-        """Workers whose collective failed without anyone dying ask for a round after theirs; a
-        worker whose training function returned says so (the job is finishing)."""
-        if not self._finishing and self._book.finished_workers():
-            self._finish()
-        for wid, asked in self._book.requests():
-            self._stop_absentees(asked)
-            self._reform_reasons.append(f"worker {wid} asked for a new round after a failed collective")
-
-    def _stop_absentees(self, number: int) -> None:
-        """A worker gave up on round ``number``: members that never arrived in it although others
-        did are hung (stopped, or stuck before init), not slow starters. They are stopped, and their
-        exit blacklists their host like any failure, so the next round goes on without them."""
-        absent = [self._workers[wid] for wid in self._book.absentees(number, self._is_running)
-                  if self._workers[wid].removed is None]
-        if absent:
-            for w in absent:
-                w.stopped_because = f"never arrived in round {number} (hung or stopped) and was stopped"
-            self._sink.say(f"worker(s) {', '.join(w.wid for w in absent)} never arrived in round {number} although "
-                           f"the others did; stopping them as failed")
-            self._stop(absent)
+    def _stop_as_failed(self, workers, number: int) -> None:
+        self._sink.say(f"worker(s) {', '.join(w.wid for w in workers)} never arrived in round {number} although "
+                       f"the others did; stopping them as failed")
+        self._stop(list(workers))
 
     # ------------------------------------------------------------------ rounds
 
@@ -261,9 +213,6 @@ class ElasticDriver:
         removed = [(wid, w.removed) for wid, w in self._workers.items() if w.removed is not None]
         number = self._book.publish(members, placements, removed, previous)
         self._say(f"round {number}: {len(members)} worker(s) [{', '.join(members)}] ({why})")
-
-    def _surviving_holders(self) -> list[str]:
-        return self._book.surviving_holders(lambda wid: self._is_running(wid) and self._workers[wid].removed is None)
 
     def _check_state_survives(self, why: str) -> None:
         """A re-formed job continues from a worker of the last round that holds the trained state; when
@@ -298,7 +247,7 @@ class ElasticDriver:
                 + "Add hosts through the discovery script or lower --min-np.")
 
         def tick() -> None:
-            self._collect_exits(timeout=0.05)
+            self._collect(timeout=0.05)
             if self._signal is not None:
                 raise _Stopped()
             if previous:
@@ -321,10 +270,6 @@ class ElasticDriver:
         if wid not in self._slots(self._hosts):
             return "the host discovery script no longer lists this slot"
         return f"the job already has --max-np {self._limits.max_np} workers"
-
-    def _is_running(self, wid: str) -> bool:
-        w = self._workers.get(wid)
-        return w is not None and w.exit_code is None
 
     def _discover(self, *, first: bool) -> list[HostSlots]:
         try:

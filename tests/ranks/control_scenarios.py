@@ -216,14 +216,12 @@ def stall_warning_then_recover() -> dict[str, Any]:
     hvd.barrier()
     if r == 1:
         time.sleep(2.5)
-    t0 = time.monotonic()
     got = hvd.allreduce(torch.full((2,), float(r + 1)), op=hvd.Sum, name="forgotten")
-    elapsed = time.monotonic() - t0
     assert got.tolist() == [n * (n + 1) / 2] * 2
     _sum_check("after")
     warnings = [rec.getMessage() for rec in logs.records if rec.levelno == logging.WARNING]
     hvd.shutdown()
-    return {"elapsed": elapsed, "warnings": warnings}
+    return {"sum": got[0].item(), "warnings": warnings}
 
 
 def stall_timeout_names_missing_rank() -> str | None:
