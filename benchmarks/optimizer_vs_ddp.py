@@ -52,6 +52,12 @@ In the single-GPU test mode (``GPUCOMM_SINGLE_GPU_TEST=1``: ranks share one GPU 
 loopback sockets) the run sets ``NCCL_SOCKET_NTHREADS`` and ``NCCL_NSOCKS_PERTHREAD`` (unless already set;
 values and source in benchmarks/anchors.py) before NCCL starts, and prints the values used.
 
+``--zero-grad`` sets how every variant clears its gradients (``ZERO_GRAD_MODES``): torch's default frees them,
+so each step's gradients are new tensors (gpucomm packs them into its buckets, DDP-best copies each into its bucket
+view); ``keep-views`` lets gpucomm zero them in its buckets instead (``GPUCOMM_ZERO_GRAD_KEEPS_VIEWS``), and
+``in-place`` has every variant zero them where they are. The counters in the JSON (``grad_bucket_packs``,
+``grad_bucket_views``) show which path gpucomm's buckets took.
+
 ``--quick`` is a smoke run (batch 8, 1 warm-up step, 4 rounds of 2 steps). Counts out of range, or
 ``--cuda`` without a GPU, end the run with one line on stderr and status 2.
 """
@@ -85,6 +91,12 @@ FULL = (32, 12, 8, 5)
 QUICK = (8, 4, 2, 1)
 TRANSPORTS = ("gloo", "mpi")
 CHOICE_VAR = "GPUCOMM_CPU_OPERATIONS"
+KEEP_VIEWS_VAR = "GPUCOMM_ZERO_GRAD_KEEPS_VIEWS"
+ZERO_GRAD_MODES = {  # --zero-grad: how every variant clears its gradients before backward
+    "free": "zero_grad(): torch's default set_to_none=True frees the gradients",
+    "keep-views": f"zero_grad() with {KEEP_VIEWS_VAR}=1: gpucomm zeroes the gradients in its buckets",
+    "in-place": "zero_grad(set_to_none=False) for every variant: DDP-best keeps its bucket views too",
+}
 Samples = list[tuple[float, float]]  # (wall s, CPU s) per step
 
 
@@ -107,11 +119,19 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--one-rank-reducer", choices=["on", "off"], default="on",
                     help="at 1 rank, run gpucomm's reducer at size 1 as DDP does (on, the default: "
                          f"{anchors.REDUCER_VAR}=1), or time its no-op optimizer (off)")
+    ap.add_argument("--zero-grad", choices=ZERO_GRAD_MODES, default="free",
+                    help="how every variant clears its gradients: free (zero_grad(), torch's default), keep-views "
+                         "(the same call, with GPUCOMM_ZERO_GRAD_KEEPS_VIEWS=1: gpucomm zeroes the gradients in its "
+                         "buckets instead of freeing them), in-place (zero_grad(set_to_none=False) for every "
+                         "variant, DDP too)")
     ap.add_argument("--floor", action="store_true", help=argparse.SUPPRESS)  # the floor is always timed now
     ap.add_argument("--json", default="optimizer_vs_ddp.json")
     args = ap.parse_args()
     if args.fusion == "torch":
         os.environ["GPUCOMM_FUSION_KERNELS"] = "0"
+    if args.zero_grad == "keep-views":
+        os.environ[KEEP_VIEWS_VAR] = "1"
+    Variant.set_to_none = args.zero_grad != "in-place"
     for key, value in zip(("batch_size", "rounds", "steps_per_round", "warmup"), QUICK if args.quick else FULL):
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -156,6 +176,8 @@ class Variant:
     """One model copy with its optimizer; ``prepare`` readies it for a block (True: it needs warm-up
     steps first), ``step`` trains one batch, ``after`` sees the counters around its timed steps."""
 
+    set_to_none = True  # every variant's zero_grad (``--zero-grad``)
+
     def __init__(self, name: str, model: torch.nn.Module, opt: torch.optim.Optimizer | None) -> None:
         self.name, self.model, self.opt = name, model, opt
 
@@ -163,7 +185,7 @@ class Variant:
         return False
 
     def step(self, data: torch.Tensor, target: torch.Tensor) -> None:
-        self.opt.zero_grad()
+        self.opt.zero_grad(set_to_none=self.set_to_none)
         F.cross_entropy(self.model(data), target).backward()
         self.opt.step()
 
@@ -386,6 +408,7 @@ def report(args: argparse.Namespace, params: int, device: torch.device, res: dic
           f"ranks on {'GPU' if args.cuda else 'CPU'}; {args.rounds} interleaved rounds of {args.steps_per_round} steps "
           f"after {args.warmup} warm-up step{'' if args.warmup == 1 else 's'} per variant; order of round 1: "
           f"{', '.join(orders[0])}")
+    print(f"zero_grad: {args.zero_grad} ({ZERO_GRAD_MODES[args.zero_grad]})")
     print("DDP: " + "; ".join(f"{k} " + ", ".join(f"{a}={b}" for a, b in anchor_steps.ddp_keywords(k).items())
                               for k in DDP_KINDS))
     print(anchors.socket_text(sockets))
@@ -402,7 +425,8 @@ def report(args: argparse.Namespace, params: int, device: torch.device, res: dic
             print(line)
     doc = {"benchmark": "optimizer_vs_ddp", "model": args.model, "parameters": params, "ranks": hvd.size(),
            "device": "cuda" if args.cuda else "cpu", "batch_size": args.batch_size, "rounds": args.rounds,
-           "steps_per_round": args.steps_per_round, "warmup": args.warmup, **res, "labels": labels,
+           "steps_per_round": args.steps_per_round, "warmup": args.warmup, "zero_grad": args.zero_grad, **res,
+           "labels": labels,
            "round_orders": orders, "balanced": balance is None,
            "ddp_options": {k: anchor_steps.ddp_keywords(k) for k in DDP_KINDS}, "nccl_sockets": sockets,
            "one_rank_reducer": reducer, "gpucomm_counters": {v.name: v.counts for v in gp},

@@ -153,18 +153,21 @@ def plan(out: Path, gpus: int, quick: bool) -> list[Step]:
         """ResNet-50 beside DDP at its defaults and its best and the no-comm floor: at 2 ranks with
         ``fusion`` "kernels" (gradients living in their buckets, the default), "packed" (every bucket
         packed and unpacked by the kernels every step: ``GPUCOMM_GRADIENT_VIEWS=0``, the default chosen
-        against) or "fallback" (torch ops, forced); at 1 rank with the reducer on."""
+        against) or "fallback" (torch ops, forced); at 1 rank with the reducer on, and again with
+        ``fusion`` "keep-views" (``--zero-grad keep-views``: zero_grad() zeroes the gradients in their
+        buckets instead of freeing them, so no bucket packs: the candidate default on a GPU)."""
         counts = ["--quick"] if quick else ["--warmup", "3", "--rounds", "8", "--steps-per-round", "5"]
-        tag = fusion if n > 1 else "reducer-on"
+        tag = fusion if n > 1 or fusion == "keep-views" else "reducer-on"
         path = raw / f"resnet50_{n}_{tag}.json"
         argv = launcher(n, gpus) + [PY, "benchmarks/optimizer_vs_ddp.py", "--cuda", "--model", "resnet50",
                                     "--fusion", "torch" if fusion == "fallback" else "kernels", *counts,
                                     "--json", str(path)]
         argv += ["--one-rank-reducer", "on"] if n == 1 else []
+        argv += ["--zero-grad", "keep-views"] if fusion == "keep-views" else []
         # explicit: a caller's setting must not leak in
         env = {KERNELS_ENV: "0" if fusion == "fallback" else "1", VIEWS_ENV: "0" if fusion == "packed" else "1",
                **socket_env(n, gpus)}
-        name = f"resnet50 {n} ranks {fusion}" if n > 1 else "resnet50 1 rank reducer-on"
+        name = f"resnet50 {n} ranks {fusion}" if n > 1 else f"resnet50 1 rank {tag}"
         return Step(name, argv, limit, path, env)
 
     def train(n: int, limit: float) -> Step:
@@ -188,6 +191,7 @@ def plan(out: Path, gpus: int, quick: bool) -> list[Step]:
         resnet50(2, "kernels", 60),
         resnet50(2, "packed", 60),
         resnet50(1, "kernels", 50),
+        resnet50(1, "keep-views", 50),
         Step("finite check 2 ranks", launcher(2, gpus) + [
             PY, "benchmarks/finite_check.py", "--cuda", "--model", "resnet50", "--mode", "auto",
             *(["--quick"] if quick else ["--rounds", "6", "--steps-per-round", "4", "--warmup", "2"]),
@@ -587,7 +591,7 @@ def resnet50_figures(step: Step) -> dict[str, Any] | None:
             "compiled_kernels": len(compiled) if isinstance(compiled, list) else None,
             "kernel_launch": fusion.get("launch"), "kernel_fallbacks": fallbacks,
             "fallback_reason": fusion.get("reason") or "", "path_verified": ok,
-            "gradient_path": gradient_path(d),
+            "gradient_path": gradient_path(d), "zero_grad": d.get("zero_grad"),
             "reducer_verified": reducer.get("verified") if reducer.get("asked") else None}
 
 
@@ -759,6 +763,12 @@ def reducer_text(record: dict[str, Any] | None) -> str | None:
     return f"one-rank reducer: asked ({record.get('variable')}), {ran}"
 
 
+def zero_grad_text(figures: dict[str, Any]) -> str:
+    """How the run's variants cleared their gradients, when not torch's default ("" then)."""
+    mode = figures.get("zero_grad")
+    return "" if mode in (None, "free") else f"zero_grad: {mode} (benchmarks/optimizer_vs_ddp.py --zero-grad)"
+
+
 def summarize_resnet50(step: Step) -> list[str]:
     """Each variant's wall and CPU ms per step, gpucomm's ratios to both DDP anchors, the time added over
     the floor, and what the run proves about its own path (fusion at 2 ranks, the reducer at 1)."""
@@ -771,7 +781,8 @@ def summarize_resnet50(step: Step) -> list[str]:
              f"{fmt_pair(ours.get('vs_ddp_best_quartiles'), '.3f')}), / ddp-default "
              f"{fmt(ours.get('vs_ddp_default'), '.3f')} (round quartiles "
              f"{fmt_pair(ours.get('vs_ddp_default_quartiles'), '.3f')})", added_line(f["added_over_floor"])]
-    lines += [t for t in (sockets_text(f["nccl_sockets"]), reducer_text(f["one_rank_reducer"])) if t]
+    lines += [t for t in (sockets_text(f["nccl_sockets"]), reducer_text(f["one_rank_reducer"]), zero_grad_text(f))
+              if t]
     if f["fusion_asked"] is not None:
         lines.append(f"fusion path {f['fusion_path'] or 'n/a'} ({fmt(f['compiled_kernels'])} kernels compiled, "
                      f"kernel_fallbacks {fmt(f['kernel_fallbacks'])}): "
@@ -1118,6 +1129,7 @@ def _run_notes(r: dict[str, Any]) -> list[str]:
                      + f"; path that ran: {r['fusion_path'] or 'n/a'}, kernels compiled {fmt(r['compiled_kernels'])}, "
                        f"kernel_fallbacks {fmt(r['kernel_fallbacks'])}; "
                        f"as asked: {'yes' if r['path_verified'] else 'NO'}")
+    notes += [t for t in (zero_grad_text(r),) if t]
     per_step = (r.get("gradient_path") or {}).get("per_step")
     if per_step:
         notes.append("gpucomm per timed step: " + ", ".join(f"{k} {fmt(v, '.2f')}" for k, v in per_step.items()))

@@ -264,6 +264,10 @@ FUSION_KERNELS = flag("GPUCOMM_FUSION_KERNELS", default="on",
 GRADIENT_VIEWS = flag("GPUCOMM_GRADIENT_VIEWS", default="on",
                       help="Let gradients live in their buckets as views (off: pack and unpack every GPU bucket "
                            "every step).")
+ZERO_GRAD_KEEPS_VIEWS = flag("GPUCOMM_ZERO_GRAD_KEEPS_VIEWS", default="off",
+                             help="Let zero_grad(set_to_none=True) zero the gradients that live in their buckets "
+                                  "instead of freeing them: backward then accumulates into the buckets and no "
+                                  "bucket packs (on a GPU: no copy kernel and no table per bucket and step).")
 ONE_RANK_REDUCER = flag("GPUCOMM_ONE_RANK_REDUCER", default="off",
                         help="Run DistributedOptimizer's full schedule in a one-rank job too, to measure the "
                              "reducer's own cost.")
@@ -363,7 +367,7 @@ __all__ = ["DEFAULT_LIVENESS_S", "DEFAULT_TIMEOUT_S", "MAX_SECONDS", "MAX_SPIN_U
            "flag", "integer", "number", "seconds", "settings_problems", "text", "START_TIMEOUT", "TIMEOUT",
            "CYCLE_TIME_MS", "CACHE_CAPACITY", "STALL_CHECK_SECONDS", "STALL_SHUTDOWN_SECONDS", "STALL_CHECK_DISABLE",
            "INLINE_BYTES", "LIVENESS_TIMEOUT", "SPIN_US", "DEADLOCK_CHECK", "STORE_MAX_BYTES", "FUSION_THRESHOLD",
-           "FUSION_FIRST_BUCKET", "FUSION_BY_READINESS", "FUSION_KERNELS", "GRADIENT_VIEWS", "ONE_RANK_REDUCER",
+           "FUSION_FIRST_BUCKET", "FUSION_BY_READINESS", "FUSION_KERNELS", "GRADIENT_VIEWS", "ZERO_GRAD_KEEPS_VIEWS", "ONE_RANK_REDUCER",
            "CHECK_FINITE", "AUTOTUNE", "AUTOTUNE_LOG", "AUTOTUNE_WARMUP_SAMPLES", "AUTOTUNE_STEPS_PER_SAMPLE",
            "TIMELINE", "TIMELINE_MARK_CYCLES", "LOG_LEVEL", "LOG_TIMESTAMP", "CPU_AFFINITY", "SINGLE_GPU_TEST", "GLOO_IFACE",
            "CPU_OPERATIONS", "ISSUE_ORDER", "KERNEL_LAUNCH", "NUMBA_COMPAT", "DYNAMIC_PROCESS_SETS",

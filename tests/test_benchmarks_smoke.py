@@ -74,7 +74,7 @@ CASES = {c.id: c for c in [
                                 "--json", "{out}/optimizer_vs_ddp.json"),
          "optimizer_vs_ddp.json", "ratio gpucomm / ddp-best: ", 2),
     Case("optimizer_vs_ddp-1", ("benchmarks/optimizer_vs_ddp.py", "--quick", "--model", "cnn", "--floor",
-                                "--json", "{out}/optimizer_vs_ddp.json"),
+                                "--zero-grad", "keep-views", "--json", "{out}/optimizer_vs_ddp.json"),
          "optimizer_vs_ddp.json", "ratio gpucomm-reducer-", 1),
     Case("autotune", ("benchmarks/autotune.py", "--quick", "--model", "cnn", "--json", "{out}/autotune.json"),
          "autotune.json", "autotune vs best fixed cap", 2),
@@ -381,6 +381,10 @@ def check_optimizer_vs_ddp(r: Run, doc: dict) -> None:
     if n > 1:  # its gradients went through Gloo (the counters prove which transport carried them)
         assert counts["gloo_collectives"] > 0 and doc["transport_collectives"]["gpucomm"]["gloo"] > 0
     lines = r.rank0()
+    zero_grad = "keep-views" if n == 1 else "free"  # the one-rank run keeps the views (--zero-grad keep-views)
+    assert doc["zero_grad"] == zero_grad and f"zero_grad: {zero_grad} (" in "\n".join(lines), doc["zero_grad"]
+    if n == 1:  # zero_grad() zeroed the gradients in their buckets: no timed step packed one
+        assert counts["grad_bucket_packs"] == 0 and counts["grad_bucket_views"] > 0, counts
     _reducer_checked(doc, lines, n)
     assert doc["nccl_sockets"]["single_gpu_test"] is False
     assert "NCCL socket settings: untouched (ranks do not share a GPU, or no NCCL)" in lines

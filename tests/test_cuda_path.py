@@ -64,15 +64,19 @@ def test_a_synchronous_op_runs_on_the_callers_stream_with_no_event_round_trip():
         assert asynchronous["cuda_event_records"] == 40 and asynchronous["cuda_stream_waits"] == 40, asynchronous
 
 
-@pytest.mark.parametrize("views,set_to_none", [("1", True), ("1", False), ("0", True)])
-def test_a_training_step_on_the_cuda_path(views, set_to_none):
+@pytest.mark.parametrize("views,set_to_none,keep", [("1", True, "0"), ("1", False, "0"), ("0", True, "0"),
+                                                    ("1", True, "1")])
+def test_a_training_step_on_the_cuda_path(views, set_to_none, keep):
     """Gradients end up living in the buckets: nothing is ever unpacked; with
     ``zero_grad(set_to_none=False)`` they are zeroed in place and nothing is packed either; with the
-    default each bucket packs the fresh gradients once. Every step makes one ready event per bucket
-    and one done event, one comm-stream wait per bucket and one wait of the caller's stream. With
+    default each bucket packs the fresh gradients once, unless GPUCOMM_ZERO_GRAD_KEEPS_VIEWS=1 makes
+    the default zero them in place too. Every step makes one ready event per bucket and one done
+    event, one comm-stream wait per bucket and one wait of the caller's stream. With
     GPUCOMM_GRADIENT_VIEWS=0 every step packs and unpacks each bucket once (the fusion kernels on a
     GPU) and completes the same way."""
-    for rank, seen in enumerate(run_ranks(sc.training_steps, 2, args=(6, views, set_to_none), env=SMALL_BUCKETS)):
+    env = {**SMALL_BUCKETS, "GPUCOMM_ZERO_GRAD_KEEPS_VIEWS": keep}
+    in_place = views == "1" and (not set_to_none or keep == "1")
+    for rank, seen in enumerate(run_ranks(sc.training_steps, 2, args=(6, views, set_to_none), env=env)):
         buckets = seen["buckets"]
         assert buckets > 1 and seen["diff"] <= 1e-5, (rank, seen)
         assert seen["kinds"] == (["ViewBucket"] if views == "1" else ["FusedBucket"]), seen["kinds"]
@@ -81,7 +85,7 @@ def test_a_training_step_on_the_cuda_path(views, set_to_none):
             assert step["cuda_event_records"] == buckets + 1, (rank, step)
             assert step["cuda_stream_waits"] == buckets + 1, (rank, step)
             assert step["cuda_events_created"] == 0, (rank, step)
-            if views == "1" and not set_to_none:
+            if in_place:
                 assert step["grad_bucket_views"] == buckets, (rank, step)
                 assert step["grad_bucket_packs"] == 0 and step["grad_bucket_unpacks"] == 0, (rank, step)
             elif views == "1":
@@ -93,7 +97,7 @@ def test_a_training_step_on_the_cuda_path(views, set_to_none):
         assert seen["watched_after_backward"] >= 1, seen  # the watchdog sees the step before step() waits
         assert seen["hooks"] > 0 and seen["hook_calls"] <= MAX_CALLS_PER_HOOK, seen
         assert seen["launches"] == buckets, seen
-        if views == "1" and not set_to_none:  # a packing launch adds its copy's (one kernel on a GPU; torch ops here)
+        if in_place:  # a packing launch adds its copy's (one kernel on a GPU; torch ops here)
             assert seen["launch_calls"] <= MAX_CALLS_PER_BUCKET_LAUNCH, seen
 
 

@@ -41,7 +41,8 @@ def _load(script: str):
 
 
 PLAN = ["gpu tests", "pack_bw", "collectives 1 rank(s)", "resnet50 2 ranks kernels", "resnet50 2 ranks packed",
-        "resnet50 1 rank reducer-on", "finite check 2 ranks", "collectives 2 rank(s)", "train 1 rank", "train 2 ranks", "collectives 4 rank(s)"]
+        "resnet50 1 rank reducer-on", "resnet50 1 rank keep-views", "finite check 2 ranks", "collectives 2 rank(s)",
+        "train 1 rank", "train 2 ranks", "collectives 4 rank(s)"]
 SOCKETS = {"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}
 VARIANTS = ("gpucomm", "ddp-default", "ddp-best", "no-comm")
 
@@ -103,6 +104,10 @@ def test_the_resnet50_pair_differs_only_in_where_gradients_live(tmp_path, monkey
     assert one.env == {"GPUCOMM_FUSION_KERNELS": "1", "GPUCOMM_GRADIENT_VIEWS": "1"}
     assert one.argv[one.argv.index("-np") + 1] == "1"
     assert one.argv[one.argv.index("--one-rank-reducer") + 1] == "on" and "--single-gpu-test" not in one.argv
+    keep = by_name["resnet50 1 rank keep-views"]  # the same run, with zero_grad() keeping the bucket views
+    assert keep.env == one.env and keep.argv[keep.argv.index("--zero-grad") + 1] == "keep-views"
+    assert [a for a in keep.argv if a not in (str(keep.json_path), "--zero-grad", "keep-views")] == \
+        [a for a in one.argv if a != str(one.json_path)]
     for step in (views, packed):
         argv = step.argv
         assert argv[argv.index("-np") + 1] == "2" and argv[argv.index("--model") + 1] == "resnet50"
@@ -444,6 +449,9 @@ def summarized(cpu_runs, sample_pytest, tmp_path_factory):
                                                      step_s={**STEP_S, "gpucomm": 0.150}),
         "resnet50_1_reducer-on.json": cuda_optimizer_run(cpu_runs["optimizer"], None, compiled=["pack_f32_f32"],
                                                          step_s={**STEP_S, "gpucomm": 0.090}, ranks=1),
+        "resnet50_1_keep-views.json": {**cuda_optimizer_run(cpu_runs["optimizer"], None, compiled=["pack_f32_f32"],
+                                                            step_s={**STEP_S, "gpucomm": 0.088}, ranks=1),
+                                       "zero_grad": "keep-views"},
         "pack_bw.json": pack_run(2000.0),
         "train_1.json": train_run(1),
         "finite_check_2.json": {"model": "resnet50", "device": "cuda:0", "ranks": 2, "batch_per_rank": 32,
@@ -504,7 +512,7 @@ def test_collectives_figures_put_gpucomm_beside_nccl_and_torch(summarized):
 
 def test_resnet50_rows_prove_which_fusion_path_ran(summarized):
     _, doc, md, _ = summarized
-    kernels, packed, one = doc["figures"]["resnet50"]
+    kernels, packed, one, keep = doc["figures"]["resnet50"]
     assert (kernels["fusion_asked"], kernels["fusion_path"], kernels["compiled_kernels"]) == ("kernels", "kernels", 2)
     assert (packed["fusion_asked"], packed["fusion_path"], packed["compiled_kernels"]) == ("packed", "kernels", 2)
     assert kernels["path_verified"] and packed["path_verified"] and kernels["kernel_fallbacks"] == 0
@@ -519,7 +527,7 @@ def test_resnet50_rows_prove_which_fusion_path_ran(summarized):
 
 def test_resnet50_figures_stand_beside_both_ddp_anchors_and_the_floor(summarized):
     _, doc, md, _ = summarized
-    kernels, _, one = doc["figures"]["resnet50"]
+    kernels, _, one, keep = doc["figures"]["resnet50"]
     assert list(kernels["variants"]) == list(VARIANTS)
     g = kernels["variants"]["gpucomm"]
     assert (g["wall_ms"], g["cpu_ms"]) == (pytest.approx(125.0), pytest.approx(62.5))
@@ -546,6 +554,10 @@ def test_resnet50_figures_stand_beside_both_ddp_anchors_and_the_floor(summarized
     assert lines[1] == "CPU ms/step: gpucomm-reducer-on 45.0 | ddp-default 55.0 | ddp-best 50.0 | no-comm 40.0"
     assert "one-rank reducer: asked (GPUCOMM_ONE_RANK_REDUCER=1), ran (gpucomm's counters moved)" in lines
     assert not any(line.startswith(("fusion path", "NCCL sockets")) for line in lines)
+    # the same run with zero_grad() keeping the bucket views: said so, beside the counters that prove it
+    assert (keep["run"], keep["zero_grad"], one["zero_grad"]) == ("resnet50 1 rank keep-views", "keep-views", "free")
+    assert "zero_grad: keep-views (benchmarks/optimizer_vs_ddp.py --zero-grad)" in steps[keep["run"]]["figures"]
+    assert not any(line.startswith("zero_grad") for line in lines)
     two = steps["resnet50 2 ranks kernels"]["figures"]
     assert two[2] == ("gpucomm / ddp-best 1.250 (round quartiles 1.250-1.250), / ddp-default 1.136 "
                       "(round quartiles 1.136-1.136)")

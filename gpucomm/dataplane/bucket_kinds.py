@@ -16,7 +16,9 @@ two-phase buckets and ZeRO's reduce-scattered ones subclass ``Bucket``):
   on a GPU (a gradient replaced or set to None by other code, e.g. ``model.zero_grad()``, is
   packed the same way). Measured on CPU (2 ranks, a 9.4 M-parameter MLP), freeing and packing
   once costs less than zeroing and accumulating in place, which reads and writes the buffer once
-  more: 1.03x against 1.09x DDP at its best's step. The kind for float gradients sent
+  more: 1.03x against 1.09x DDP at its best's step. ``GPUCOMM_ZERO_GRAD_KEEPS_VIEWS=1`` makes the
+  default zero them in place too (``BucketSettings.keep_views``): on a GPU that leaves no pack at
+  all (no kernel, no table), the candidate default there, not yet measured. The kind for float gradients sent
   uncompressed; with the finite check the buffer is read once more for it and summed (NCCL's AVG
   would divide the slots), after one scaling pass.
 - ``FusedBucket``: one pack into the fusion buffer at launch and one unpack after (the Numba
@@ -40,7 +42,7 @@ import torch
 from ..counters import COUNTERS
 from ..kernels.rules import CASTS
 from ..reduce_op import ReduceOp
-from ..settings import GRADIENT_VIEWS
+from ..settings import GRADIENT_VIEWS, ZERO_GRAD_KEEPS_VIEWS
 from . import cuda_calls, fusion
 from .bucket_copy import BucketCopy
 from .buffers import FusionBuffers
@@ -50,7 +52,7 @@ from .handles import Handle
 from .requests import Request
 
 __all__ = ["Bucket", "BucketSettings", "CompressedBucket", "FusedBucket", "VIEWS_ENV", "ViewBucket", "bucket_kind",
-           "fused_wire", "standard_bucket", "standard_buckets", "sub_plan", "views_wanted"]
+           "fused_wire", "keep_views_wanted", "standard_bucket", "standard_buckets", "sub_plan", "views_wanted"]
 
 VIEWS_ENV = "GPUCOMM_GRADIENT_VIEWS"  # "0": gradients are packed into and unpacked out of the buckets every step
 
@@ -60,6 +62,12 @@ WireOf = Callable[[torch.dtype], "torch.dtype | None"]  # a gradient dtype -> th
 def views_wanted(environ: Any = None) -> bool:
     """Whether float gradients sent uncompressed live in their buckets (default), per ``GPUCOMM_GRADIENT_VIEWS``."""
     return GRADIENT_VIEWS.read(environ, True)
+
+
+def keep_views_wanted(environ: Any = None) -> bool:
+    """Whether ``zero_grad(set_to_none=True)`` keeps bound views, zeroed, per ``GPUCOMM_ZERO_GRAD_KEEPS_VIEWS``
+    (default off: measured on CPU, freeing and packing once cost less than zeroing and accumulating in place)."""
+    return ZERO_GRAD_KEEPS_VIEWS.read(environ, False)
 
 
 def fused_wire(dtype: torch.dtype, wire: torch.dtype | None) -> torch.dtype | None:
@@ -87,6 +95,7 @@ class BucketSettings:
     predivide: float = 1.0
     wire_of: WireOf = lambda dtype: dtype
     views: bool = True  # float gradients sent uncompressed live in their buckets (``GPUCOMM_GRADIENT_VIEWS``)
+    keep_views: bool = False  # zero_grad(set_to_none=True) zeroes bound views too (``GPUCOMM_ZERO_GRAD_KEEPS_VIEWS``)
     buffers: FusionBuffers = field(default_factory=FusionBuffers)
     strides: dict = field(default_factory=dict)  # parameter -> the strides its gradient travels in
     tracer: Any = None
@@ -334,7 +343,9 @@ class ViewBucket(Bucket):
         self.bound = True
 
     def zero_views(self, set_to_none: bool) -> list[torch.Tensor]:
-        if set_to_none or not self.settings.views or self.full is None or not self._all_bound():
+        settings = self.settings
+        if (set_to_none and not settings.keep_views) or not settings.views or self.full is None \
+                or not self._all_bound():
             return []
         with torch.no_grad():
             self.full[: self.plan.numel].zero_()

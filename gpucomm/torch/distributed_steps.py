@@ -143,7 +143,9 @@ class DistributedSteps(torch.optim.Optimizer):
         default) frees them (the next step's buckets pack the new ones in, once each); with
         ``set_to_none=False`` gradients that live in their buckets (bound views of the fusion
         buffers) are zeroed where they live, one op per bucket, and backward accumulates into the
-        buffer again with no copy at all (DDP's ``gradient_as_bucket_view``)."""
+        buffer again with no copy at all (DDP's ``gradient_as_bucket_view``). With
+        ``GPUCOMM_ZERO_GRAD_KEEPS_VIEWS=1`` the default does the same for those gradients: they stay
+        their views, zeroed, instead of becoming None."""
         if self._hooked or self._buckets.in_flight or self._sparse.in_flight:
             raise AssertionError(ZERO_GRAD_ERROR)
         self._settle_parameters()

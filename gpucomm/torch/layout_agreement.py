@@ -21,7 +21,7 @@ from .functions import allgather_object
 from .parameters import check_same_parameters
 from .powersgd import powersgd_buckets
 from .submission import (Average, BucketSettings, GradientBuckets, MakeBuckets, current_job, plan_buckets,
-                         plan_by_readiness, plan_groups, views_wanted)
+                         keep_views_wanted, plan_by_readiness, plan_groups, views_wanted)
 
 log = logging.getLogger("gpucomm")
 
@@ -48,7 +48,8 @@ class LayoutAgreement:
             plans = plan_buckets(dense)
         settings = BucketSettings(self._compression, self._prescale, self._postscale, self._set_id, self._finite,
                                   average=self._op == Average, predivide=self._predivide,
-                                  wire_of=wire_of(self._compression), views=views_wanted())
+                                  wire_of=wire_of(self._compression), views=views_wanted(),
+                                  keep_views=keep_views_wanted())
         buckets = GradientBuckets(self._schedule, dense, plans, settings, self._flush_step, make=self._bucket_maker())
         self._layouts += 1
         if self._reducing:
