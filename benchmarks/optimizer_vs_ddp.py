@@ -94,7 +94,7 @@ CHOICE_VAR = "GPUCOMM_CPU_OPERATIONS"
 KEEP_VIEWS_VAR = "GPUCOMM_ZERO_GRAD_KEEPS_VIEWS"
 ZERO_GRAD_MODES = {  # --zero-grad: how every variant clears its gradients before backward
     "free": "zero_grad(): torch's default set_to_none=True frees the gradients",
-    "keep-views": f"zero_grad() with {KEEP_VIEWS_VAR}=1: gpucomm zeroes the gradients in its buckets",
+    "keep-views": f"zero_grad() with {KEEP_VIEWS_VAR}=1: gpucomm zeroes the gradients bound to its view buckets",
     "in-place": "zero_grad(set_to_none=False) for every variant: DDP-best keeps its bucket views too",
 }
 Samples = list[tuple[float, float]]  # (wall s, CPU s) per step
@@ -129,8 +129,7 @@ def parse_args() -> argparse.Namespace:
     args = ap.parse_args()
     if args.fusion == "torch":
         os.environ["GPUCOMM_FUSION_KERNELS"] = "0"
-    if args.zero_grad == "keep-views":
-        os.environ[KEEP_VIEWS_VAR] = "1"
+    os.environ[KEEP_VIEWS_VAR] = "1" if args.zero_grad == "keep-views" else "0"  # the mode decides, not the caller
     Variant.set_to_none = args.zero_grad != "in-place"
     for key, value in zip(("batch_size", "rounds", "steps_per_round", "warmup"), QUICK if args.quick else FULL):
         if getattr(args, key) is None:

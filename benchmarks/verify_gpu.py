@@ -21,7 +21,9 @@ steps first so a tight budget drops only the last ones:
    chosen against), each with the counters that prove which path ran,
 5. ResNet-50 at 1 rank with gpucomm's reducer on (``GPUCOMM_ONE_RANK_REDUCER=1``), as DDP runs its own
    at size 1: what each adds over the no-communication floor, and gpucomm's added time as a share of
-   DDP-best's (issue 35's target: at most 0.5),
+   DDP-best's (issue 35's target: at most 0.5); then the same run with ``zero_grad()`` keeping the
+   gradients in their buckets (``--zero-grad keep-views``: no bucket packs), the candidate GPU default,
+   with the counters that prove no timed step packed,
 6. the collectives sweep at 2 ranks, the training benchmark (``benchmarks/train.py``, the same four
    variants) at 1 and 2 ranks, and the sweep at 4 ranks.
 
@@ -79,6 +81,7 @@ PY = sys.executable
 MIB = 1 << 20
 KERNELS_ENV = "GPUCOMM_FUSION_KERNELS"
 VIEWS_ENV = "GPUCOMM_GRADIENT_VIEWS"
+KEEP_VIEWS_ENV = "GPUCOMM_ZERO_GRAD_KEEPS_VIEWS"
 SCHEMA = 2  # 2: ResNet-50 and training figures carry every anchor (issue 35); collectives add in-place
 COMMITTED = ("summary.json", "summary.md")
 
@@ -166,7 +169,7 @@ def plan(out: Path, gpus: int, quick: bool) -> list[Step]:
         argv += ["--zero-grad", "keep-views"] if fusion == "keep-views" else []
         # explicit: a caller's setting must not leak in
         env = {KERNELS_ENV: "0" if fusion == "fallback" else "1", VIEWS_ENV: "0" if fusion == "packed" else "1",
-               **socket_env(n, gpus)}
+               KEEP_VIEWS_ENV: "1" if fusion == "keep-views" else "0", **socket_env(n, gpus)}
         name = f"resnet50 {n} ranks {fusion}" if n > 1 else f"resnet50 1 rank {tag}"
         return Step(name, argv, limit, path, env)
 
@@ -179,7 +182,7 @@ def plan(out: Path, gpus: int, quick: bool) -> list[Step]:
         if plot:
             argv += ["--plot", str(raw / f"train_{n}.png")]
         return Step(f"train {n} rank" + ("s" if n > 1 else ""), argv, limit, raw / f"train_{n}.json",
-                    {KERNELS_ENV: "1", **socket_env(n, gpus)})
+                    {KERNELS_ENV: "1", KEEP_VIEWS_ENV: "0", **socket_env(n, gpus)})
 
     pack_counts = ["--quick"] if quick else ["--iters", "10", "--warmup", "3"]
     return [
@@ -592,7 +595,17 @@ def resnet50_figures(step: Step) -> dict[str, Any] | None:
             "kernel_launch": fusion.get("launch"), "kernel_fallbacks": fallbacks,
             "fallback_reason": fusion.get("reason") or "", "path_verified": ok,
             "gradient_path": gradient_path(d), "zero_grad": d.get("zero_grad"),
+            "zero_grad_verified": zero_grad_verified(d),
             "reducer_verified": reducer.get("verified") if reducer.get("asked") else None}
+
+
+def zero_grad_verified(d: dict[str, Any]) -> bool | None:
+    """A keep-views run: True when gpucomm's timed steps packed no bucket and bound views (its counters), None
+    for the other modes."""
+    if d.get("zero_grad") != "keep-views":
+        return None
+    counts = (d.get("gpucomm_counters") or {}).get(anchors.GPUCOMM) or {}
+    return counts.get("grad_bucket_packs") == 0 and (counts.get("grad_bucket_views") or 0) > 0
 
 
 def gradient_path(d: dict[str, Any]) -> dict[str, Any]:
@@ -764,9 +777,14 @@ def reducer_text(record: dict[str, Any] | None) -> str | None:
 
 
 def zero_grad_text(figures: dict[str, Any]) -> str:
-    """How the run's variants cleared their gradients, when not torch's default ("" then)."""
+    """How the run's variants cleared their gradients, when not torch's default ("" then), and for
+    keep-views whether the counters show it (no timed step packed a bucket)."""
     mode = figures.get("zero_grad")
-    return "" if mode in (None, "free") else f"zero_grad: {mode} (benchmarks/optimizer_vs_ddp.py --zero-grad)"
+    if mode in (None, "free"):
+        return ""
+    ok = figures.get("zero_grad_verified")
+    proof = "" if ok is None else "; no timed step packed: " + ("yes" if ok else "NO")
+    return f"zero_grad: {mode} (benchmarks/optimizer_vs_ddp.py --zero-grad){proof}"
 
 
 def summarize_resnet50(step: Step) -> list[str]:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import subprocess
 import time
 from dataclasses import dataclass
-from typing import IO
 
 import psutil
 import pytest
@@ -85,12 +85,16 @@ def _listeners(mark: str) -> list[Listener]:
     return found
 
 
-def _read_lines(stream: IO[str], text: str, count: int) -> list[str]:
+def _read_lines(proc: subprocess.Popen, text: str, count: int) -> list[str]:
+    """``proc``'s stdout lines up to its ``count``-th holding ``text``; a job that ends first fails the
+    test with all it printed, stderr and exit status included."""
     lines: list[str] = []
     while sum(text in x for x in lines) < count:
-        line = stream.readline()
+        line = proc.stdout.readline()
         if not line:
-            raise AssertionError(f"the job ended before {count} {text!r} lines:\n{''.join(lines)}")
+            _, err = proc.communicate(timeout=60)
+            raise AssertionError(f"the job ended (status {proc.returncode}) before {count} {text!r} lines:\n"
+                                 f"{''.join(lines)}\n--- stderr ---\n{err}")
         lines.append(line)
     return lines
 
@@ -100,7 +104,7 @@ def test_a_one_host_job_listens_on_loopback_only(tmp_path, flavor):
     found = launcher(flavor)
     cmd = launcher_cmd("--mpi", "-np", "3", PYTHON, PROGRAM, "listen", str(tmp_path))
     with started(cmd, env={"GPUCOMM_MPIEXEC": found.path}, timeout=180) as job:
-        ready = _read_lines(job.proc.stdout, "READY", 3)
+        ready = _read_lines(job.proc, "READY", 3)
         listeners = _listeners(job.mark)
         (tmp_path / "go").touch()
         out, err = job.proc.communicate(timeout=120)

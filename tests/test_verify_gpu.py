@@ -98,14 +98,16 @@ def test_the_resnet50_pair_differs_only_in_where_gradients_live(tmp_path, monkey
         monkeypatch.delenv(name, raising=False)
     by_name = {s.name: s for s in verify_gpu.plan(tmp_path, gpus=1, quick=False)}
     views, packed = by_name["resnet50 2 ranks kernels"], by_name["resnet50 2 ranks packed"]
-    assert views.env == {"GPUCOMM_FUSION_KERNELS": "1", "GPUCOMM_GRADIENT_VIEWS": "1", **SOCKETS}
-    assert packed.env == {"GPUCOMM_FUSION_KERNELS": "1", "GPUCOMM_GRADIENT_VIEWS": "0", **SOCKETS}
+    free = {"GPUCOMM_ZERO_GRAD_KEEPS_VIEWS": "0"}  # pinned: a caller's setting must not leak in
+    assert views.env == {"GPUCOMM_FUSION_KERNELS": "1", "GPUCOMM_GRADIENT_VIEWS": "1", **free, **SOCKETS}
+    assert packed.env == {"GPUCOMM_FUSION_KERNELS": "1", "GPUCOMM_GRADIENT_VIEWS": "0", **free, **SOCKETS}
     one = by_name["resnet50 1 rank reducer-on"]  # the one-rank reducer: one GPU of its own, no sockets
-    assert one.env == {"GPUCOMM_FUSION_KERNELS": "1", "GPUCOMM_GRADIENT_VIEWS": "1"}
+    assert one.env == {"GPUCOMM_FUSION_KERNELS": "1", "GPUCOMM_GRADIENT_VIEWS": "1", **free}
     assert one.argv[one.argv.index("-np") + 1] == "1"
     assert one.argv[one.argv.index("--one-rank-reducer") + 1] == "on" and "--single-gpu-test" not in one.argv
     keep = by_name["resnet50 1 rank keep-views"]  # the same run, with zero_grad() keeping the bucket views
-    assert keep.env == one.env and keep.argv[keep.argv.index("--zero-grad") + 1] == "keep-views"
+    assert keep.env == {**one.env, "GPUCOMM_ZERO_GRAD_KEEPS_VIEWS": "1"}
+    assert keep.argv[keep.argv.index("--zero-grad") + 1] == "keep-views"
     assert [a for a in keep.argv if a not in (str(keep.json_path), "--zero-grad", "keep-views")] == \
         [a for a in one.argv if a != str(one.json_path)]
     for step in (views, packed):
@@ -556,7 +558,10 @@ def test_resnet50_figures_stand_beside_both_ddp_anchors_and_the_floor(summarized
     assert not any(line.startswith(("fusion path", "NCCL sockets")) for line in lines)
     # the same run with zero_grad() keeping the bucket views: said so, beside the counters that prove it
     assert (keep["run"], keep["zero_grad"], one["zero_grad"]) == ("resnet50 1 rank keep-views", "keep-views", "free")
-    assert "zero_grad: keep-views (benchmarks/optimizer_vs_ddp.py --zero-grad)" in steps[keep["run"]]["figures"]
+    # the sample's counters packed (it is the default run's, relabelled): the summary says the proof failed
+    assert keep["zero_grad_verified"] is False and one["zero_grad_verified"] is None
+    assert ("zero_grad: keep-views (benchmarks/optimizer_vs_ddp.py --zero-grad); no timed step packed: NO"
+            in steps[keep["run"]]["figures"])
     assert not any(line.startswith("zero_grad") for line in lines)
     two = steps["resnet50 2 ranks kernels"]["figures"]
     assert two[2] == ("gpucomm / ddp-best 1.250 (round quartiles 1.250-1.250), / ddp-default 1.136 "
@@ -693,3 +698,16 @@ def test_train_and_pack_summaries_of_partial_results():
     assert "Skipped: needs a CUDA GPU" in verify_gpu.markdown({"figures": {"pack_bw": {"skipped": "needs a CUDA GPU"}}})
     tests = verify_gpu.Step("gpu tests", [], 1)
     assert verify_gpu.summary_lines(tests) == []  # no junit XML: the step shows its status only
+
+
+def test_a_keep_views_run_is_verified_by_its_counters():
+    def run(mode, packs, views=40):
+        return {"zero_grad": mode, "gpucomm_counters": {"gpucomm": {"grad_bucket_packs": packs,
+                                                                    "grad_bucket_views": views}}}
+    assert verify_gpu.zero_grad_verified(run("keep-views", 0)) is True
+    assert verify_gpu.zero_grad_verified(run("keep-views", 6)) is False  # a timed step packed: not what was asked
+    assert verify_gpu.zero_grad_verified(run("keep-views", 0, views=0)) is False
+    assert verify_gpu.zero_grad_verified(run("free", 6)) is None and verify_gpu.zero_grad_verified({}) is None
+    assert verify_gpu.zero_grad_text({"zero_grad": "keep-views", "zero_grad_verified": True}).endswith(
+        "no timed step packed: yes")
+    assert verify_gpu.zero_grad_text({"zero_grad": "free"}) == ""

@@ -153,8 +153,8 @@ class Bucket:
 
     def zero_views(self, set_to_none: bool) -> list[torch.Tensor]:
         """``zero_grad(set_to_none)``: the parameters whose gradients this bucket zeroed where they
-        live (none but a bound ``ViewBucket``'s, asked ``set_to_none=False``); the others are left to
-        the optimizer's own ``zero_grad``."""
+        live (none but a bound ``ViewBucket``'s, asked ``set_to_none=False`` or kept by
+        ``BucketSettings.keep_views``); the others are left to the optimizer's own ``zero_grad``."""
         return []
 
     def reset(self) -> None:

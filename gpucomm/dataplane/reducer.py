@@ -211,9 +211,10 @@ class GradientBuckets:
             bucket.release()
 
     def zero_views(self, set_to_none: bool) -> set:
-        """``zero_grad(set_to_none=False)``: zero the gradients that live in their buckets, where they
-        live (one op per bucket); returns those parameters (their ``p.grad`` stays bound to the
-        buffer). ``set_to_none``: none (the optimizer frees them all)."""
+        """``zero_grad(set_to_none=False)``, or the default with ``GPUCOMM_ZERO_GRAD_KEEPS_VIEWS=1``: zero
+        the gradients that live in their buckets, where they live (one op per bucket); returns those
+        parameters (their ``p.grad`` stays bound to the buffer). Otherwise ``set_to_none``: none (the
+        optimizer frees them all)."""
         kept: set = set()
         for bucket in self.buckets:
             kept.update(bucket.zero_views(set_to_none))
