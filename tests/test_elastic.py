@@ -16,6 +16,7 @@ import torch
 
 from tests.ranks import elastic_job as job
 from tests.harness import PYTHON, launcher_cmd, run, write_script
+from tests.steps import require_step
 
 
 def elastic_run(tmp_path: Path, hosts: list[str], np: int, *flags: str, env: dict[str, str], timeout: float = 150.0):
@@ -187,12 +188,16 @@ def test_elastic_flags_are_checked(flags, message):
     assert r.returncode == 2 and message in r.stderr, r.stderr
 
 
-def test_a_shrinking_job_that_finishes_reports_success(tmp_path):
+@pytest.mark.e2e
+def test_a_shrinking_job_that_finishes_reports_success(tmp_path, request):
     """Issue 26, item 7: a 3-worker job shrinking to 2 (discovery drops a host; then a worker killed)
     must finish with exit 0 every time; issue 36, finding 8: so must a 4-worker job whose failed
     worker's host-mate is removed and exits normally while the survivors still hold the failed round's
-    pairs to it (no worker may die at teardown). benchmarks/elastic_stress.py runs each 50 times for the note."""
+    pairs to it (no worker may die at teardown). benchmarks/elastic_stress.py runs each 50 times for the note;
+    once each here, in CI's e2e step (three whole elastic jobs: 35-45 s)."""
     import sys
+
+    require_step(request.config, "e2e")
 
     for i, flags in enumerate(([], ["--kill", "127.0.0.3:0@4"], ["--scenario", "fault"])):
         out = tmp_path / f"stress{i}.json"
