@@ -13,7 +13,7 @@ import pytest
 # marker -> how its CI step runs it
 STEPS = {
     "e2e": "`python -m pytest -m e2e -n 2 --dist loadfile` (.ci/run's e2e step): whole jobs run end to end "
-           "(the benchmarks, the documented commands, the Kubernetes pods' environments, the elastic stress jobs)",
+           "(the benchmarks, the documented commands, the Kubernetes pods' environments, the elastic stress jobs, the examples)",
 }
 
 

@@ -1,10 +1,20 @@
-"""The examples run as documented (CPU, 2 ranks)."""
+"""The examples run as documented (CPU, 2 ranks): whole jobs, in CI's e2e step."""
 
 from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.harness import PYTHON, launcher_cmd, run
+from tests.steps import require_step
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(autouse=True)
+def _e2e_step(request):
+    require_step(request.config, "e2e")
 
 
 def test_synthetic_benchmark_prints_horovods_report():
