@@ -305,7 +305,7 @@ def test_gradients_live_in_their_buckets_on_cpu_too():
 def test_lock_free_hook_count_is_per_thread_safe():
     """Two hook threads counting down distinct buckets never lose a launch (the pending counts
     are updated under the optimizer's lock; the reducer's own work is index work only)."""
-    from gpucomm.dataplane.bucket_kinds import BucketSettings
+    from gpucomm.dataplane.bucket_settings import BucketSettings
     from gpucomm.dataplane.fusion import plan_buckets
     from gpucomm.dataplane.reducer import GradientBuckets
 

@@ -38,7 +38,8 @@ from ..backends.nccl import connects_lazily
 from ..counters import COUNTERS
 from ..reduce_op import ReduceOp
 from . import activity, cuda_calls, fusion
-from .bucket_kinds import Bucket, BucketSettings, standard_buckets
+from .bucket_kinds import Bucket, standard_buckets
+from .bucket_settings import BucketSettings
 from .grad_layout import gradient_to_send, layout_of, significant_strides
 from .handles import Handle
 from .requests import Request
@@ -60,7 +61,7 @@ MakeBuckets = Callable[[Sequence[fusion.Bucket], Sequence[torch.Tensor], BucketS
 class GradientBuckets:
     """The buckets of one layout, launched in order on ``schedule``.
 
-    ``settings``: what the buckets share (``bucket_kinds.BucketSettings``); ``flush()``: finishes
+    ``settings``: what the buckets share (``bucket_settings.BucketSettings``); ``flush()``: finishes
     the step's launches when a caller outside backward needs the GPU's issue order (the
     optimizer's); ``make`` builds the buckets of the plans (default ``standard_buckets``); their
     indices must run 0, 1, ... in launch order."""

@@ -26,8 +26,8 @@ import torch
 from .. import job as jobs
 from ..control.config import Send
 from ..dataplane import fusion
-from ..dataplane.bucket_kinds import (BucketSettings, fused_wire, keep_views_wanted, standard_bucket,
-                                      standard_buckets, sub_plan, views_wanted)
+from ..dataplane.bucket_kinds import standard_bucket, standard_buckets, sub_plan
+from ..dataplane.bucket_settings import BucketSettings, fused_wire, keep_views_wanted, views_wanted
 from ..dataplane.finite import AUTO_BUDGET, FiniteSlots, exact_limit
 from ..dataplane.grad_layout import gradient_targets, gradient_to_send, layout_of, send_view, view_in_order
 from ..dataplane.reducer import GradientBuckets, MakeBuckets
