@@ -93,7 +93,17 @@ class RendezvousTimeout(RendezvousError):
 
 
 class FrameError(GpucommError):
-    """A frame broke the protocol (internal: the connection is closed)."""
+    """A frame broke the protocol (internal: the connection is closed). ``kind`` says how, for code that
+    acts on it: ``"mac"`` (signed with another secret), ``"deadline"`` (not complete in time),
+    ``"closed"`` (the peer hung up, ``got`` bytes into the piece), ``"deny"`` (the peer refused us) or
+    ``"malformed"``."""
+
+    def __init__(self, message: str, kind: str = "malformed", got: int = 0) -> None:
+        super().__init__(message)
+        self.kind, self.got = kind, got
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.kind, self.got)
 
 
 class SealError(GpucommError, ValueError):

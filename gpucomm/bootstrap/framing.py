@@ -85,10 +85,10 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> by
         except (BlockingIOError, InterruptedError):
             got = 0
         except socket.timeout:
-            raise FrameError(f"frame not complete in time (0 of {n} bytes)") from None
+            raise FrameError(f"frame not complete in time (0 of {n} bytes)", "deadline") from None
         else:
             if got == 0:
-                raise FrameError(f"connection closed after 0 of {n} bytes")
+                raise FrameError(f"connection closed after 0 of {n} bytes", "closed")
             if got == n:
                 return bytes(buf)
     try:
@@ -96,16 +96,16 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> by
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise FrameError(f"frame not complete in time ({got} of {n} bytes)")
+                    raise FrameError(f"frame not complete in time ({got} of {n} bytes)", "deadline", got)
                 sock.settimeout(left)
             try:
                 k = sock.recv_into(view[got:], n - got)
             except socket.timeout:
                 if deadline is None:
                     raise
-                raise FrameError(f"frame not complete in time ({got} of {n} bytes)") from None
+                raise FrameError(f"frame not complete in time ({got} of {n} bytes)", "deadline", got) from None
             if k == 0:
-                raise FrameError(f"connection closed after {got} of {n} bytes")
+                raise FrameError(f"connection closed after {got} of {n} bytes", "closed", got)
             got += k
     finally:
         if deadline is not None:
@@ -145,11 +145,11 @@ class FramedChannel:
 
     def recv_header(self, deadline: float | None = None) -> int:
         """The next frame's length prefix (MAC included), at least ``MAC_BYTES + 1``; a ``DENY``
-        marker raises ``FrameError("DENY")``. Nothing is allocated for the body yet."""
+        marker raises ``FrameError("DENY", "deny")``. Nothing is allocated for the body yet."""
         header = recv_exact(self.sock, 4, deadline)
         if header == DENY[:4]:
             rest = recv_exact(self.sock, 4, deadline)
-            raise FrameError("DENY" if rest == DENY[4:] else "zero-length frame")
+            raise FrameError("DENY", "deny") if rest == DENY[4:] else FrameError("zero-length frame")
         (length,) = _LEN.unpack(header)
         if length < MAC_BYTES + 1:
             raise FrameError(f"frame length {length} is below the minimum of {MAC_BYTES + 1}")
@@ -160,7 +160,7 @@ class FramedChannel:
         payload = recv_exact(self.sock, length, deadline)
         tag, body = payload[:MAC_BYTES], payload[MAC_BYTES:]
         if not hmac.compare_digest(tag, mac(self.secret, self.nonce, self.recv_dir, self.recv_seq, body)):
-            raise FrameError("bad MAC")
+            raise FrameError("bad MAC", "mac")
         self.recv_seq += 1
         return body
 
@@ -176,7 +176,7 @@ class FramedChannel:
             h.update(piece)
             left -= len(piece)
         if not hmac.compare_digest(tag, h.digest()):
-            raise FrameError("bad MAC")
+            raise FrameError("bad MAC", "mac")
         self.recv_seq += 1
 
 __all__ = ["DENY", "FrameError", "FramedChannel", "HELLO_BYTES", "MAC_BYTES", "MAGIC", "NONCE_BYTES", "SKIP_CHUNK", "VERSION",

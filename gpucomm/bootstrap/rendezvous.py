@@ -87,7 +87,7 @@ class RendezvousClient:
                     raise OSError("the store refused the connection (too many connections open)")
                 return chan
             except FrameError as e:
-                if str(e) == "DENY":
+                if e.kind == "deny":
                     sock.close()
                     raise RendezvousAuthError(
                         f"the rendezvous store at {self.host}:{self.port} rejected this process's frames: its job "
@@ -189,7 +189,7 @@ class RendezvousClient:
             status, out = decode_fields(chan.recv(None, deadline=None if within is None else time.monotonic() + within))
         except FrameError as e:
             self._release(chan, broken=True)
-            if str(e) == "DENY":
+            if e.kind == "deny":
                 raise RendezvousAuthError(
                     f"the rendezvous store at {self.host}:{self.port} rejected this process's frames: its job secret "
                     f"differs from ours. Every rank of one job must share GPUCOMM_SECRET (gpucomm-run sets it); a "

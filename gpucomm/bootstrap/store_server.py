@@ -59,12 +59,11 @@ REFUSAL_CAUSES = (
 
 def frame_error_cause(error: FrameError, authenticated: bool) -> str | None:
     """The ``REFUSAL_CAUSES`` entry for a frame error, or None for a peer that simply hung up."""
-    text = str(error)
-    if text == "bad MAC":
+    if error.kind == "mac":
         return "bad_mac"
-    if text.startswith("frame not complete in time"):
+    if error.kind == "deadline":
         return "frame_deadline" if authenticated else "first_frame_deadline"
-    if text.startswith("connection closed after"):
+    if error.kind == "closed":
         return None
     return "malformed_request" if authenticated else "bad_frame"
 
@@ -306,12 +305,12 @@ class RendezvousServer:
                     cause = frame_error_cause(e, authenticated)
                     if cause is not None:
                         self._refused(cause)
-                    if str(e) == "bad MAC":
+                    if e.kind == "mac":
                         self._rejections.warning(
                             "rendezvous: rejected a frame from %s: its MAC does not match the job secret (a process "
                             "of another job, or a wrong GPUCOMM_SECRET); closing it", peer)
                         conn.sendall(DENY)
-                    elif not str(e).startswith("connection closed after 0 of"):
+                    elif not (e.kind == "closed" and e.got == 0):
                         self._rejections.warning("rendezvous: closing connection from %s: %s", peer, e)
                     return
                 if not authenticated:
