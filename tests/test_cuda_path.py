@@ -350,3 +350,11 @@ def test_the_default_finite_check_on_the_cuda_path_reads_its_slots_a_step_later(
         assert seen["reported_at"] == seen["nan_step"] + 1, seen  # read one step later
         assert seen["findings"] == [[1, "0.weight"]], seen  # rank 1's first bad parameter, on every rank
         assert seen["warnings"] == (1 if rank == 0 else 0), seen  # once, by rank 0 of the set
+
+
+def test_shutdown_from_another_thread_selects_the_gpu_there_first():
+    """Ray Train calls hvd.shutdown() on the actor's thread, not the training thread that ran init: the
+    job's close queries and destroys CUDA events, so it must make the rank's GPU current in that thread
+    (else CUDA opens a context on device 0)."""
+    [seen] = run_ranks(sc.shutdown_from_another_thread, 1)
+    assert not seen["alive"] and seen["closer"] in seen["selected_in"], seen

@@ -318,6 +318,13 @@ class Job:
 
     # -- shutdown --------------------------------------------------------------------------------
     def close(self) -> None:
+        """End the job: the control plane, every communicator, the store. Any thread may call it
+        (``hvd.shutdown`` from Ray Train's actor thread, not the one that ran ``init``): it selects the
+        rank's GPU first, so the CUDA work of closing (event queries and destroys) lands on that GPU."""
+        try:
+            self.select_device()
+        except Exception as e:  # noqa: BLE001 - closing matters more than which device is current
+            log.debug("selecting the GPU before closing the job: %s", e)
         controller = self.controller
         grace = FAILED_SHUTDOWN_GRACE if self.failure() is not None else SHUTDOWN_GRACE
         if grace == FAILED_SHUTDOWN_GRACE and self.world.rank == 0 and self.world.size > 1:

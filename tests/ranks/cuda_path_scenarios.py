@@ -369,3 +369,25 @@ def default_check_on_the_cuda_path(steps: int = 5, nan_step: int = 2) -> dict:
                "host_syncs": stand_in.calls["read_now"]}
         hvd.shutdown()
     return out
+
+
+def shutdown_from_another_thread() -> dict:
+    """``hvd.shutdown()`` called from a thread other than ``init``'s (Ray Train's actor thread does this):
+    the threads in which the job selected its GPU while closing."""
+    import threading
+
+    with cuda_path():
+        hvd.init()
+        job = job_state_of_current()
+        selected: list[int] = []
+        select = job.select_device
+
+        def recording() -> None:
+            selected.append(threading.get_ident())
+            select()
+
+        job.select_device = recording
+        closer = threading.Thread(target=hvd.shutdown, name="not-init")
+        closer.start()
+        closer.join(60)
+        return {"closer": closer.ident, "alive": closer.is_alive(), "selected_in": selected}
