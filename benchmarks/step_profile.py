@@ -6,6 +6,9 @@ ones, each step ending in a device synchronize so queued GPU work is never charg
 while profiling, autograd runs backward in the calling thread (``set_multithreading_enabled(False)``),
 so the hooks that CUDA backward would run on autograd's device thread are profiled too.
 It prints the process CPU ms per step without the profiler (median of ``--rounds`` interleaved blocks),
+the host's time to queue a step (``issue ms``: from a start with the GPU idle to the step's return; a hidden
+wait for the GPU shows here), on a GPU the synchronizing CUDA calls a step makes and which lines of gpucomm
+made them (torch's sync debug mode, ``sync_check.py``),
 the Python calls per step (all, and those in gpucomm's own files), and gpucomm's heaviest functions by
 own time and by cumulative time, then writes everything to ``--json``. The profiler slows Python down
 (every call is hooked), so read its times as shares, not as the step's real cost; the CPU ms are
@@ -36,6 +39,7 @@ import gpucomm.torch as hvd  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, also when imported by path
 from bench_stats import median, write_json  # noqa: E402
 import anchors  # noqa: E402
+from sync_check import SyncRecorder  # noqa: E402
 
 PACKAGE = os.path.dirname(os.path.abspath(hvd.__file__)).rsplit(os.sep, 1)[0]  # .../gpucomm
 
@@ -67,14 +71,50 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer, data: torch.Tensor, target: torch.Tensor,
-              device: torch.device):
-    def step() -> None:
+def make_body(model: torch.nn.Module, opt: torch.optim.Optimizer, data: torch.Tensor, target: torch.Tensor):
+    """One step's host work: what it queues, without waiting for the GPU at its end."""
+    def body() -> None:
         opt.zero_grad()
         F.cross_entropy(model(data), target).backward()
         opt.step()
+    return body
+
+
+def make_step(body, device: torch.device):
+    """``body``, then the host waits for the GPU (as a loop reading its loss would)."""
+    def step() -> None:
+        body()
         sync(device)
     return step
+
+
+def issue_ms(body, device: torch.device, n: int) -> float:
+    """Median wall ms from a step's start, the GPU idle, to the return of its last call: the host's time
+    to queue the step. A step that blocks on the GPU somewhere (a hidden sync) shows here as a time near
+    the whole step's, where one that only queues shows its host work alone."""
+    times = []
+    for _ in range(n):
+        sync(device)
+        t0 = time.perf_counter()
+        body()
+        times.append(time.perf_counter() - t0)
+    sync(device)
+    return median(times) * 1e3
+
+
+def sync_calls(body, device: torch.device, n: int, top: int) -> dict[str, Any]:
+    """The synchronizing CUDA calls ``n`` steps make (torch's sync debug mode; see sync_check.py): per
+    step in all, those made through gpucomm, and gpucomm's lines that made them."""
+    sync(device)
+    with SyncRecorder(PACKAGE) as recorder:
+        for _ in range(n):
+            body()
+    sync(device)
+    ours = recorder.ours()
+    return {"per_step": len(recorder.records) / n, "gpucomm_per_step": len(ours) / n,
+            "gpucomm_lines": [{"line": k, "per_step": v / n} for k, v in recorder.by_line(ours).most_common(top)],
+            "other_lines": [{"line": k, "per_step": v / n} for k, v in recorder.by_line().most_common(top)
+                            if k not in dict(recorder.by_line(ours))]}
 
 
 def cpu_ms(step, n: int) -> float:
@@ -133,9 +173,9 @@ def main() -> None:
     target = torch.randint(0, 1000, (args.batch_size,), generator=g).to(device)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(base.parameters(), lr=0.01, momentum=0.9),
                                    named_parameters=base.named_parameters())
-    steps = {"gpucomm": make_step(base, opt, data, target, device),
-             "plain": make_step(theirs, torch.optim.SGD(theirs.parameters(), lr=0.01, momentum=0.9), data, target,
-                                device)}
+    bodies = {"gpucomm": make_body(base, opt, data, target),
+              "plain": make_body(theirs, torch.optim.SGD(theirs.parameters(), lr=0.01, momentum=0.9), data, target)}
+    steps = {name: make_step(body, device) for name, body in bodies.items()}
     for step in steps.values():
         for _ in range(args.warmup):
             step()
@@ -143,6 +183,12 @@ def main() -> None:
     for r in range(args.rounds):
         for name in (list(steps) if r % 2 == 0 else list(reversed(steps))):
             cpu[name].append(cpu_ms(steps[name], args.steps))
+    issue: dict[str, list[float]] = {name: [] for name in steps}
+    for r in range(args.rounds):
+        for name in (list(steps) if r % 2 == 0 else list(reversed(steps))):
+            issue[name].append(issue_ms(bodies[name], device, args.steps))
+    syncs = {name: sync_calls(body, device, args.steps, args.top) for name, body in bodies.items()} \
+        if device.type == "cuda" else None
     before = hvd.stats()
     profiles = {"gpucomm": profile(steps["gpucomm"], args.steps, args.top)}
     after = hvd.stats()
@@ -156,7 +202,8 @@ def main() -> None:
     res = {"model": args.model, "device": args.device, "ranks": size,
            "batch_size": args.batch_size, "steps": args.steps, "rounds": args.rounds,
            "cpu_ms_per_step": {name: median(v) for name, v in cpu.items()},
-           "cpu_ms_rounds": cpu, "gpucomm_counters_per_step": counters,
+           "cpu_ms_rounds": cpu, "issue_ms_per_step": {name: median(v) for name, v in issue.items()},
+           "issue_ms_rounds": issue, "sync_calls": syncs, "gpucomm_counters_per_step": counters,
            "profiles": profiles}
     report(res)
     write_json(args.json, res)
@@ -167,6 +214,16 @@ def report(res: dict[str, Any]) -> None:
     ms = res["cpu_ms_per_step"]
     print(f"# {res['model']} on {res['device']}, {res['ranks']} rank(s), batch {res['batch_size']}: "
           f"CPU ms per step gpucomm {ms['gpucomm']:.2f} | plain {ms['plain']:.2f} | added {ms['gpucomm'] - ms['plain']:.2f}")
+    ms = res["issue_ms_per_step"]
+    print(f"# issue ms per step (the host queueing a step, the GPU idle at its start): gpucomm {ms['gpucomm']:.2f} | "
+          f"plain {ms['plain']:.2f} | added {ms['gpucomm'] - ms['plain']:.2f}")
+    syncs = res["sync_calls"]
+    if syncs is not None:
+        for name, found in syncs.items():
+            print(f"# {name}: {found['per_step']:g} synchronizing CUDA calls per step, {found['gpucomm_per_step']:g} "
+                  f"through gpucomm")
+            for row in found["gpucomm_lines"] + found["other_lines"]:
+                print(f"  {row['per_step']:7.1f}  {row['line']}")
     for name, p in res["profiles"].items():
         print(f"# {name}: {p['python_calls_per_step']:.0f} Python calls per step, "
               f"{p['gpucomm_calls_per_step']:.0f} of them in gpucomm")

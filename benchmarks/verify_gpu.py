@@ -23,7 +23,9 @@ steps first so a tight budget drops only the last ones:
    at size 1: what each adds over the no-communication floor, and gpucomm's added time as a share of
    DDP-best's (issue 35's target: at most 0.5); then the same run with ``zero_grad()`` keeping the
    gradients in their buckets (``--zero-grad keep-views``: no bucket packs), the candidate GPU default,
-   with the counters that prove no timed step packed,
+   with the counters that prove no timed step packed; then where the one-rank reducer's host time goes
+   (``benchmarks/step_profile.py``): CPU and queueing ms per step beside the plain optimizer's, the
+   synchronizing CUDA calls gpucomm makes in a step and the lines that make them, its heaviest functions,
 6. the collectives sweep at 2 ranks, the training benchmark (``benchmarks/train.py``, the same four
    variants) at 1 and 2 ranks, and the sweep at 4 ranks.
 
@@ -195,6 +197,12 @@ def plan(out: Path, gpus: int, quick: bool) -> list[Step]:
         resnet50(2, "packed", 60),
         resnet50(1, "kernels", 50),
         resnet50(1, "keep-views", 50),
+        Step("step profile 1 rank", launcher(1, gpus) + [
+            PY, "benchmarks/step_profile.py", "--model", "resnet50", "--one-rank-reducer",  # --device: cuda if seen
+            *(["--warmup", "2", "--steps", "3", "--rounds", "2"] if quick else
+              ["--warmup", "5", "--steps", "10", "--rounds", "5"]),
+            "--json", str(raw / "step_profile_1.json")], 60, raw / "step_profile_1.json",
+             {KERNELS_ENV: "1", VIEWS_ENV: "1", KEEP_VIEWS_ENV: "0"}),
         Step("finite check 2 ranks", launcher(2, gpus) + [
             PY, "benchmarks/finite_check.py", "--cuda", "--model", "resnet50", "--mode", "auto",
             *(["--quick"] if quick else ["--rounds", "6", "--steps-per-round", "4", "--warmup", "2"]),
@@ -841,8 +849,51 @@ def summarize_finite_check(step: Step) -> list[str]:
             f"step (round quartiles {fmt(q[0], '.4f')}-{fmt(q[1], '.4f')}; issue 36: the default if <= 1 %)"]
 
 
+def step_profile_figures(d: Any) -> dict[str, Any] | None:
+    """The host-time figures of ``benchmarks/step_profile.py``'s JSON, without its long tables."""
+    if not d:
+        return None
+    syncs = d.get("sync_calls") or {}
+    ours = syncs.get("gpucomm") or {}
+    profile = (d.get("profiles") or {}).get("gpucomm") or {}
+    return {"model": d.get("model"), "ranks": d.get("ranks"), "device": d.get("device"),
+            "cpu_ms_per_step": d.get("cpu_ms_per_step"), "issue_ms_per_step": d.get("issue_ms_per_step"),
+            "sync_calls_per_step": {name: found.get("per_step") for name, found in syncs.items()} or None,
+            "gpucomm_sync_calls_per_step": ours.get("gpucomm_per_step"), "gpucomm_sync_lines": ours.get("gpucomm_lines"),
+            "gpucomm_python_calls_per_step": profile.get("gpucomm_calls_per_step"),
+            "heaviest_own_us_per_step": [(r["function"], r["own_us_per_step"]) for r in profile.get("by_own_time", [])[:8]],
+            "counters_per_step": d.get("gpucomm_counters_per_step")}
+
+
+def summarize_step_profile(step: Step) -> list[str]:
+    """Where the one-rank reducer's host time goes (issue 35): the CPU and queueing time it adds over the
+    plain optimizer's step, the synchronizing CUDA calls gpucomm makes in a step, its heaviest functions."""
+    f = step_profile_figures(step.data)
+    if f is None:
+        return []
+
+    def added(key: str) -> str:
+        v = f.get(key) or {}
+        a, b = v.get("gpucomm"), v.get("plain")
+        diff = a - b if a is not None and b is not None else None
+        return f"gpucomm {fmt(a, '.2f')} | plain {fmt(b, '.2f')} | added {fmt(diff, '.2f')}"
+
+    lines = [f"{f['model']}, {f['ranks']} rank(s), reducer on: CPU ms/step {added('cpu_ms_per_step')}",
+             f"issue ms/step (the host queueing a step): {added('issue_ms_per_step')}"]
+    syncs = f.get("sync_calls_per_step")
+    if syncs is not None:
+        where = ", ".join(f"{r['line']} x{r['per_step']:g}" for r in (f.get("gpucomm_sync_lines") or [])[:3])
+        lines.append(f"synchronizing CUDA calls per step: {fmt(f.get('gpucomm_sync_calls_per_step'), 'g')} through "
+                     f"gpucomm{' (' + where + ')' if where else ''}; the plain step's {fmt(syncs.get('plain'), 'g')}")
+    heaviest = ", ".join(f"{name} {us:.0f}" for name, us in f["heaviest_own_us_per_step"][:3])
+    lines.append(f"Python calls per step in gpucomm: {fmt(f.get('gpucomm_python_calls_per_step'), '.0f')}; heaviest "
+                 f"(profiled own us/step): {heaviest or 'none'}")
+    return lines
+
+
 SUMMARIES: dict[str, Callable[[Step], list[str]]] = {"gpu tests": summarize_tests, "pack_bw": summarize_pack,
-                                                     "finite check 2 ranks": summarize_finite_check}
+                                                     "finite check 2 ranks": summarize_finite_check,
+                                                     "step profile 1 rank": summarize_step_profile}
 
 
 def summary_lines(step: Step) -> list[str]:
@@ -1034,6 +1085,8 @@ def build_summary(steps: list[Step], env: dict[str, Any], run: dict[str, Any]) -
                             for f in [collectives_figures(s.data)] if f is not None],
             "train": [row for s in steps if s.name.startswith("train") for row in train_figures(s)],
             "finite_check": by_name["finite check 2 ranks"].data if "finite check 2 ranks" in by_name else None,
+            "step_profile": step_profile_figures(by_name["step profile 1 rank"].data)
+            if "step profile 1 rank" in by_name else None,
         },
         "raw": f"{RAW}/ beside this file (not committed): every log, full JSON, plot and the junit XML",
     }

@@ -96,6 +96,9 @@ CASES = {c.id: c for c in [
     Case("cpu_allreduce", ("benchmarks/cpu_allreduce.py", "--quick", "--json", "{out}/cpu_allreduce.json"),
          "cpu_allreduce.json", "gpucomm / raw gloo small-op latency: ", 1),
     Case("pack_bw", ("benchmarks/pack_bw.py", "--quick", "--json", "{out}/pack_bw.json"), "pack_bw.json", "# target "),
+    Case("step_profile", ("benchmarks/step_profile.py", "--device", "cpu", "--model", "cnn", "--warmup", "1", "--steps",
+                          "2", "--rounds", "2", "--top", "3", "--one-rank-reducer", "--json", "{out}/step_profile.json"),
+         "step_profile.json", "# issue ms per step (the host queueing a step", 1),
     Case("verify_gpu", ("benchmarks/verify_gpu.py", "--summarize-only", "--out", "{out}"), "summary.json",
          "# gpucomm GPU verification, summary of the results in ", needs=("collectives-1", "collectives-2", "train")),
 ]}
@@ -498,6 +501,14 @@ def check_pack_bw(r: Run, doc: dict) -> None:
     assert doc["skipped"].startswith(NO_GPU) and doc["rows"] == []
 
 
+def check_step_profile(r: Run, doc: dict) -> None:
+    assert set(doc["cpu_ms_per_step"]) == set(doc["issue_ms_per_step"]) == {"gpucomm", "plain"}
+    assert all(v > 0 for v in doc["issue_ms_per_step"].values()) and len(doc["issue_ms_rounds"]["plain"]) == 2
+    assert doc["sync_calls"] is None  # torch's sync debug mode needs CUDA
+    assert doc["profiles"]["gpucomm"]["gpucomm_calls_per_step"] > 0  # the one-rank reducer ran its hooks
+    assert doc["gpucomm_counters_per_step"]["collectives"] > 0
+
+
 def check_verify_gpu(r: Run, doc: dict) -> None:
     steps = {s["name"]: s for s in doc["steps"]}
     assert steps["gpu tests"]["status"] == "no results" and steps["gpu tests"]["figures"] == []
@@ -560,6 +571,7 @@ CHECKS: dict[str, Callable[[Run, Any], None]] = {
     "cpu_allreduce": check_cpu_allreduce, "overhead-1": check_overhead, "overhead-2": check_overhead,
     "startup": check_startup, "timeline_overhead": check_timeline_overhead,
     "mismatch_exit": check_mismatch_exit, "pack_bw": check_pack_bw, "verify_gpu": check_verify_gpu,
+    "step_profile": check_step_profile,
 }
 
 
@@ -625,6 +637,45 @@ def test_model_check_adds_the_wait_for_the_slower_rank_on_each_step(monkeypatch)
     assert check.sync_wait([prof([1.0, 1.1, 1.2]), prof([1.0, 1.1, 1.2])]) == 0.0  # in step: no wait
     assert check.sync_wait([prof([1.0, 1.2, 1.0])]) == 0.0  # one rank waits for nobody
     assert check.sync_wait([prof([1.0]), Profile("m", 1, ["w"], [4], [0.1], 0.1, 0.2)]) == 0.0  # no per-step times
+
+
+def test_sync_recorder_keeps_each_sync_warnings_stack_and_lets_other_warnings_through(monkeypatch):
+    """benchmarks/sync_check.py's plumbing. torch's sync debug mode itself needs CUDA (the GPU test
+    tests/test_gpu_data_plane.py uses it for real); here its switch is recorded and the warnings torch would
+    raise at a synchronizing call are raised by hand, from two threads."""
+    import threading
+    import warnings
+
+    import torch
+
+    check = _load("sync_check")
+    modes = []
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    package = str(Path(__file__).resolve().parent)  # "ours": this test's frames
+    message = f"{check.SYNC_WARNING} (cudaStreamSynchronize)"
+
+    def sync_here() -> None:
+        warnings.warn(message, UserWarning)
+
+    others = []
+    with warnings.catch_warnings(record=True) as outside:
+        warnings.simplefilter("default")
+        with check.SyncRecorder(package) as recorder:
+            for _ in range(3):  # the same line thrice: recorded thrice, not once per location
+                sync_here()
+            t = threading.Thread(target=sync_here, name="hook-thread")
+            t.start()
+            t.join()
+            warnings.warn("something else", DeprecationWarning)
+        others = [str(w.message) for w in outside]
+    assert modes == ["warn", 0]  # switched on, then back to what it was
+    assert [thread for thread, _ in recorder.records] == ["MainThread"] * 3 + ["hook-thread"]
+    assert len(recorder.ours()) == 4 and all("sync_here" in frames[-1] for _, frames in recorder.ours())
+    [(line, count)] = recorder.by_line().items()  # the four came from one line, named from the package's parent
+    assert count == 4 and line.startswith("tests/test_benchmarks_smoke.py:") and line.endswith("(sync_here)"), line
+    assert others == ["something else"]  # not swallowed, and the sync warnings were not shown
+    assert check.SyncRecorder("/nowhere").ours() == []
 
 
 # -- the fair anchors' pieces (benchmarks/anchors.py), without a job --------------------------------

@@ -4,6 +4,10 @@ added and removed hosts, and the limits that end a job (issue 20).
 Each host is a distinct loopback address (127.0.0.x), so that blacklisting a failed host leaves
 the others. The job is ``tests/ranks/elastic_job.py``; its result is checked against one process
 trained on the same batches, not only that it ran.
+
+The three longest jobs (a worker dying while the job re-forms, a hung worker, hosts added and removed)
+and the stress jobs run in CI's e2e step (``tests/steps.py``), keeping the README's test command under 8
+minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -78,7 +82,9 @@ def test_killed_worker_the_others_continue_from_the_last_commit(tmp_path):
           f"{resumed['time'] - killed['time']:.2f} s (goal <= 10 s)")
 
 
-def test_a_worker_dying_while_the_job_re_forms_is_survived(tmp_path):
+@pytest.mark.e2e
+def test_a_worker_dying_while_the_job_re_forms_is_survived(tmp_path, request):
+    require_step(request.config, "e2e")  # a whole elastic job of 10-20 s: CI's e2e step
     hosts = ["127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1", "127.0.0.4:1"]
     r, result, _ = elastic_run(tmp_path, hosts, 4, "--min-np", "1",
                                env={"ELASTIC_KILL": "127.0.0.4:0@3", "ELASTIC_KILL_IN_RESET": "127.0.0.3:0"})
@@ -89,7 +95,9 @@ def test_a_worker_dying_while_the_job_re_forms_is_survived(tmp_path):
     torch.testing.assert_close(trained(result), reference_fixed(job.STEPS), rtol=0, atol=1e-5)
 
 
-def test_a_hung_worker_is_stopped_and_the_others_continue(tmp_path):
+@pytest.mark.e2e
+def test_a_hung_worker_is_stopped_and_the_others_continue(tmp_path, request):
+    require_step(request.config, "e2e")  # a whole elastic job of 10-20 s: CI's e2e step
     hosts = ["127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1"]
     r, result, _ = elastic_run(tmp_path, hosts, 3, "--min-np", "2", "--stop-grace", "1", env={
         "ELASTIC_STOP": "127.0.0.3:0@5", "GPUCOMM_LIVENESS_TIMEOUT": "2", "GPUCOMM_START_TIMEOUT": "4"})
@@ -110,7 +118,9 @@ def test_a_host_added_as_training_ends_does_not_fail_the_job(tmp_path):
     torch.testing.assert_close(trained(result), reference_fixed(job.STEPS), rtol=0, atol=1e-5)
 
 
-def test_hosts_added_and_removed_data_resharded_without_loss_or_repeat(tmp_path):
+@pytest.mark.e2e
+def test_hosts_added_and_removed_data_resharded_without_loss_or_repeat(tmp_path, request):
+    require_step(request.config, "e2e")  # a whole elastic job of 10-20 s: CI's e2e step
     hosts = ["127.0.0.1:1", "127.0.0.2:1"]
     r, result, out = elastic_run(tmp_path, hosts, 2, env={
         "ELASTIC_MODE": "sampler", "ELASTIC_EPOCHS": "4", "ELASTIC_ADD": "3@127.0.0.3:1",

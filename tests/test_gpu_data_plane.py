@@ -52,6 +52,17 @@ def test_one_issue_order_on_every_rank_with_nccl(size):
         assert seen["same"], rank
 
 
+@pytest.mark.parametrize("size, env", [(2, {}), (1, {"GPUCOMM_ONE_RANK_REDUCER": "1"})], ids=["2-ranks", "1-rank-reducer"])
+def test_a_steady_training_step_makes_no_synchronizing_cuda_call(size, env):
+    """A step queues its work and returns: a host wait inside it (a ``.item()``, a pageable copy, a stream
+    synchronize) would drain the GPU's queue every step (issue 35: the reducer's host time)."""
+    small = {"GPUCOMM_FUSION_THRESHOLD": "65536", "GPUCOMM_FUSION_FIRST_BUCKET": "16384"}
+    for rank, seen in enumerate(run_ranks(sc.syncs_in_steady_steps, size, env={**SINGLE, **small, **env},
+                                          timeout=600)):
+        assert seen["buckets"] > 1 and seen["collectives"] >= 3 * seen["buckets"], (rank, seen)
+        assert seen["ours"] == [], (rank, seen["lines"], seen["ours"][:3])
+
+
 def test_a_failed_cuda_job_aborts_its_communicators():
     for rank, seen in enumerate(run_ranks(sc.cuda_job_failure, 2, env=SINGLE, timeout=600)):
         assert "rank 1 fails on purpose" in seen["error"], (rank, seen)

@@ -41,7 +41,8 @@ def _load(script: str):
 
 
 PLAN = ["gpu tests", "pack_bw", "collectives 1 rank(s)", "resnet50 2 ranks kernels", "resnet50 2 ranks packed",
-        "resnet50 1 rank reducer-on", "resnet50 1 rank keep-views", "finite check 2 ranks", "collectives 2 rank(s)",
+        "resnet50 1 rank reducer-on", "resnet50 1 rank keep-views", "step profile 1 rank", "finite check 2 ranks",
+        "collectives 2 rank(s)",
         "train 1 rank", "train 2 ranks", "collectives 4 rank(s)"]
 SOCKETS = {"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}
 VARIANTS = ("gpucomm", "ddp-default", "ddp-best", "no-comm")
@@ -320,10 +321,12 @@ def test_the_pytest_log_stands_in_when_no_xml_was_written(sample_pytest, tmp_pat
 
 @pytest.fixture(scope="module")
 def cpu_runs(tmp_path_factory):
-    """Real 1-rank CPU runs of collectives.py and optimizer_vs_ddp.py, the JSON they wrote."""
+    """Real 1-rank CPU runs of collectives.py, optimizer_vs_ddp.py and step_profile.py, the JSON they wrote."""
     where = tmp_path_factory.mktemp("cpu_runs")
     runs = {"collectives": ["benchmarks/collectives.py", "--device", "cpu", "--quick", "--plot", ""],
-            "optimizer": ["benchmarks/optimizer_vs_ddp.py", "--quick", "--model", "cnn"]}
+            "optimizer": ["benchmarks/optimizer_vs_ddp.py", "--quick", "--model", "cnn"],
+            "step_profile": ["benchmarks/step_profile.py", "--device", "cpu", "--model", "cnn", "--warmup", "1",
+                             "--steps", "2", "--rounds", "2", "--top", "3", "--one-rank-reducer"]}
     docs = {}
     for name, argv in runs.items():
         path = where / f"{name}.json"
@@ -386,6 +389,22 @@ def cuda_optimizer_run(cpu_doc: dict, asked: str | None, *, compiled: list[str],
     status.update(path="torch" if asked == "fallback" else "kernels", compiled=compiled,  # "packed": kernels
                   launch="driver" if compiled else None)
     doc["fusion"] = status
+    return doc
+
+
+SYNC_LINE = "gpucomm/dataplane/reducer.py:181(finish)"
+
+
+def as_cuda_profile(doc: dict) -> dict:
+    """A CPU step_profile.py JSON as a GPU run writes it: on CUDA, with the synchronizing calls torch's sync
+    debug mode found (one per step through gpucomm, at ``SYNC_LINE``; one in the plain step)."""
+    doc = copy.deepcopy(doc)
+    doc["device"] = "cuda"
+    doc["sync_calls"] = {
+        "gpucomm": {"per_step": 2.0, "gpucomm_per_step": 1.0, "gpucomm_lines": [{"line": SYNC_LINE, "per_step": 1.0}],
+                    "other_lines": [{"line": "torch/optim/sgd.py:80(step)", "per_step": 1.0}]},
+        "plain": {"per_step": 1.0, "gpucomm_per_step": 0.0, "gpucomm_lines": [],
+                  "other_lines": [{"line": "torch/optim/sgd.py:80(step)", "per_step": 1.0}]}}
     return doc
 
 
@@ -455,6 +474,7 @@ def summarized(cpu_runs, sample_pytest, tmp_path_factory):
                                                             step_s={**STEP_S, "gpucomm": 0.088}, ranks=1),
                                        "zero_grad": "keep-views"},
         "pack_bw.json": pack_run(2000.0),
+        "step_profile_1.json": as_cuda_profile(cpu_runs["step_profile"]),
         "train_1.json": train_run(1),
         "finite_check_2.json": {"model": "resnet50", "device": "cuda:0", "ranks": 2, "batch_per_rank": 32,
                                 "mode": "auto", "step_s": {"checked": 0.0905, "plain": 0.0900},
@@ -477,12 +497,27 @@ def test_summary_json_holds_every_part(summarized):
                         "train 2 ranks": "no results", "collectives 4 rank(s)": "no results"}
     tests = {c["id"]: c["outcome"] for c in doc["gpu_tests"]["cases"]}
     assert len(tests) == len(EXPECTED_OUTCOMES) and tests["suite.test_sample::test_param[2]"] == "failed"
-    assert set(doc["figures"]) == {"resnet50", "pack_bw", "collectives", "train", "finite_check"}
+    assert set(doc["figures"]) == {"resnet50", "pack_bw", "collectives", "train", "finite_check", "step_profile"}
     assert doc["figures"]["finite_check"]["cost_pct_of_step"] == 0.56
     finite = next(s for s in doc["steps"] if s["name"] == "finite check 2 ranks")
     assert "+0.56% of the step" in finite["figures"][0] and "checked (auto)" in finite["figures"][0], finite
     assert [c["ranks"] for c in doc["figures"]["collectives"]] == [1, 2]
     assert sorted(p.name for p in out.iterdir()) == ["raw", "summary.json", "summary.md", "summary.txt"]
+
+
+def test_the_step_profile_names_the_host_time_added_and_the_lines_that_wait_for_the_gpu(summarized):
+    _, doc, md, files = summarized
+    run, f = files["step_profile_1.json"], doc["figures"]["step_profile"]
+    assert f["cpu_ms_per_step"] == run["cpu_ms_per_step"] and f["issue_ms_per_step"] == run["issue_ms_per_step"]
+    assert f["gpucomm_sync_calls_per_step"] == 1.0 and f["gpucomm_sync_lines"][0]["line"] == SYNC_LINE
+    assert f["gpucomm_python_calls_per_step"] == run["profiles"]["gpucomm"]["gpucomm_calls_per_step"] > 0
+    assert f["counters_per_step"]["collectives"] > 0  # the one-rank reducer ran: its counters moved
+    step = next(s for s in doc["steps"] if s["name"] == "step profile 1 rank")
+    issue = run["issue_ms_per_step"]
+    assert f"added {issue['gpucomm'] - issue['plain']:.2f}" in step["figures"][1], step["figures"]
+    assert f"1 through gpucomm ({SYNC_LINE} x1); the plain step's 1" in step["figures"][2], step["figures"]
+    assert "Python calls per step in gpucomm: " in step["figures"][3] and "heaviest" in step["figures"][3]
+    assert "synchronizing CUDA calls per step" in md
 
 
 def test_collectives_figures_put_gpucomm_beside_nccl_and_torch(summarized):

@@ -32,6 +32,7 @@ __all__ = ["pack", "unpack", "clear_cache", "cache_info", "compile_variant", "La
 _CACHE = TableCache()
 _PTR, _NUMEL, _CONTIG = torch.Tensor.data_ptr, torch.Tensor.numel, torch.Tensor.is_contiguous
 _DTYPE = operator.attrgetter("dtype")
+_GET_DEVICE = torch.Tensor.get_device
 _unavailable: list[str] = []  # cached reason why CUDA kernels cannot run here ("" = they can)
 
 
@@ -215,13 +216,13 @@ def rebased_layout(base: Layout, direction: str, tensors: Sequence[torch.Tensor]
     if (plan is None or table is None or base.launch is None or flat.data_ptr() != base.flat_ptr
             or flat.dtype is not base.flat_dtype or not flat.is_contiguous()):
         return None
-    dtype = _DTYPE(tensors[0])
+    # C-level passes only: a bucket's dozens of gradients cost no Python call each (tests/kernels/test_sim.py
+    # counts the calls of a rebase); ``get_device`` is an int (-1 on the CPU), no device object per tensor
+    dtype = base.dtype
     if (tuple(map(_NUMEL, tensors)) != plan.numels or not all(map(_CONTIG, tensors))
-            or any(t.dtype is not dtype for t in tensors) or dtype != base.dtype):
+            or set(map(_DTYPE, tensors)) != {dtype} or set(map(_GET_DEVICE, tensors)) != {flat.get_device()}):
         return None
     device = flat.device
-    if any(t.device != device for t in tensors):
-        return None
     if device.type == "cuda":
         if base.staging is None:
             base.staging = Staging(table.rows.shape)

@@ -584,3 +584,43 @@ def _bf16_reductions() -> dict:
             "scattered": sorted(set(scattered.float().reshape(-1).tolist())), "scattered_shape": list(scattered.shape),
             "averaged": sorted(set(averaged.float().tolist())), "gloo": stats["gloo_collectives"]}
 
+
+
+def syncs_in_steady_steps(steps: int = 3, warmup: int = 3) -> dict:
+    """The synchronizing CUDA calls (torch's sync debug mode: ``benchmarks/sync_check.py``) that gpucomm
+    makes in steady-state DistributedOptimizer steps, the finite check at its default, several buckets:
+    a step must only queue its work. The steps end with no host wait inside the recorded window."""
+    import os
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "benchmarks"))
+    from sync_check import SyncRecorder  # noqa: PLC0415
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.BatchNorm2d(16), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(16 * 14 * 14, 256), nn.ReLU(), nn.Linear(256, 10)).cuda()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    x, y = torch.randn(8, 3, 16, 16, device="cuda"), torch.randint(0, 10, (8,), device="cuda")
+
+    def step() -> None:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    before = hvd.stats()
+    package = os.path.dirname(os.path.dirname(os.path.abspath(hvd.__file__)))  # .../gpucomm
+    with SyncRecorder(package) as recorder:
+        for _ in range(steps):
+            step()
+    torch.cuda.synchronize()
+    after = hvd.stats()
+    buckets = len(opt._buckets.buckets)
+    hvd.shutdown()
+    return {"ours": [frames[-6:] for _, frames in recorder.ours()], "lines": dict(recorder.by_line(recorder.ours())),
+            "all": len(recorder.records), "buckets": buckets,
+            "collectives": after["collectives"] - before["collectives"]}
