@@ -113,8 +113,8 @@ def sync_calls(body, device: torch.device, n: int, top: int) -> dict[str, Any]:
     ours = recorder.ours()
     return {"per_step": len(recorder.records) / n, "gpucomm_per_step": len(ours) / n,
             "gpucomm_lines": [{"line": k, "per_step": v / n} for k, v in recorder.by_line(ours).most_common(top)],
-            "other_lines": [{"line": k, "per_step": v / n} for k, v in recorder.by_line().most_common(top)
-                            if k not in dict(recorder.by_line(ours))]}
+            "other_lines": [{"line": k, "per_step": v / n}
+                            for k, v in (recorder.by_line() - recorder.by_line(ours)).most_common(top)]}
 
 
 def cpu_ms(step, n: int) -> float:
@@ -215,7 +215,7 @@ def report(res: dict[str, Any]) -> None:
     print(f"# {res['model']} on {res['device']}, {res['ranks']} rank(s), batch {res['batch_size']}: "
           f"CPU ms per step gpucomm {ms['gpucomm']:.2f} | plain {ms['plain']:.2f} | added {ms['gpucomm'] - ms['plain']:.2f}")
     ms = res["issue_ms_per_step"]
-    print(f"# issue ms per step (the host queueing a step, the GPU idle at its start): gpucomm {ms['gpucomm']:.2f} | "
+    print(f"# issue ms per step (the host queueing a step from an idle start): gpucomm {ms['gpucomm']:.2f} | "
           f"plain {ms['plain']:.2f} | added {ms['gpucomm'] - ms['plain']:.2f}")
     syncs = res["sync_calls"]
     if syncs is not None:

@@ -1,13 +1,15 @@
 """The synchronizing CUDA calls a block of code makes, and who made them.
 
 A host that waits for the GPU in the middle of a step (a ``.item()``, a ``.tolist()`` or ``bool()`` of a
-CUDA tensor, a copy from pageable memory, a stream synchronize) loses the lead it had over the GPU: the
+CUDA tensor, any blocking copy between host and device, a stream synchronize) loses the lead it had over the GPU: the
 GPU then idles while the host queues the next kernels, and the wait is counted as the host's CPU time
 too (the CUDA runtime spins while it waits). A step that should queue its work and return must make
 none. torch's sync debug mode (``torch.cuda.set_sync_debug_mode("warn")``) warns at every such call in
 torch; ``SyncRecorder`` turns those warnings, from every thread, into records with the Python stack
-that made the call, so a report can name the line. Event and device synchronizes, and CUDA calls made
-by CuPy or Numba, are not seen by torch's mode: the step's issue time (``step_profile.py``) shows those.
+that made the call, so a report can name the line. Not seen by torch's mode: event and device
+synchronizes (gpucomm's pinned upload ring waits on an event when the host runs three rebases ahead of
+the GPU, ``kernels/table.py``), non-blocking copies from pageable memory, and CUDA calls made by CuPy or
+Numba; the step's issue time (``step_profile.py``) shows any wait, whoever made it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class SyncRecorder:
     def __enter__(self) -> "SyncRecorder":
         import torch  # noqa: PLC0415 - only where CUDA is used
 
+        self._mode = torch.cuda.get_sync_debug_mode()  # first: it raises where CUDA cannot start, changing nothing
         self._catch = warnings.catch_warnings()  # restores the filters and showwarning on the way out
         self._catch.__enter__()
         shown = warnings.showwarning
@@ -54,8 +57,12 @@ class SyncRecorder:
                 self.records.append((threading.current_thread().name, frames))
 
         warnings.showwarning = show
-        self._mode = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            torch.cuda.set_sync_debug_mode("warn")
+        except BaseException:
+            self._catch.__exit__(None, None, None)
+            self._catch = None
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:

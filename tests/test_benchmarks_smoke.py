@@ -678,6 +678,21 @@ def test_sync_recorder_keeps_each_sync_warnings_stack_and_lets_other_warnings_th
     assert check.SyncRecorder("/nowhere").ours() == []
 
 
+def test_a_sync_recorder_that_cannot_start_changes_no_warning_state():
+    import warnings
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA starts here: the recorder would work")
+    check = _load("sync_check")
+    filters, shown = list(warnings.filters), warnings.showwarning
+    with pytest.raises((AssertionError, RuntimeError)):  # CPU torch: not compiled with CUDA; CUDA torch: no driver
+        with check.SyncRecorder("/nowhere"):
+            pass
+    assert warnings.filters == filters and warnings.showwarning is shown
+
+
 # -- the fair anchors' pieces (benchmarks/anchors.py), without a job --------------------------------
 
 

@@ -60,6 +60,7 @@ def test_a_steady_training_step_makes_no_synchronizing_cuda_call(size, env):
     for rank, seen in enumerate(run_ranks(sc.syncs_in_steady_steps, size, env={**SINGLE, **small, **env},
                                           timeout=600)):
         assert seen["buckets"] > 1 and seen["collectives"] >= 3 * seen["buckets"], (rank, seen)
+        assert seen["control"] == 1, (rank, seen)  # the recorder saw the one sync the scenario made on purpose
         assert seen["ours"] == [], (rank, seen["lines"], seen["ours"][:3])
 
 

@@ -32,7 +32,7 @@ __all__ = ["pack", "unpack", "clear_cache", "cache_info", "compile_variant", "La
 _CACHE = TableCache()
 _PTR, _NUMEL, _CONTIG = torch.Tensor.data_ptr, torch.Tensor.numel, torch.Tensor.is_contiguous
 _DTYPE = operator.attrgetter("dtype")
-_GET_DEVICE = torch.Tensor.get_device
+_DEVICE = operator.attrgetter("device")
 _unavailable: list[str] = []  # cached reason why CUDA kernels cannot run here ("" = they can)
 
 
@@ -209,7 +209,7 @@ def new_layout(direction: str, tensors: Sequence[torch.Tensor], flat: torch.Tens
 def rebased_layout(base: Layout, direction: str, tensors: Sequence[torch.Tensor], flat: torch.Tensor,
                    stream: Any) -> Layout | None:
     """``base``'s layout for the same tensors at new addresses (the same flat buffer, element counts,
-    dtype and contiguity, checked here in three C-level passes), or None when anything else differs (the
+    dtype, contiguity and device, checked here in C-level passes), or None when anything else differs (the
     caller then checks the layout in full). Only the tensors' column of the table is recomputed and
     uploaded through the bucket's pinned ring: no validation, splitting, compilation or pinning."""
     plan, table = base.plan, base.table
@@ -217,12 +217,11 @@ def rebased_layout(base: Layout, direction: str, tensors: Sequence[torch.Tensor]
             or flat.dtype is not base.flat_dtype or not flat.is_contiguous()):
         return None
     # C-level passes only: a bucket's dozens of gradients cost no Python call each (tests/kernels/test_sim.py
-    # counts the calls of a rebase); ``get_device`` is an int (-1 on the CPU), no device object per tensor
-    dtype = base.dtype
+    # counts the calls of a rebase)
+    dtype, device = base.dtype, flat.device
     if (tuple(map(_NUMEL, tensors)) != plan.numels or not all(map(_CONTIG, tensors))
-            or set(map(_DTYPE, tensors)) != {dtype} or set(map(_GET_DEVICE, tensors)) != {flat.get_device()}):
+            or set(map(_DTYPE, tensors)) != {dtype} or set(map(_DEVICE, tensors)) != {device}):
         return None
-    device = flat.device
     if device.type == "cuda":
         if base.staging is None:
             base.staging = Staging(table.rows.shape)

@@ -589,12 +589,17 @@ def _bf16_reductions() -> dict:
 def syncs_in_steady_steps(steps: int = 3, warmup: int = 3) -> dict:
     """The synchronizing CUDA calls (torch's sync debug mode: ``benchmarks/sync_check.py``) that gpucomm
     makes in steady-state DistributedOptimizer steps, the finite check at its default, several buckets:
-    a step must only queue its work. The steps end with no host wait inside the recorded window."""
+    a step must only queue its work. The steps end with no host wait inside the recorded window, which
+    closes with one deliberate sync made here (``control``: proof that the recorder sees them)."""
+    import importlib.util
     import os
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                    "benchmarks"))
-    from sync_check import SyncRecorder  # noqa: PLC0415
+    # benchmarks/ is no package and stays off sys.path (this worker is pooled): the module by its path
+    where = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks",
+                         "sync_check.py")
+    spec = importlib.util.spec_from_file_location("gpucomm_bench_sync_check", where)
+    sync_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sync_check)
 
     hvd.init()
     torch.manual_seed(0)
@@ -614,13 +619,15 @@ def syncs_in_steady_steps(steps: int = 3, warmup: int = 3) -> dict:
     torch.cuda.synchronize()
     before = hvd.stats()
     package = os.path.dirname(os.path.dirname(os.path.abspath(hvd.__file__)))  # .../gpucomm
-    with SyncRecorder(package) as recorder:
+    with sync_check.SyncRecorder(package) as recorder:
         for _ in range(steps):
             step()
+        torch.ones(1, device="cuda").item()  # the control: one sync, made here, that the recorder must see
     torch.cuda.synchronize()
+    control = sum(1 for _, frames in recorder.records if frames and frames[-1].endswith("(syncs_in_steady_steps)"))
     after = hvd.stats()
     buckets = len(opt._buckets.buckets)
     hvd.shutdown()
     return {"ours": [frames[-6:] for _, frames in recorder.ours()], "lines": dict(recorder.by_line(recorder.ours())),
-            "all": len(recorder.records), "buckets": buckets,
+            "all": len(recorder.records), "control": control, "buckets": buckets,
             "collectives": after["collectives"] - before["collectives"]}
