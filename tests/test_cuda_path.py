@@ -163,6 +163,27 @@ def test_a_failing_query_leaves_the_new_collective_watched_and_fails_the_job_onc
         watchdog.close()
 
 
+def test_a_shutdown_after_a_failed_query_names_the_failure_not_a_timeout(cuda, caplog):
+    """Before: ``close`` of a plane whose watchdog had found a CUDA error said "CUDA collectives were still
+    running after 300 s", at once: drain gives up on a failed job without waiting, and the message blamed
+    the clock."""
+    import logging
+
+    from gpucomm.dataplane.plane import DataPlane
+
+    plane = DataPlane(0, 300.0)
+    cuda.hold = True
+    event = plane.events.record(11, 0)
+    plane.watchdog.watch(event, 0, _Request("broken"), 11)
+    cuda.failing.add(event)
+    with caplog.at_level(logging.WARNING, logger="gpucomm"):
+        plane.close(failed=False)
+    text = caplog.text
+    assert "the job's CUDA work had failed (CUDA reported an error while allreduce 'broken' was in flight" in text
+    assert "still running after" not in text
+    assert plane.watchdog.failure.startswith("CUDA reported an error while allreduce 'broken'")
+
+
 def test_stand_in_done_events_go_back_to_the_pool(cuda):
     cuda.gpu_types = frozenset({"cuda", "cpu"})  # the zeros are CPU tensors taking the CUDA path
     """Before: a joined rank's stand-in collectives were never marked waited for, so their done

@@ -173,8 +173,13 @@ class DataPlane:
         timeout for its CUDA work to finish, then destroys them; a failed one (or one whose work
         does not finish) aborts them."""
         if not failed and not self.watchdog.drain(self.timeout):
-            log.warning("gpucomm shutdown: CUDA collectives were still running after %.0f s; aborting the NCCL "
-                        "communicators instead of destroying them", self.timeout)
+            found = self.watchdog.failure
+            if found is not None:  # drain gave up at once: the work had failed, it was not slow
+                log.warning("gpucomm shutdown: the job's CUDA work had failed (%s); aborting the NCCL communicators "
+                            "instead of destroying them", found)
+            else:
+                log.warning("gpucomm shutdown: CUDA collectives were still running after %.0f s (GPUCOMM_TIMEOUT); "
+                            "aborting the NCCL communicators instead of destroying them", self.timeout)
             failed = True
         if failed and self._failure is None:
             self.fail(CollectiveError("the job was shut down while CUDA collectives were still running"))

@@ -63,6 +63,7 @@ class NcclWatchdog:
         self._query_error: str | None = None  # a failed query, to report outside the lock
         self._reported = False  # the job's failure was reported (once)
         self.failed = False  # a failure was found (then nothing counts as drained)
+        self.failure: str | None = None  # what it was, for a shutdown that finds the work undrained
         self.retired = 0  # done events returned to the pool
         events.reclaim = self.reclaim
 
@@ -116,10 +117,12 @@ class NcclWatchdog:
                 try:
                     done = query(entry.event)
                 except Exception as e:  # noqa: BLE001 - CUDA's error: the job's failure, reported once
+                    text = (f"CUDA reported an error while {entry.request.describe()} was in flight on rank "
+                            f"{self.rank} (GPU {entry.device}): {e}")
                     if self._query_error is None and not self._reported:
-                        self._query_error = (f"CUDA reported an error while {entry.request.describe()} was in flight "
-                                             f"on rank {self.rank} (GPU {entry.device}): {e}")
+                        self._query_error = text
                     self.failed = True  # nothing counts as drained from now on
+                    self.failure = self.failure or text
                     return False
                 if not done:
                     break
@@ -169,6 +172,7 @@ class NcclWatchdog:
                    f"hangs before this collective, or cannot reach this one")
         with self._lock:
             self.failed = self._reported = True  # before clearing: a drain after this never reports "all finished"
+            self.failure = self.failure or why
             self._queues.clear()
         self._stop.set()
         self._fail(why + ". The NCCL communicators were aborted. " + NCCL_HINT)
