@@ -29,6 +29,7 @@ class Counters:
     kernel_fallbacks: int = 0  # times this process gave up the fusion kernels for torch ops (at most once; see gpucomm.kernels.status())
     kernel_tables_built: int = 0  # fusion-kernel tables built from a layout checked in full (steady state: 0 per step)
     kernel_tables_rebased: int = 0  # ... re-pointed at a bucket's reallocated gradients (zero_grad(set_to_none=True))
+    kernel_tables_rewritten: int = 0  # ... of which written over the table in place (same stream: no new table)
     cuda_events_created: int = 0  # CUDA events made because the pool had none free (steady state: 0 per step)
     cuda_event_records: int = 0  # CUDA events the data plane recorded (a step: one per bucket launch, one at its end)
     cuda_stream_waits: int = 0  # CUDA stream waits on an event the data plane enqueued

@@ -8,7 +8,9 @@ the first set of addresses; a call then makes one C-level pass over the tensors 
 ``data_ptr()``), compares it with the bound one and launches. A new address set for the same
 element counts, dtype and contiguity (three more C-level passes) is a rebase: only the tensors'
 column of the table is recomputed and uploaded through the bucket's pinned ring
-(``packing.rebased_layout``). The last few address sets are kept, so layouts that alternate are
+(``packing.rebased_layout``), over the table itself while every launch that read it was on the
+same stream (the steady state: the same table, launch and flags every step). Address sets bound
+to tables of their own (another stream) are kept, the last few, so layouts that alternate there are
 not rebuilt either.
 
 The caller's promise: the tensors passed on later calls have the shapes and dtype of the first
@@ -93,6 +95,8 @@ class BoundCopy:
                 layout = new_layout(self.direction, tensors, flat, self.scale, stream, self.checked)  # checks everything
             if key is None:
                 return layout
+            if layout is base:  # rewritten in place: the address sets it was bound to are gone
+                self._layouts = {k: v for k, v in self._layouts.items() if v is not base}
             if len(self._layouts) >= _KEEP:
                 self._layouts.pop(next(iter(self._layouts)))
             self._layouts[key] = layout

@@ -211,7 +211,10 @@ def rebased_layout(base: Layout, direction: str, tensors: Sequence[torch.Tensor]
     """``base``'s layout for the same tensors at new addresses (the same flat buffer, element counts,
     dtype, contiguity and device, checked here in C-level passes), or None when anything else differs (the
     caller then checks the layout in full). Only the tensors' column of the table is recomputed and
-    uploaded through the bucket's pinned ring: no validation, splitting, compilation or pinning."""
+    uploaded through the bucket's pinned ring: no validation, splitting, compilation or pinning. Where
+    the table may be written over (``Table.rewritable``: every launch that read it was on ``stream``)
+    the new rows go over it and ``base`` itself is returned, now pointing at the new tensors: no new
+    table, launch or flags; else a new layout with its own."""
     plan, table = base.plan, base.table
     if (plan is None or table is None or base.launch is None or flat.data_ptr() != base.flat_ptr
             or flat.dtype is not base.flat_dtype or not flat.is_contiguous()):
@@ -227,9 +230,14 @@ def rebased_layout(base: Layout, direction: str, tensors: Sequence[torch.Tensor]
             base.staging = Staging(table.rows.shape)
     column, itemsize = (0, base.spec.src_itemsize) if direction == "pack" else (1, base.spec.dst_itemsize)
     addrs = np.fromiter(map(_PTR, tensors), dtype=np.int64, count=len(tensors))
+    COUNTERS.kernel_tables_rebased += 1
+    if table.rewritable(stream):  # the steady state: the same table, launch and flags, new rows uploaded
+        plan.repoint(table.rows, column, addrs, itemsize)
+        table.rewrite(stream, base.staging)
+        COUNTERS.kernel_tables_rewritten += 1
+        return base
     rows = plan.rebase(table.rows, column, addrs, itemsize)
     new_table = Table(rows, table.grid, device, stream, staging=base.staging)
-    COUNTERS.kernel_tables_rebased += 1
     finite = base.finite
     if finite is not None:  # its own flags (a launch of the old layout may still be in flight); the same row map
         with stream_context(stream if device.type == "cuda" else None):

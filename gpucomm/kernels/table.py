@@ -8,7 +8,9 @@ gradient is reallocated (``zero_grad(set_to_none=True)``), its address changes, 
 and a fresh table is built; the old one ages out of a small LRU.
 
 On CUDA the rows go host -> pinned -> device with a non-blocking copy on the launch stream, so
-building a table never synchronises the host. A table first used on another stream makes that
+building a table never synchronises the host. A bucket whose gradients moved (``BoundCopy``) writes
+its new rows over its table in place when every launch that read it was on the same stream
+(``Table.rewrite``): stream order puts the upload after those launches and before the next one. A table first used on another stream makes that
 stream wait for the upload and is ``record_stream``-ed there, so the caching allocator cannot
 hand its memory out while a kernel may still read it. In the simulator the NumPy rows are the
 "device" array: kernels read them through their host address.
@@ -72,10 +74,13 @@ class RowPlan:
 
     def rebase(self, rows: np.ndarray, column: int, addrs: np.ndarray, itemsize: int) -> np.ndarray:
         """A copy of ``rows`` whose ``column`` (0: sources, 1: destinations) points into tensors at ``addrs``."""
-        out = rows.copy()
+        return self.repoint(rows.copy(), column, addrs, itemsize)
+
+    def repoint(self, rows: np.ndarray, column: int, addrs: np.ndarray, itemsize: int) -> np.ndarray:
+        """``rows`` itself, its ``column`` now pointing into tensors at ``addrs``."""
         if len(self.tensor):
-            out[:, column] = addrs[self.tensor] + self.start * itemsize
-        return out
+            np.add(addrs[self.tensor], self.start * itemsize, out=rows[:, column])
+        return rows
 
 
 class Staging:
@@ -129,6 +134,29 @@ class Table:
             self._pinned = None  # the ring owns it; the event says when it may be written again
         self._streams.add(stream.cuda_stream)
         self.address = self._device_rows.data_ptr()
+
+    def rewritable(self, stream: Any) -> bool:
+        """Whether new rows may go over this table in place, on ``stream``: in the simulator and on the CPU
+        (the kernel reads ``rows`` itself, and runs before the call returns), or on a GPU when every
+        launch that read the table was queued on ``stream`` (then an upload queued there comes after
+        them all, and the launches after it read the new rows)."""
+        if self._device_rows is None:
+            return True
+        return stream is not None and self._streams == {stream.cuda_stream}
+
+    def rewrite(self, stream: Any, staging: Staging) -> None:
+        """Upload ``rows`` (changed in place by the caller) over the table where the kernel reads it, in
+        ``stream``'s order, through the bucket's pinned ring (``rewritable`` must hold): no allocation,
+        no new launch, no host wait."""
+        if self._device_rows is None:
+            return
+        slot = staging.take()
+        slot[0].numpy()[...] = self.rows
+        with torch.cuda.stream(stream):
+            self._device_rows.copy_(slot[0], non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        slot[1] = self._ready = ready  # the slot is written again once this upload has read it
 
     def use_on(self, stream: Any) -> None:
         """Make ``stream`` safe to read this table: wait for the upload, keep the memory alive."""

@@ -187,3 +187,68 @@ def test_bound_copy_follows_reallocated_gradients():
         copy(srcs, flat)
         torch.cuda.synchronize()
         assert torch.equal(flat, torch.cat(srcs) * 2)
+
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_a_table_rewritten_in_place_is_read_in_stream_order(checked):
+    """A bucket whose gradients move every step gets its new rows written over its table, in the launch
+    stream's order (``Table.rewrite``): with the host far ahead of the GPU (a sleep queued first), every
+    step's pack must still read that step's tensors, and the finite check flag that step's NaN only."""
+    from gpucomm.counters import COUNTERS  # noqa: PLC0415
+    from gpucomm.kernels import BoundCopy  # noqa: PLC0415
+
+    copy = BoundCopy("pack", 2.0, checked=checked)
+    sizes = [1000, 5000, 3]
+    flat = torch.empty(sum(sizes), device="cuda")
+    steps, outs, slots, wants = 12, [], [], []
+    copy([torch.zeros(n, device="cuda") for n in sizes], flat, check_out=torch.zeros(1, device="cuda"))
+    torch.cuda.synchronize()
+    built, rewritten = COUNTERS.kernel_tables_built, COUNTERS.kernel_tables_rewritten
+    torch.cuda._sleep(300_000_000)  # the GPU is busy: every upload and launch below is queued behind it
+    for step in range(steps):
+        srcs = [torch.full((n,), float(step + i), device="cuda") for i, n in enumerate(sizes)]
+        if checked and step == 7:
+            srcs[1][4321] = float("nan")
+        slot = torch.full((1,), -1.0, device="cuda")
+        copy(srcs, flat, check_out=slot if checked else None)
+        outs.append(flat.clone())  # queued after this step's pack, before the next step's upload
+        slots.append(slot)
+        wants.append([float(step + i) * 2 for i in range(len(sizes))])
+        del srcs  # freed: the caching allocator may hand the memory to the next step's tensors
+    torch.cuda.synchronize()
+    assert COUNTERS.kernel_tables_built == built  # no table built: every step wrote over the same one
+    assert COUNTERS.kernel_tables_rewritten - rewritten == steps
+    for step, (out, want) in enumerate(zip(outs, wants)):
+        pieces = torch.split(out.cpu(), sizes)
+        for i, (piece, value) in enumerate(zip(pieces, want)):
+            if checked and step == 7 and i == 1:
+                assert torch.isnan(piece[4321]) and torch.all(piece[:4321] == value), step
+            else:
+                assert torch.all(piece == value), (step, i, piece[:4])
+        if checked:
+            assert float(slots[step]) == (2.0 if step == 7 else 0.0), (step, float(slots[step]))
+
+
+def test_a_table_read_on_a_second_stream_is_not_written_over():
+    """Once another stream launched from a bucket's table, a move of its tensors builds a new table
+    (stream order no longer covers every reader); the results stay right on both streams."""
+    from gpucomm.counters import COUNTERS  # noqa: PLC0415
+    from gpucomm.kernels import BoundCopy  # noqa: PLC0415
+
+    copy = BoundCopy("pack")
+    flat = torch.empty(4000, device="cuda")
+    side = torch.cuda.Stream()
+    first = [torch.full((4000,), 1.0, device="cuda")]
+    copy(first, flat)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        copy(first, flat)  # the same layout, launched on the side stream too (behind the sleep)
+        seen_side = flat.clone()
+    rewritten, rebased = COUNTERS.kernel_tables_rewritten, COUNTERS.kernel_tables_rebased
+    second = [torch.full((4000,), 2.0, device="cuda")]
+    torch.cuda.current_stream().wait_stream(side)  # the user's order: the side stream's pack first
+    copy(second, flat)  # moved tensors, default stream: a new table while the side stream may still read the old
+    assert COUNTERS.kernel_tables_rebased - rebased == 1 and COUNTERS.kernel_tables_rewritten == rewritten
+    torch.cuda.synchronize()
+    assert torch.all(seen_side == 1.0) and torch.all(flat == 2.0)
