@@ -146,8 +146,10 @@ class Table:
 
     def rewrite(self, stream: Any, staging: Staging) -> None:
         """Upload ``rows`` (changed in place by the caller) over the table where the kernel reads it, in
-        ``stream``'s order, through the bucket's pinned ring (``rewritable`` must hold): no allocation,
-        no new launch, no host wait."""
+        ``stream``'s order, through the bucket's pinned ring (``rewritable`` must hold): no allocation and
+        no new launch; the host waits only when it runs more than the ring's three uploads ahead of the
+        GPU (``Staging.take``). Each upload records an event of its own: a slot's event is never shared, so
+        waiting on a table's ``_ready`` always means that table's last upload is done."""
         if self._device_rows is None:
             return
         slot = staging.take()

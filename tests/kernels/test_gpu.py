@@ -192,35 +192,41 @@ def test_bound_copy_follows_reallocated_gradients():
 @pytest.mark.parametrize("checked", [False, True])
 def test_a_table_rewritten_in_place_is_read_in_stream_order(checked):
     """A bucket whose gradients move every step gets its new rows written over its table, in the launch
-    stream's order (``Table.rewrite``): with the host far ahead of the GPU (a sleep queued first), every
-    step's pack must still read that step's tensors, and the finite check flag that step's NaN only."""
+    stream's order (``Table.rewrite``): with the host ahead of the GPU (a sleep queued first; the pinned
+    ring lets it run three rewrites ahead), every step's pack must still read that step's tensors, and the
+    finite check flag that step's NaN only."""
     from gpucomm.counters import COUNTERS  # noqa: PLC0415
     from gpucomm.kernels import BoundCopy  # noqa: PLC0415
 
     copy = BoundCopy("pack", 2.0, checked=checked)
     sizes = [1000, 5000, 3]
     flat = torch.empty(sum(sizes), device="cuda")
-    steps, outs, slots, wants = 12, [], [], []
-    copy([torch.zeros(n, device="cuda") for n in sizes], flat, check_out=torch.zeros(1, device="cuda"))
+    steps, outs, slots, seen = 12, [], [], []
+    previous = [torch.zeros(n, device="cuda") for n in sizes]
+    copy(previous, flat, check_out=torch.zeros(1, device="cuda"))
     torch.cuda.synchronize()
     built, rewritten = COUNTERS.kernel_tables_built, COUNTERS.kernel_tables_rewritten
-    torch.cuda._sleep(300_000_000)  # the GPU is busy: every upload and launch below is queued behind it
+    torch.cuda._sleep(300_000_000)  # the GPU is busy: the first uploads and launches below queue behind it
     for step in range(steps):
+        # allocated while the previous step's tensors still live: new addresses every step, as gradients get
+        # when zero_grad(set_to_none=True) frees them only after backward made the next ones
         srcs = [torch.full((n,), float(step + i), device="cuda") for i, n in enumerate(sizes)]
+        del previous
         if checked and step == 7:
             srcs[1][4321] = float("nan")
+        seen.append(tuple(t.data_ptr() for t in srcs))
         slot = torch.full((1,), -1.0, device="cuda")
         copy(srcs, flat, check_out=slot if checked else None)
         outs.append(flat.clone())  # queued after this step's pack, before the next step's upload
         slots.append(slot)
-        wants.append([float(step + i) * 2 for i in range(len(sizes))])
-        del srcs  # freed: the caching allocator may hand the memory to the next step's tensors
+        previous = srcs
     torch.cuda.synchronize()
+    assert all(a != b for a, b in zip(seen, seen[1:])), "the tensors did not move: nothing was rewritten"
     assert COUNTERS.kernel_tables_built == built  # no table built: every step wrote over the same one
     assert COUNTERS.kernel_tables_rewritten - rewritten == steps
-    for step, (out, want) in enumerate(zip(outs, wants)):
-        pieces = torch.split(out.cpu(), sizes)
-        for i, (piece, value) in enumerate(zip(pieces, want)):
+    for step, out in enumerate(outs):
+        for i, piece in enumerate(torch.split(out.cpu(), sizes)):
+            value = float(step + i) * 2
             if checked and step == 7 and i == 1:
                 assert torch.isnan(piece[4321]) and torch.all(piece[:4321] == value), step
             else:
@@ -230,25 +236,28 @@ def test_a_table_rewritten_in_place_is_read_in_stream_order(checked):
 
 
 def test_a_table_read_on_a_second_stream_is_not_written_over():
-    """Once another stream launched from a bucket's table, a move of its tensors builds a new table
-    (stream order no longer covers every reader); the results stay right on both streams."""
+    """Once another stream launched from a bucket's table, a move of its tensors builds a new table: an
+    upload over it on the default stream could land before the other stream's launch reads it. Here the
+    side stream's unpack (behind a sleep) must still write into its own tensors, not the moved ones."""
     from gpucomm.counters import COUNTERS  # noqa: PLC0415
     from gpucomm.kernels import BoundCopy  # noqa: PLC0415
 
-    copy = BoundCopy("pack")
-    flat = torch.empty(4000, device="cuda")
-    side = torch.cuda.Stream()
-    first = [torch.full((4000,), 1.0, device="cuda")]
+    copy = BoundCopy("unpack")
+    flat = torch.full((4000,), 5.0, device="cuda")
+    first = [torch.zeros(4000, device="cuda")]
     copy(first, flat)
     torch.cuda.synchronize()
+    assert torch.all(first[0] == 5.0)
+    first[0].zero_()
+    flat.fill_(7.0)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        torch.cuda._sleep(200_000_000)
-        copy(first, flat)  # the same layout, launched on the side stream too (behind the sleep)
-        seen_side = flat.clone()
+        torch.cuda._sleep(300_000_000)
+        copy(first, flat)  # the same layout, launched on the side stream (behind the sleep): into first
     rewritten, rebased = COUNTERS.kernel_tables_rewritten, COUNTERS.kernel_tables_rebased
-    second = [torch.full((4000,), 2.0, device="cuda")]
-    torch.cuda.current_stream().wait_stream(side)  # the user's order: the side stream's pack first
-    copy(second, flat)  # moved tensors, default stream: a new table while the side stream may still read the old
+    second = [torch.zeros(4000, device="cuda")]
+    copy(second, flat)  # moved tensors on the default stream, no wait for the side stream: a new table
     assert COUNTERS.kernel_tables_rebased - rebased == 1 and COUNTERS.kernel_tables_rewritten == rewritten
     torch.cuda.synchronize()
-    assert torch.all(seen_side == 1.0) and torch.all(flat == 2.0)
+    assert torch.all(first[0] == 7.0) and torch.all(second[0] == 7.0)  # each launch read its own rows
