@@ -859,9 +859,11 @@ def step_profile_figures(d: Any) -> dict[str, Any] | None:
     return {"model": d.get("model"), "ranks": d.get("ranks"), "device": d.get("device"),
             "cpu_ms_per_step": d.get("cpu_ms_per_step"), "issue_ms_per_step": d.get("issue_ms_per_step"),
             "sync_calls_per_step": {name: found.get("per_step") for name, found in syncs.items()} or None,
-            "gpucomm_sync_calls_per_step": ours.get("gpucomm_per_step"), "gpucomm_sync_lines": ours.get("gpucomm_lines"),
+            "gpucomm_sync_calls_per_step": ours.get("gpucomm_per_step"),
+            "gpucomm_sync_lines": ours.get("gpucomm_lines"),
             "gpucomm_python_calls_per_step": profile.get("gpucomm_calls_per_step"),
-            "heaviest_own_us_per_step": [(r["function"], r["own_us_per_step"]) for r in profile.get("by_own_time", [])[:8]],
+            "heaviest_own_us_per_step": [(r["function"], r["own_us_per_step"])
+                                         for r in profile.get("by_own_time", [])[:8]],
             "counters_per_step": d.get("gpucomm_counters_per_step")}
 
 

@@ -52,7 +52,8 @@ def test_one_issue_order_on_every_rank_with_nccl(size):
         assert seen["same"], rank
 
 
-@pytest.mark.parametrize("size, env", [(2, {}), (1, {"GPUCOMM_ONE_RANK_REDUCER": "1"})], ids=["2-ranks", "1-rank-reducer"])
+@pytest.mark.parametrize("size, env", [(2, {}), (1, {"GPUCOMM_ONE_RANK_REDUCER": "1"})],
+                         ids=["2-ranks", "1-rank-reducer"])
 def test_a_steady_training_step_makes_no_synchronizing_cuda_call(size, env):
     """A step queues its work and returns: a host wait inside it (a ``.item()``, a pageable copy, a stream
     synchronize) would drain the GPU's queue every step (issue 35: the reducer's host time)."""

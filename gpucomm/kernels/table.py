@@ -10,10 +10,10 @@ and a fresh table is built; the old one ages out of a small LRU.
 On CUDA the rows go host -> pinned -> device with a non-blocking copy on the launch stream, so
 building a table never synchronises the host. A bucket whose gradients moved (``BoundCopy``) writes
 its new rows over its table in place when every launch that read it was on the same stream
-(``Table.rewrite``): stream order puts the upload after those launches and before the next one. A table first used on another stream makes that
-stream wait for the upload and is ``record_stream``-ed there, so the caching allocator cannot
-hand its memory out while a kernel may still read it. In the simulator the NumPy rows are the
-"device" array: kernels read them through their host address.
+(``Table.rewrite``): stream order puts the upload after those launches and before the next one. A
+table first used on another stream makes that stream wait for the upload and is ``record_stream``-ed
+there, so the caching allocator cannot hand its memory out while a kernel may still read it. In the
+simulator the NumPy rows are the "device" array: kernels read them through their host address.
 """
 
 from __future__ import annotations
