@@ -65,9 +65,11 @@ class BoundCopy:
         if layout.total > flat.numel():
             layout = self._bind(None, tensors, flat, stream)  # a shorter view at the same address: raises
         launch = layout.launch
+        given = stream  # None: the current stream, where torch ops go without a stream context (~8 us each)
         if launch is None:
             if check_out is not None:
-                check_out.zero_()  # nothing to copy: nothing non-finite
+                with stream_context(given):
+                    check_out.zero_()  # nothing to copy: nothing non-finite
             return
         if flat.is_cuda:
             if stream is None:
@@ -77,20 +79,21 @@ class BoundCopy:
         if finite is None:
             launch(stream)
             return
-        with stream_context(stream):
+        with stream_context(given):  # the flags zeroed, the checked pack, its result: in the stream's order
             finite.flags.zero_()
-        launch(stream)
-        if check_out is not None:
-            finite.first_flagged(check_out, check_limit, stream)
+            launch(stream)
+            if check_out is not None:
+                finite.first_flagged(check_out, check_limit)
 
     def _bind(self, key: tuple | None, tensors: Sequence[torch.Tensor], flat: torch.Tensor, stream: Any) -> Layout:
         layout = self._layouts.get(key) if key is not None else None
         if layout is None:
+            current = stream is None  # then the rows' upload needs no stream context
             if flat.is_cuda:
                 stream = stream_for(stream, flat.device)
             base = self._layout
             if key is not None and base is not None and tensors:
-                layout = rebased_layout(base, self.direction, tensors, flat, stream)  # new addresses only
+                layout = rebased_layout(base, self.direction, tensors, flat, stream, current)  # new addresses only
             if layout is None:
                 layout = new_layout(self.direction, tensors, flat, self.scale, stream, self.checked)  # checks everything
             if key is None:

@@ -207,14 +207,15 @@ def new_layout(direction: str, tensors: Sequence[torch.Tensor], flat: torch.Tens
 
 
 def rebased_layout(base: Layout, direction: str, tensors: Sequence[torch.Tensor], flat: torch.Tensor,
-                   stream: Any) -> Layout | None:
+                   stream: Any, current: bool = False) -> Layout | None:
     """``base``'s layout for the same tensors at new addresses (the same flat buffer, element counts,
     dtype, contiguity and device, checked here in C-level passes), or None when anything else differs (the
     caller then checks the layout in full). Only the tensors' column of the table is recomputed and
     uploaded through the bucket's pinned ring: no validation, splitting, compilation or pinning. Where
     the table may be written over (``Table.rewritable``: every launch that read it was on ``stream``)
     the new rows go over it and ``base`` itself is returned, now pointing at the new tensors: no new
-    table, launch or flags; else a new layout with its own."""
+    table, launch or flags; else a new layout with its own. ``current``: ``stream`` is the current stream
+    of ``flat``'s device (the upload then needs no stream context)."""
     plan, table = base.plan, base.table
     if (plan is None or table is None or base.launch is None or flat.data_ptr() != base.flat_ptr
             or flat.dtype is not base.flat_dtype or not flat.is_contiguous()):
@@ -233,7 +234,7 @@ def rebased_layout(base: Layout, direction: str, tensors: Sequence[torch.Tensor]
     COUNTERS.kernel_tables_rebased += 1
     if table.rewritable(stream):  # the steady state: the same table, launch and flags, new rows uploaded
         plan.repoint(table.rows, column, addrs, itemsize)
-        table.rewrite(stream, base.staging)
+        table.rewrite(stream, base.staging, current)
         COUNTERS.kernel_tables_rewritten += 1
         return base
     rows = plan.rebase(table.rows, column, addrs, itemsize)

@@ -18,6 +18,7 @@ simulator the NumPy rows are the "device" array: kernels read them through their
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from typing import Any, Hashable
@@ -144,17 +145,18 @@ class Table:
             return True
         return stream is not None and self._streams == {stream.cuda_stream}
 
-    def rewrite(self, stream: Any, staging: Staging) -> None:
+    def rewrite(self, stream: Any, staging: Staging, current: bool = False) -> None:
         """Upload ``rows`` (changed in place by the caller) over the table where the kernel reads it, in
         ``stream``'s order, through the bucket's pinned ring (``rewritable`` must hold): no allocation and
         no new launch; the host waits only when it runs more than the ring's three uploads ahead of the
         GPU (``Staging.take``). Each upload records an event of its own: a slot's event is never shared, so
-        waiting on a table's ``_ready`` always means that table's last upload is done."""
+        waiting on a table's ``_ready`` always means that table's last upload is done. ``current``:
+        ``stream`` is the current stream of the table's device, where the copy goes without a context."""
         if self._device_rows is None:
             return
         slot = staging.take()
         slot[0].numpy()[...] = self.rows
-        with torch.cuda.stream(stream):
+        with contextlib.nullcontext() if current else torch.cuda.stream(stream):
             self._device_rows.copy_(slot[0], non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(stream)
