@@ -184,6 +184,72 @@ def test_a_shutdown_after_a_failed_query_names_the_failure_not_a_timeout(cuda, c
     assert plane.watchdog.failure.startswith("CUDA reported an error while allreduce 'broken'")
 
 
+def test_waiting_on_a_cuda_collective_after_the_job_failed_raises(cuda):
+    """Before: a CUDA handle's wait enqueued the stream wait and returned the buffers even when the job
+    had failed and its communicators were aborted meanwhile, so a training step could go on with what an
+    aborted kernel left half written."""
+    from gpucomm.dataplane.handles import Handle, Issued
+    from gpucomm.dataplane.requests import Request
+    from gpucomm.errors import CollectiveError
+    from gpucomm.reduce_op import ReduceOp
+
+    class Owner:
+        timeout = 5.0
+        has_peers = False
+        failed: CollectiveError | None = None
+
+        def wait_ready(self, handle, timeout):
+            pass
+
+        def failure(self):
+            return self.failed
+
+    def handle(owner: Owner) -> Handle:
+        t = torch.ones(3)
+        request = Request("allreduce", "grads", [t], outputs=[t], op=ReduceOp.SUM, device=t.device, set_id=0)
+        request.stream, request.index = 7, 0
+        return Handle(request, owner, Issued((), 1, lambda: [t], done_stream=9, release_done=lambda: None))
+
+    healthy = Owner()
+    assert torch.equal(handle(healthy).wait()[0], torch.ones(3))
+    aborted = Owner()
+    aborted.failed = CollectiveError("rank 1 died; the NCCL communicators were aborted")
+    with pytest.raises(CollectiveError, match="rank 1 died"):
+        handle(aborted).wait()
+
+
+def test_a_collective_waited_on_from_another_stream_keeps_its_inputs_alive_there(cuda):
+    """Before: only the results were marked used on the waiting stream. An asynchronous op submitted on
+    stream S1 and waited on from S2 left its input's memory to S1's pool, and S1 never waits for NCCL:
+    once the caller dropped the input, a new tensor on S1 could take that memory while NCCL still read it."""
+    from gpucomm.dataplane.handles import Handle, Issued
+    from gpucomm.dataplane.requests import Request
+    from gpucomm.reduce_op import ReduceOp
+
+    class Owner:
+        timeout = 5.0
+
+        def wait_ready(self, handle, timeout):
+            pass
+
+        def failure(self):
+            return None
+
+    cuda.gpu_types = frozenset({"cuda", "cpu"})  # these CPU tensors take the CUDA path
+
+    def waited_from(stream: int) -> int:
+        x, out = torch.ones(3), torch.zeros(3)
+        request = Request("allreduce", "x", [x], outputs=[out], op=ReduceOp.SUM, device=x.device, set_id=0)
+        request.stream, request.index, request.send = 7, 0, x
+        cuda.current = stream
+        before = cuda.calls["keep_alive"]
+        Handle(request, Owner(), Issued((), 1, lambda: [out], done_stream=9, release_done=lambda: None)).wait()
+        return cuda.calls["keep_alive"] - before
+
+    assert waited_from(7) == 0  # waited on its own stream: that stream waits for NCCL, nothing to mark
+    assert waited_from(8) == 1 + 2  # another stream: the result, and the input (sent and given) marked there
+
+
 def test_stand_in_done_events_go_back_to_the_pool(cuda):
     cuda.gpu_types = frozenset({"cuda", "cpu"})  # the zeros are CPU tensors taking the CUDA path
     """Before: a joined rank's stand-in collectives were never marked waited for, so their done

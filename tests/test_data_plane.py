@@ -83,6 +83,97 @@ def test_data_plane_aborts_on_failure_and_destroys_on_success():
     assert [b.comm.calls for b in backends] == [["destroy"]] * 2
 
 
+def test_a_failure_aborts_while_an_issue_is_blocked_inside_nccl():
+    """Before: ``DataPlane.fail`` failed the issue orders first, which takes each order's lock; a thread
+    issuing a negotiated collective holds that lock while NCCL's host call waits for a peer (lazy
+    connection), and only the abort that came after would free it: both hung. Now the orders stop
+    without their locks, the abort frees the call, then the queued handles fail."""
+    import torch
+
+    from gpucomm.dataplane.plane import DataPlane
+    from gpucomm.errors import CollectiveError
+
+    plane = DataPlane(0, 5.0, order_cpu=True)
+    aborted, blocked = threading.Event(), threading.Event()
+
+    class BlockedInNccl:  # a group whose communicator's host call returns only once it is aborted
+        id = 0
+
+        def nccl_if_created(self):
+            return self
+
+        def abort_nccl(self):
+            aborted.set()
+
+        def close(self, abort=False):
+            pass
+
+    plane.register(BlockedInNccl())
+    order = plane.order(torch.device("cpu"))
+    issued_after = []
+
+    def blocking_issue():
+        blocked.set()
+        aborted.wait(300)  # (a guard for this test only: NCCL itself would wait for good)
+
+    issuing = threading.Thread(target=order.agreed, args=(None, blocking_issue), daemon=True)
+    issuing.start()
+    assert blocked.wait(30)
+    failing = threading.Thread(target=plane.fail, args=(CollectiveError("rank 1 died"),), daemon=True)
+    failing.start()
+    try:
+        failing.join(30)  # a hang guard: with the abort reached, fail() returns at once
+        assert aborted.is_set() and not failing.is_alive(), "fail() and the issuing thread are deadlocked"
+    finally:
+        aborted.set()  # whatever happened: let the blocked call go
+    issuing.join(30)
+    assert not issuing.is_alive()
+    order.agreed(None, lambda: issued_after.append(1))  # agreed after the failure: never issued
+    assert issued_after == []
+
+
+def test_a_launch_that_fails_because_another_thread_aborted_names_the_abort():
+    """Before: a schedule launch checked the job's failure only before calling NCCL; an abort by the
+    watchdog or the control plane during the call made NCCL fail with "invalid argument", and that, with
+    the network hint, is what the backward hook raised instead of the failure that caused the abort."""
+    import torch
+
+    from gpucomm.dataplane.plane import DataPlane
+    from gpucomm.dataplane.requests import Request
+    from gpucomm.dataplane.schedule import Schedule
+    from gpucomm.errors import CollectiveError
+    from gpucomm.reduce_op import ReduceOp
+
+    class Group:
+        id = 0
+
+        def nccl_if_created(self):
+            return None
+
+        def close(self, abort=False):
+            pass
+
+    plane = DataPlane(0, 5.0)
+    schedule = Schedule(Group(), plane)
+
+    def aborted_meanwhile(request, meta):
+        plane.fail(CollectiveError("rank 1 died: its process exited with code 9"))
+        raise RuntimeError("NCCL error: invalid argument (run with NCCL_DEBUG=WARN for details)")
+
+    schedule._executor = aborted_meanwhile
+    t = torch.ones(4)
+    request = Request("allreduce", "bucket.0", [t], outputs=[t], op=ReduceOp.SUM, device=t.device, set_id=0)
+    with pytest.raises(CollectiveError, match="rank 1 died"):
+        schedule.launch(request)
+    schedule._executor = lambda request, meta: (_ for _ in ()).throw(ValueError("a local mistake"))
+    plane2 = DataPlane(0, 5.0)
+    healthy = Schedule(Group(), plane2)
+    healthy._executor = schedule._executor
+    with pytest.raises(ValueError, match="a local mistake"):  # no failure: the error is the launch's own
+        healthy.launch(Request("allreduce", "bucket.1", [t], outputs=[t], op=ReduceOp.SUM, device=t.device,
+                               set_id=0))
+
+
 def test_garbage_collection_never_releases_an_optimizers_communicator():
     for seen in run_ranks(sc.optimizer_schedules_outlive_garbage_collection, 2):
         assert seen["after_gc"] == seen["before"], seen  # the collected optimizer's schedule stays

@@ -158,9 +158,15 @@ class Handle:
                 cuda_calls.calls().wait(stream, issued.done_event, request.index)
             if issued.release_done is not None:
                 issued.release_done()
+        failure = self._owner.failure()
+        if failure is not None:  # the communicators were aborted: what NCCL left in the buffers is no result
+            raise failure
         result = issued.finalize()
         if issued.results_on_comm or stream != request.stream:
             _used_on(result, request.index, stream)
+        if stream != request.stream:  # waited on from another stream than its submitter's, which never waits
+            # for NCCL: its inputs too, or their memory could go to a new tensor there while NCCL reads them
+            _used_on((request.send, request.tensors), request.index, stream)
         return result
 
     def _failed(self, error: Exception, grace: float) -> CollectiveError:

@@ -119,6 +119,13 @@ class IssueOrder:
             return
         self.issue_for_wait(handle)
 
+    def stop(self, error: BaseException) -> None:
+        """Nothing more is issued (the job failed): without the lock, which a thread issuing a collective
+        holds while NCCL's host call may block until the communicators are aborted (``DataPlane.fail``
+        stops every order, then aborts, then ``fail``s them)."""
+        if self._failed is None:
+            self._failed = error
+
     def fail(self, error: BaseException) -> None:
         """The job failed (or shut down): every queued handle fails with ``error``; nothing more is issued."""
         with self._lock:
@@ -178,7 +185,11 @@ class IssueOrder:
         queue = self._queue
         while queue:
             handle, issue = queue.popleft()
-            if handle is None or not handle.failed:
+            failed = self._failed  # set by ``stop`` without the lock: the job failed meanwhile
+            if failed is not None:
+                if handle is not None:
+                    handle.settle(error=failed)
+            elif handle is None or not handle.failed:
                 issue()
             if last is not None and handle is last:
                 return

@@ -92,9 +92,10 @@ class DataPlane:
         """``handle``'s request is agreed (``meta``: the coordinator's additions): issue it through
         ``execute`` now, or in its device's order, and settle the handle."""
         if not self.orders_cpu and not cuda_calls.is_gpu(handle.request.device):  # the CPU hot path: no order
-            issue_and_settle(handle, meta, execute)
+            issue_and_settle(handle, meta, execute, self.failure)
             return
-        self.order(handle.request.device).agreed(handle, lambda: issue_and_settle(handle, meta, execute))
+        self.order(handle.request.device).agreed(
+            handle, lambda: issue_and_settle(handle, meta, execute, self.failure))
 
     def run_unowned(self, request: Request, meta: dict, execute: Executor, keep: Callable[[Issued], None]) -> None:
         """Issue a request nobody waits on (a joined rank's zeros), in its device's order; ``keep``
@@ -156,9 +157,14 @@ class DataPlane:
                 return
             self._failure = error
             groups, orders = list(self._groups), list(self._orders.values())
+        # in this order: a thread issuing a negotiated collective holds its order's lock while NCCL's host
+        # call may wait for a peer that died (lazy connection); only the abort frees it, so the orders stop
+        # issuing first without their locks, then the abort, then their queued handles fail under their locks
+        for order in orders:
+            order.stop(error)
+        _abort_together([g for g in groups if g.nccl_if_created() is not None], self.select_device)
         for order in orders:
             order.fail(error)
-        _abort_together([g for g in groups if g.nccl_if_created() is not None], self.select_device)
 
     def _watchdog_failed(self, text: str) -> None:
         try:  # first tell every rank (an abort may take a while), then abort here
@@ -195,13 +201,16 @@ class DataPlane:
             self.events.close()  # a failed job's events may still be waited on by aborted work: left to the process
 
 
-def issue_and_settle(handle: Handle, meta: dict, execute: Executor) -> None:
+def issue_and_settle(handle: Handle, meta: dict, execute: Executor,
+                     failure: Callable[[], BaseException | None] = lambda: None) -> None:
     """Issue ``handle``'s agreed request through ``execute`` and settle the handle with what was issued,
-    or with the error, which belongs to whoever waits on the handle (never to the issuing thread)."""
+    or with the error, which belongs to whoever waits on the handle (never to the issuing thread): the
+    job's ``failure()`` when there is one by then (an abort by another thread makes NCCL's call fail with
+    its own, misleading, error)."""
     try:
         issued = execute(handle.request, meta)
     except BaseException as e:  # noqa: BLE001 - the error belongs to whoever waits on the handle
-        handle.settle(error=e)
+        handle.settle(error=failure() or e)
         return
     handle.settle(issued=issued)
 

@@ -99,7 +99,14 @@ class Schedule:
             request.ready_event = self._plane.events.record(request.stream, request.index)
         else:
             prepare(request)
-        return Handle(request, self, self._executor(request, meta or {}))
+        try:
+            issued = self._executor(request, meta or {})
+        except Exception:
+            failure = self._plane.failure()
+            if failure is not None:  # aborted while this launch ran (another thread): that is why it failed
+                raise failure from None
+            raise
+        return Handle(request, self, issued)
 
     # -- the handle owner's side ---------------------------------------------------------------
     def wait_ready(self, handle: Handle, timeout: float) -> None:
