@@ -26,6 +26,16 @@ def test_raise_names_the_rank_step_and_parameter_on_every_rank(size, compression
         assert "step 2" in raised["message"]
 
 
+@pytest.mark.parametrize("param", ["2.weight", "0.weight"])
+def test_a_report_of_the_first_step_names_the_parameter_though_the_buckets_were_re_cut(param):
+    """Before: step 1's slots were read against the layout re-cut right after step 1 (by readiness, on
+    the CPU): a NaN in '2.weight' was named '0.bias', one in '0.weight' raised IndexError."""
+    env = {"GPUCOMM_FUSION_THRESHOLD": "200"}  # several buckets, so that the re-cut moves parameters
+    for rank, seen in enumerate(run_ranks(sc.poison_step, 2, args=("raise", "none", 1, param, 1), env=env)):
+        raised = seen["raised"]
+        assert raised is not None and raised["findings"] == [(1, param)], (rank, seen)
+
+
 def test_inf_is_caught_like_nan():
     for seen in run_ranks(sc.poison_step, 2, args=("raise", "none", 0, "0.bias", 3, float("inf"))):
         assert seen["raised"]["findings"] == [(0, "0.bias")] and seen["raised"]["step"] == 3, seen

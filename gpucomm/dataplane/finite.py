@@ -49,7 +49,9 @@ class FirstNonFinite:
         if not kept:
             out.zero_()
             return
-        norms = torch._foreach_norm([pieces[i] for i in kept], 1, dtype=torch.float32)
+        # float32 norms (Inf and NaN propagate), float64 for float64 pieces: torch refuses a narrowing dtype
+        wide = torch.float64 if pieces[kept[0]].dtype == torch.float64 else torch.float32
+        norms = torch._foreach_norm([pieces[i] for i in kept], 1, dtype=wide)
         bad = ~torch.isfinite(torch.stack(norms))
         first = torch.where(bad, index, len(pieces)).min()
         out.copy_(torch.where(first < len(pieces), (first + 1).clamp(max=limit), 0).reshape(out.shape))

@@ -118,15 +118,20 @@ class DistributedSteps(torch.optim.Optimizer):
         return True
 
     def _settle_step(self) -> None:
-        """After a step's reduction: the first re-cut, autotune, a changed layout, the finite check's report."""
-        if not self._replan():  # a re-cut agreed the layout (and the sparse parameters) just now
-            if self._sparse.due and self._sparse.agree():
-                self._adopt_new_layout(sparse_agreed=True)
-            elif self._layout_changed():
-                self._adopt_new_layout()
-        self._sparse.hand_back()
+        """After a step's reduction: the finite check's report, then the first re-cut, autotune, a changed
+        layout. The report comes first: its slots name buckets of the layout that produced them (a re-cut
+        read them against the new one: the wrong parameter, or an IndexError). Every rank reports alike, so
+        when one raises, all do, and each still runs the layout's collectives (``finally``)."""
         reports, self._pending_reports = self._pending_reports, []
-        self._report_checks(reports)
+        try:
+            self._report_checks(reports)
+        finally:
+            if not self._replan():  # a re-cut agreed the layout (and the sparse parameters) just now
+                if self._sparse.due and self._sparse.agree():
+                    self._adopt_new_layout(sparse_agreed=True)
+                elif self._layout_changed():
+                    self._adopt_new_layout()
+            self._sparse.hand_back()
 
     def _reset_step(self) -> None:
         self._hooked = False
