@@ -445,3 +445,12 @@ def test_shutdown_from_another_thread_selects_the_gpu_there_first():
     (else CUDA opens a context on device 0)."""
     [seen] = run_ranks(sc.shutdown_from_another_thread, 1)
     assert not seen["alive"] and seen["closer"] in seen["selected_in"], seen
+
+
+def test_a_finite_report_on_its_way_when_the_job_re_forms_is_still_reported():
+    """The report of a GPU's last step travels to the host while the next step runs; when the job
+    re-forms in between (elastic training), the optimizer binds to the new job: that report must be
+    read first, against the buckets that produced it, not dropped with them."""
+    env = {**SMALL_BUCKETS, "GPUCOMM_CHECK_FINITE": ""}
+    for seen in run_ranks(sc.report_on_its_way_when_the_job_re_forms, 2, env=env):
+        assert seen["seen"] == [[], [], [[1, "0.weight"]]], seen

@@ -122,3 +122,15 @@ def test_two_ranks_on_one_gpu_equal_full_batch_training(kind, compression, tol):
     env = dict(SMALL_BUCKETS, GPUCOMM_SINGLE_GPU_TEST="1")
     diffs = run_ranks(sc.train_matches_full_batch, 2, args=(kind, 5, compression, "cuda"), env=env, timeout=600)
     assert max(diffs) <= tol, diffs
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_averaging_divides_after_the_sum_as_horovod_does(set_to_none):
+    """Horovod's Average: 1/f before the sum, f/size after (f: ``gradient_predivide_factor``). Two
+    ranks each send float32's smallest subnormal: divided after the sum it stays, divided before it
+    rounds to zero. Both the copied (``set_to_none=True``) and the in-place view paths."""
+    expected = sc.TINY
+    for f, want in [(1.0, expected), (2.0, 0.0)]:
+        steps = run_ranks(sc.averaging_order, 2, args=(f, set_to_none))
+        for grads in steps:
+            assert grads == [[want] * 5, [want] * 5], (f, grads)

@@ -6,8 +6,9 @@ built (an optimizer may build its own kinds through ``GradientBuckets(make=...)`
 two-phase buckets and ZeRO's reduce-scattered ones subclass ``Bucket``):
 
 - ``ViewBucket``: the gradients end up *living* in the bucket's fusion buffer: after the
-  reduction, which runs in place on the buffer (averaged by NCCL's ``AVG`` on a GPU; on the CPU
-  scaled in place first, as Gloo only sums), ``p.grad`` is bound to a view of the parameter's slot
+  reduction, which runs in place on the buffer (averaged by NCCL's ``AVG`` on a GPU; on the CPU,
+  as Gloo only sums, scaled in place in Horovod's order: the prescale before the sum, the
+  postscale after), ``p.grad`` is bound to a view of the parameter's slot
   (DDP's ``gradient_as_bucket_view``), so nothing is ever unpacked. What comes in depends on
   ``zero_grad``: ``set_to_none=False`` zeroes the buffer in place (``zero_views``) and backward
   accumulates straight into the views, so nothing is packed either (and the gradients take no
@@ -20,7 +21,7 @@ two-phase buckets and ZeRO's reduce-scattered ones subclass ``Bucket``):
   default zero them in place too (``BucketSettings.keep_views``): on a GPU that leaves no pack at
   all (no kernel, no table), the candidate default there, not yet measured. The kind for float gradients sent
   uncompressed; with the finite check the buffer is read once more for it and summed (NCCL's AVG
-  would divide the slots), after one scaling pass.
+  would divide the slots), and scaled in place after.
 - ``FusedBucket``: one pack into the fusion buffer at launch and one unpack after (the Numba
   kernels on a GPU, ``bucket_copy``), with a cast for an fp16/bf16 wire and the finite check
   fused into the pack.
@@ -176,9 +177,11 @@ class ViewBucket(Bucket):
         super().__init__(*args)
         settings = self.settings
         gpu = cuda_calls.is_gpu(self.plan.device)
-        # a GPU reduces with NCCL's AVG (or a fused prescale); Gloo only sums: the CPU scales in place first
+        # a GPU reduces with NCCL's AVG (or a fused prescale); Gloo only sums: the CPU scales in place,
+        # Horovod's order: the prescale as each gradient comes in, the postscale (1/size) after the sum
         self.by_op = gpu and settings.average and settings.check is None
-        self.scale = 1.0 if self.by_op else settings.prescale * settings.postscale
+        self.scale = 1.0 if self.by_op else settings.prescale
+        self.post = 1.0 if self.by_op else settings.postscale
         # with the finite check, a pack (gradients not in their views) finds the first non-finite one itself
         self.copy = BucketCopy(pack_scale=self.scale, check_finite=settings.check is not None)
         self.copy.prepare(self.plan.dtype, self.wire_dtype, self.plan.device)  # compiled now, not in backward
@@ -285,6 +288,8 @@ class ViewBucket(Bucket):
             if result[0] is not self.full:  # a joined rank's stand-in result: into the buffer, then bound
                 self.full[: self.plan.numel].copy_(result[0][: self.plan.numel])
                 self.bound = False
+            if self.post != 1.0:  # the gradients only (the tail's flag and finite slots stay sums)
+                self.full[: self.plan.numel].mul_(self.post)
             if self.bound:
                 return  # reduced where the gradients live: nothing to write
             for p, view in zip(self.params, self.views):  # each gradient becomes its slot, averaged already

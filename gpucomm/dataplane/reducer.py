@@ -180,6 +180,10 @@ class GradientBuckets:
             return earlier
         return self.check_reports() + [(step, _nonzero_slots(values.tolist(), where, check.size))]
 
+    def check_reports_pending(self) -> int:
+        """How many steps' finite-check slots are still on their way to the host (a GPU's)."""
+        return len(self._pending_checks)
+
     def check_reports(self, wait: bool = False) -> list[tuple[int, list[tuple[int, int, int]]]]:
         """The finite check's reports of earlier steps whose slots have reached the host (all of
         them, waiting, with ``wait``: before a new layout, or at the optimizer's close)."""

@@ -96,8 +96,16 @@ class JobBinding:
         rank of the new job calls this at the same point (``TorchState.sync()`` does, or the first
         gradient hook or ``synchronize()`` after the re-form)."""
         job = current_job()
-        if self._job_ref is not None and self._job_ref() is job:
+        old = self._job_ref() if self._job_ref is not None else None
+        if old is job and old is not None:
             return
+        failure = old.failure() if old is not None else None
+        if failure is None:
+            self._drain_checks()  # a GPU's last reports, decoded against the buckets that produced them
+        elif self._finite is not None and self._buckets.check_reports_pending():
+            # their reductions may have been aborted with the job: what the slots hold is not a finding
+            log.info("gpucomm finite check: the reports of the last steps before the job failed (%s) were "
+                     "not read: their reductions may have been cut short.", failure)
         self._bind(job)
 
     def close(self) -> None:

@@ -391,3 +391,37 @@ def shutdown_from_another_thread() -> dict:
         closer.start()
         closer.join(60)
         return {"closer": closer.ident, "alive": closer.is_alive(), "selected_in": selected}
+
+
+def report_on_its_way_when_the_job_re_forms() -> dict:
+    """The default finite check on the CUDA path (stand-ins): rank 1's gradient goes NaN in the last
+    step before the job re-forms (``hvd.shutdown()``, then ``hvd.init()``, as elastic training does),
+    so that step's report is still on its way to the host; the optimizer's next step, in the new job,
+    must still report it, decoded against the layout that produced it."""
+    import warnings
+
+    with cuda_path():
+        hvd.init()
+        r, n = hvd.rank(), hvd.size()
+        model = make_model()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                       named_parameters=[(f"{k}", v) for k, v in model.named_parameters()])
+        opt._finite.budget = None  # every step searched
+        poisoned = [False]
+        first = list(model.parameters())[0]
+        first.register_hook(lambda g: g.clone().fill_(float("nan")) if poisoned[0] else g)
+        seen = []
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            for s in range(1, 4):
+                if s == 3:  # the job re-forms between step 2 and step 3
+                    hvd.shutdown()
+                    hvd.init()
+                x, y = batch(s)
+                opt.zero_grad()
+                poisoned[0] = s == 2 and r == 1
+                nn.functional.mse_loss(model(half(x, r, n)), half(y, r, n)).backward()
+                opt.step()
+                seen.append([[f.rank, f.name] for f in opt.last_nonfinite or []])
+        hvd.shutdown()
+    return {"seen": seen}

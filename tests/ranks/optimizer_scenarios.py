@@ -369,3 +369,26 @@ def checkpoint_scenario(folder: str) -> bool:
     hvd.shutdown()
     assert loaded["rank"] == 0 and torch.equal(loaded["w"], torch.arange(4))
     return wrote
+
+
+TINY = 2.0 ** -149  # float32's smallest subnormal: half of it rounds to zero
+
+
+def averaging_order(predivide: float, set_to_none: bool, steps: int = 2) -> list[list[float]]:
+    """Each rank's gradient is ``TINY`` everywhere; returns the averaged gradients of every step,
+    as the optimizer hands them to ``step``. Horovod's order decides the result: the sum first,
+    then ``1/size`` (``TINY``); with ``gradient_predivide_factor=size``, the division first (0)."""
+    hvd.init()
+    p = nn.Parameter(torch.zeros(5))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=0.0), named_parameters=[("p", p)],
+                                   gradient_predivide_factor=predivide)
+    seen = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=set_to_none)
+        (p * torch.full((5,), TINY)).sum().backward()
+        opt.synchronize()
+        seen.append(p.grad.tolist())
+        with opt.skip_synchronize():
+            opt.step()
+    hvd.shutdown()
+    return seen
