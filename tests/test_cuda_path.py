@@ -454,3 +454,15 @@ def test_a_finite_report_on_its_way_when_the_job_re_forms_is_still_reported():
     env = {**SMALL_BUCKETS, "GPUCOMM_CHECK_FINITE": ""}
     for seen in run_ranks(sc.report_on_its_way_when_the_job_re_forms, 2, env=env):
         assert seen["seen"] == [[], [], [[1, "0.weight"]]], seen
+
+
+def test_a_tensor_on_another_gpu_than_the_ranks_is_refused_with_the_fix():
+    """NCCL refuses memory of another GPU than its communicator's ("invalid argument", on a background
+    thread, after the peers started): an op or an optimizer given such tensors is refused at once, on
+    the caller's thread, naming both GPUs and the fix; the job goes on."""
+    for seen in run_ranks(sc.tensor_on_another_gpu, 2):
+        assert seen["first"] == 1.0 and seen["after"] == 1.0, seen
+        op, optimizer = seen.get("op", ""), seen.get("optimizer", "")
+        assert "allreduce 'allreduce.elsewhere'" in op and "on cuda:1, but this rank's GPU is cuda:0" in op, op
+        assert "torch.cuda.set_device(0)" in op, op
+        assert "parameter '0.weight'" in optimizer and "cuda:1" in optimizer, optimizer

@@ -96,6 +96,7 @@ class Job:
         self._builder_device = (torch.cuda.current_device()
                                 if self.device is None and torch.cuda.is_available() and torch.cuda.is_initialized()
                                 else None)
+        self._gpu_index: int | None = None  # this rank's GPU as the data plane numbers it (``check_gpu``)
         self._execute = self.data.executor(self.group)
         if size == 1:
             self.plane = OneRankPlane(self.timeout, on_done=self._on_done, process_sets=self.static_sets)
@@ -153,6 +154,8 @@ class Job:
             calls = cuda_calls.calls()
             request.index = calls.index(request.device)
             request.stream = calls.current_stream(request.device)
+            if request.index != self._gpu_index:  # the first op, or a tensor on another GPU
+                self.check_gpu(request.device, request.describe)
             request.waited_at_once = send is Send.ON_WAIT
             prepare(request)
             if not (request.waited_at_once and request.send is not None and self.tracer is None):
@@ -197,6 +200,30 @@ class Job:
         gpucomm that touches CUDA calls this first."""
         if self.device is not None:
             devices.select_device(self.device.cuda_ordinal)
+
+    def check_gpu(self, device: torch.device, what: Callable[[], str]) -> None:
+        """Raise ``ValueError`` when ``device`` is a GPU other than this rank's: the job's NCCL
+        communicators live on this rank's GPU, and NCCL refuses memory of another one ("invalid
+        argument", on a background thread, after the other ranks have started). ``what()`` names the
+        op or parameter."""
+        calls = cuda_calls.calls()
+        if not calls.is_gpu(device):
+            return
+        mine = self._gpu_index
+        if mine is None:
+            mine = self._gpu_index = calls.index(self._cuda_device())
+        index = calls.index(device)
+        if index == mine:
+            return
+        pinned = (f" (gpucomm pinned local rank {self.world.local_rank} to the GPU at PCI bus id "
+                  f"{self.device.gpu.pci_bus_id} at hvd.init() and made it current there)" if self.device is not None
+                  else "")
+        raise ValueError(
+            f"{what()}: its tensors are on cuda:{index}, but this rank's GPU is cuda:{mine}{pinned}. The job's NCCL "
+            f"communicators live on that GPU, and NCCL cannot use memory of another one. Likely causes: the tensor "
+            f"or the model was placed with an explicit device such as 'cuda:{index}', or torch.cuda.set_device() "
+            f"was called with another index after hvd.init(). Fix: place it on this rank's GPU, e.g. "
+            f"torch.cuda.set_device({mine}) and then .cuda(), or .to('cuda:{mine}').")
 
     # -- fixed schedules (DistributedOptimizer) --------------------------------------------------
     def new_schedule(self, set_id: int) -> Schedule:

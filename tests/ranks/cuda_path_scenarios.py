@@ -425,3 +425,28 @@ def report_on_its_way_when_the_job_re_forms() -> dict:
                 seen.append([[f.rank, f.name] for f in opt.last_nonfinite or []])
         hvd.shutdown()
     return {"seen": seen}
+
+
+def tensor_on_another_gpu() -> dict:
+    """The CUDA path (stand-ins): after a first op on this rank's GPU, the stand-in says every tensor
+    lies on GPU 1; an op and a DistributedOptimizer must then refuse them with a clear error on the
+    caller's thread, before any collective (both ranks do the same, so none waits for the other)."""
+    with cuda_path() as stand_in:
+        hvd.init()
+        first = float(hvd.allreduce(torch.ones(3), name="first")[0])  # this rank's GPU: 0
+        stand_in.index = lambda device: 1
+        errors = {}
+        try:
+            hvd.allreduce(torch.ones(3), name="elsewhere")
+        except ValueError as e:
+            errors["op"] = str(e)
+        model = make_model()
+        try:
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+        except ValueError as e:
+            errors["optimizer"] = str(e)
+        stand_in.index = lambda device: 0
+        after = float(hvd.allreduce(torch.ones(3), name="after")[0])
+        hvd.shutdown()
+    return {"first": first, "after": after, **errors}
