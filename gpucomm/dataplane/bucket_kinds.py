@@ -6,9 +6,9 @@ built (an optimizer may build its own kinds through ``GradientBuckets(make=...)`
 two-phase buckets and ZeRO's reduce-scattered ones subclass ``Bucket``):
 
 - ``ViewBucket``: the gradients end up *living* in the bucket's fusion buffer: after the
-  reduction, which runs in place on the buffer (averaged by NCCL's ``AVG`` on a GPU; on the CPU,
-  as Gloo only sums, scaled in place in Horovod's order: the prescale before the sum, the
-  postscale after), ``p.grad`` is bound to a view of the parameter's slot
+  reduction, which runs in place on the buffer (averaged by NCCL's ``AVG`` on a GPU, which like
+  DDP divides before the sum; on the CPU, as Gloo only sums, scaled in place in Horovod's order:
+  the prescale before the sum, the postscale after), ``p.grad`` is bound to a view of the parameter's slot
   (DDP's ``gradient_as_bucket_view``), so nothing is ever unpacked. What comes in depends on
   ``zero_grad``: ``set_to_none=False`` zeroes the buffer in place (``zero_views``) and backward
   accumulates straight into the views, so nothing is packed either (and the gradients take no
@@ -21,7 +21,7 @@ two-phase buckets and ZeRO's reduce-scattered ones subclass ``Bucket``):
   default zero them in place too (``BucketSettings.keep_views``): on a GPU that leaves no pack at
   all (no kernel, no table), the candidate default there, not yet measured. The kind for float gradients sent
   uncompressed; with the finite check the buffer is read once more for it and summed (NCCL's AVG
-  would divide the slots), and scaled in place after.
+  would divide the slots), the division fused into the pack.
 - ``FusedBucket``: one pack into the fusion buffer at launch and one unpack after (the Numba
   kernels on a GPU, ``bucket_copy``), with a cast for an fp16/bf16 wire and the finite check
   fused into the pack.
@@ -177,11 +177,17 @@ class ViewBucket(Bucket):
         super().__init__(*args)
         settings = self.settings
         gpu = cuda_calls.is_gpu(self.plan.device)
-        # a GPU reduces with NCCL's AVG (or a fused prescale); Gloo only sums: the CPU scales in place,
-        # Horovod's order: the prescale as each gradient comes in, the postscale (1/size) after the sum
+        # a GPU averages with NCCL's AVG, which divides each input before the sum for floats, or (with the
+        # finite check, whose slots must stay sums) with the same division fused into the pack: no pass
+        # of its own. Gloo only sums: the CPU scales in place in Horovod's order, the prescale as each
+        # gradient comes in, the postscale (1/size) after the sum.
         self.by_op = gpu and settings.average and settings.check is None
-        self.scale = 1.0 if self.by_op else settings.prescale
-        self.post = 1.0 if self.by_op else settings.postscale
+        if self.by_op:
+            self.scale = self.post = 1.0
+        elif gpu:
+            self.scale, self.post = settings.prescale * settings.postscale, 1.0
+        else:
+            self.scale, self.post = settings.prescale, settings.postscale
         # with the finite check, a pack (gradients not in their views) finds the first non-finite one itself
         self.copy = BucketCopy(pack_scale=self.scale, check_finite=settings.check is not None)
         self.copy.prepare(self.plan.dtype, self.wire_dtype, self.plan.device)  # compiled now, not in backward
