@@ -466,3 +466,16 @@ def test_a_tensor_on_another_gpu_than_the_ranks_is_refused_with_the_fix():
         assert "allreduce 'allreduce.elsewhere'" in op and "on cuda:1, but this rank's GPU is cuda:0" in op, op
         assert "torch.cuda.set_device(0)" in op, op
         assert "parameter '0.weight'" in optimizer and "cuda:1" in optimizer, optimizer
+
+
+def test_a_host_call_blocked_inside_nccl_fails_the_job_within_the_timeout():
+    """NCCL (>= 2.22) connects a peer inside the first collective that needs it, and that host call
+    returns only once the peer arrives: a peer that died or is cut off left the calling thread blocked
+    there for good, holding the issue order's and the control plane's locks, so no failure could be
+    processed. The watchdog notes every host call: one that has not returned within GPUCOMM_TIMEOUT
+    fails the job, naming it; the abort frees the call, and the caller's wait raises that failure."""
+    env = {"GPUCOMM_TIMEOUT": "2", "GPUCOMM_INLINE_BYTES": "0"}  # 8 bytes would be reduced inline, with no NCCL
+    for seen in run_ranks(sc.host_call_blocked_inside_nccl, 2, env=env, timeout=120):
+        assert "the host call that issues allreduce 'allreduce.stuck'" in seen["error"], seen
+        assert "has not returned for" in seen["error"] and "NCCL_RUNTIME_CONNECT=0" in seen["error"], seen
+        assert seen["returned"], seen  # the abort freed the blocked call

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from tests.ranks import data_plane_scenarios as sc
 from tests.cuda_standins import stand_in_cuda
@@ -447,3 +448,25 @@ def test_bfloat16_reductions_on_gloo_with_and_without_its_kernels(widen):
         assert r["sum"] == [4.0] and r["sum_dtype"] == "torch.bfloat16", r
         assert r["scattered"] == [1.5] and r["scattered_shape"] == [2, 1 << 13], r
         assert r["averaged"] == [2.0] and r["gloo"] >= 3, r
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_the_device_search_for_a_non_finite_gradient_runs_on_every_torch_claimed(dtype):
+    """The finite check's GPU search (``finite.first_bad_on_device``), run here on CPU tensors: it names
+    the first bad piece on every torch the package claims (``_foreach_norm`` takes ``dtype`` only from
+    torch 2.4; torch 2.1 raised TypeError on every GPU step), and float16 values whose sum passes 65504
+    are not reported."""
+    from gpucomm.dataplane.finite import first_bad_on_device
+
+    big = 60000.0 if dtype == torch.float16 else 1e30
+    pieces = [torch.full((4,), big, dtype=dtype), torch.ones(3, dtype=dtype), torch.ones(2, dtype=dtype)]
+    index = torch.tensor([0, 2, 3])  # piece 1 of 4 was empty
+    out = torch.zeros(1, dtype=dtype)
+    first_bad_on_device(pieces, index, 4, out, 100)
+    assert float(out) == 0.0  # all finite (the float16 norm is taken in float32)
+    pieces[2][1] = float("nan")
+    pieces[1][0] = float("inf")
+    first_bad_on_device(pieces, index, 4, out, 100)
+    assert float(out) == 3.0  # 1 + position 2: the first bad piece
+    first_bad_on_device(pieces, index, 4, out, 2)
+    assert float(out) == 2.0  # capped at the limit

@@ -182,6 +182,45 @@ def test_a_failure_fails_what_is_queued():
     assert log == []
 
 
+def test_a_waiter_racing_a_failure_gets_the_failure_not_an_internal_error(monkeypatch):
+    """``fail`` takes the queue and settles its handles as one step under the order's lock: a waiter that
+    takes the lock in between must not find its handle neither queued, issued nor failed (it raised
+    "internal error ... agreed but never issued")."""
+    order, log = _order(), []
+    token = order.open_epoch(flush=lambda: None)
+    h = _handle("queued")
+    _agree(order, h, log)
+    settle, entered, go = Handle.settle, threading.Event(), threading.Event()
+
+    def slow_settle(self, **kw):  # the failing thread pauses while it settles
+        if threading.current_thread().name == "failer":
+            entered.set()
+            go.wait(5)
+        return settle(self, **kw)
+
+    monkeypatch.setattr(Handle, "settle", slow_settle)
+    failer = threading.Thread(target=order.fail, args=(CollectiveError("rank 1 died"),), name="failer")
+    failer.start()
+    assert entered.wait(5)
+    seen: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            order.close_epoch(token)  # nothing left open: the waiter takes the in-place path
+            h.wait()
+        except BaseException as e:  # noqa: BLE001 - what the waiter got is the test's result
+            seen.append(e)
+
+    w = threading.Thread(target=waiter)
+    w.start()
+    w.join(0.3)  # with the fix the waiter waits for the lock the failing thread holds
+    go.set()
+    failer.join(5)
+    w.join(5)
+    assert len(seen) == 1 and "rank 1 died" in str(seen[0]), seen
+    assert log == []
+
+
 def test_a_stand_in_without_a_handle_is_ordered_too():
     order, log = _order(), []
     token = order.open_epoch(flush=lambda: None)

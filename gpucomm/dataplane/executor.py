@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -97,11 +98,17 @@ class Executor:
     event of its own."""
 
     def __init__(self, groups: Callable[[int], Any], tracer: Callable[[], Any] = lambda: None, *,
-                 events: EventPool, watch: Callable[..., Callable[[], None]]) -> None:
+                 events: EventPool, watch: Callable[..., Callable[[], None]],
+                 host_calls: dict[int, tuple[Any, float]] | None = None,
+                 start_watch: Callable[[], None] = lambda: None) -> None:
         self._groups = groups
         self._tracer = tracer  # the timeline's tracer while one is recording (rank 0), else None
         self._events = events
         self._watch = watch
+        # each CUDA collective's host call, noted while it runs (the watchdog reports one that never
+        # returns: NCCL's lazy connection to a peer that never comes); the watchdog runs from the first
+        self._host_calls = host_calls if host_calls is not None else {}
+        self._start_watch: Callable[[], None] | None = start_watch
         self._streams: dict[int, int] = {}  # device index -> this executor's communication stream (raw)
         self._completions: dict[int, StreamCompletion] = {}
         self._made = threading.Lock()  # a device's stream and completion are made once, whatever thread asks
@@ -129,9 +136,17 @@ class Executor:
             if tracer is not None:
                 tracer.cpu_op(req.name, req.kind, req.tensors, works, transport=name)
             return Issued(works, None, after)
-        if req.waited_at_once and req.send is not None and req.ready_event is None and tracer is None:
-            return self._on_caller_stream(req, meta, group)
-        return self._cuda(req, meta, group, tracer)
+        if self._start_watch is not None:
+            self._start_watch()
+            self._start_watch = None
+        host_calls, thread = self._host_calls, threading.get_ident()
+        host_calls[thread] = (req, time.monotonic())
+        try:
+            if req.waited_at_once and req.send is not None and req.ready_event is None and tracer is None:
+                return self._on_caller_stream(req, meta, group)
+            return self._cuda(req, meta, group, tracer)
+        finally:
+            host_calls.pop(thread, None)
 
     def _on_caller_stream(self, req: Request, meta: dict, group) -> Issued:
         """A synchronous prepared request: launched on the stream its caller waits on."""

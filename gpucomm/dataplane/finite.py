@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["AUTO_BUDGET", "FiniteSlots", "FirstNonFinite", "exact_limit"]
+__all__ = ["AUTO_BUDGET", "FiniteSlots", "FirstNonFinite", "exact_limit", "first_bad_on_device"]
 
 AUTO_BUDGET = 0.005  # the default mode's search costs at most this share of the step, on average
 
@@ -49,12 +49,27 @@ class FirstNonFinite:
         if not kept:
             out.zero_()
             return
-        # float32 norms (Inf and NaN propagate), float64 for float64 pieces: torch refuses a narrowing dtype
-        wide = torch.float64 if pieces[kept[0]].dtype == torch.float64 else torch.float32
-        norms = torch._foreach_norm([pieces[i] for i in kept], 1, dtype=wide)
-        bad = ~torch.isfinite(torch.stack(norms))
-        first = torch.where(bad, index, len(pieces)).min()
-        out.copy_(torch.where(first < len(pieces), (first + 1).clamp(max=limit), 0).reshape(out.shape))
+        first_bad_on_device([pieces[i] for i in kept], index, len(pieces), out, limit)
+
+
+# ``torch._foreach_norm`` takes ``dtype`` from torch 2.4 on; before, each piece is cast first
+_NORM_TAKES_DTYPE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 4)
+
+
+def first_bad_on_device(kept: Sequence[torch.Tensor], index: torch.Tensor, count: int, out: torch.Tensor,
+                        limit: int) -> None:
+    """The device search over the non-empty pieces ``kept`` (``index``: their positions among ``count``
+    pieces, on ``out``'s device): device ops only, no host sync. Norms in float32, float64 for float64
+    pieces (torch refuses a narrowing dtype; a float16 sum would overflow at 65504 and report finite
+    gradients)."""
+    wide = torch.float64 if kept[0].dtype == torch.float64 else torch.float32
+    if _NORM_TAKES_DTYPE:
+        norms = torch._foreach_norm(list(kept), 1, dtype=wide)
+    else:  # torch < 2.4: one cast per piece (a copy), then the norms
+        norms = torch._foreach_norm([t.to(wide) for t in kept], 1)
+    bad = ~torch.isfinite(torch.stack(norms))
+    first = torch.where(bad, index, count).min()
+    out.copy_(torch.where(first < count, (first + 1).clamp(max=limit), 0).reshape(out.shape))
 
 
 def _first_bad_on_host(pieces: Sequence[torch.Tensor], limit: int, whole: torch.Tensor | None) -> int:

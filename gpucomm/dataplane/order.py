@@ -127,15 +127,17 @@ class IssueOrder:
             self._failed = error
 
     def fail(self, error: BaseException) -> None:
-        """The job failed (or shut down): every queued handle fails with ``error``; nothing more is issued."""
+        """The job failed (or shut down): every queued handle fails with ``error``; nothing more is issued.
+        The handles are settled under the lock (no CUDA work): a waiter that takes it next finds its
+        handle failed, never taken out of the queue yet unsettled."""
         with self._lock:
             if self._failed is None:
                 self._failed = error
             queued, self._queue = list(self._queue), collections.deque()
             self._submitted.clear()
-        for handle, _ in queued:
-            if handle is not None:
-                handle.settle(error=error)
+            for handle, _ in queued:
+                if handle is not None:
+                    handle.settle(error=error)
 
     # -- epochs (fixed schedules) -----------------------------------------------------------------
     def open_epoch(self, flush: Callable[[], None]) -> int:

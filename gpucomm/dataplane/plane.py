@@ -33,6 +33,7 @@ from .watchdog import NcclWatchdog
 
 log = logging.getLogger("gpucomm")
 
+REPORT_FIRST = 2.0  # seconds the watchdog's failure report may take before the abort goes ahead without it
 ORDER_ENV = ISSUE_ORDER.names[0]  # "cuda" (default): order CUDA collectives; "all": CPU ones too (tests, debugging)
 
 
@@ -64,7 +65,8 @@ class DataPlane:
     # -- executing ------------------------------------------------------------------------------
     def executor(self, groups: Callable[[int], Group]) -> Executor:
         """An executor over ``groups`` (set id -> Group) sharing this plane's events and watchdog."""
-        return Executor(groups, self._tracer, events=self.events, watch=self.watchdog.watch)
+        return Executor(groups, self._tracer, events=self.events, watch=self.watchdog.watch,
+                        host_calls=self.watchdog.host_calls, start_watch=self.watchdog.start)
 
     def order(self, device: torch.device) -> IssueOrder | None:
         """The issue order of ``device`` (None: its collectives are issued as they come, CPU ones
@@ -167,10 +169,22 @@ class DataPlane:
             order.fail(error)
 
     def _watchdog_failed(self, text: str) -> None:
-        try:  # first tell every rank (an abort may take a while), then abort here
-            self._report(text)
-        except Exception as e:  # noqa: BLE001 - the failure is recorded here whatever the control plane does
-            log.debug("reporting the watchdog's failure: %s", e)
+        """The watchdog found the job broken: tell every rank, then abort here. The report goes first,
+        so that the other ranks name this cause rather than what the abort does to them, but on a
+        thread of its own, waited for up to ``REPORT_FIRST`` seconds: the control plane's lock may be
+        held by a thread blocked inside NCCL, which only the abort frees."""
+        reported = threading.Event()
+
+        def report() -> None:
+            try:
+                self._report(text)
+            except Exception as e:  # noqa: BLE001 - the failure is recorded here whatever the control plane does
+                log.debug("reporting the watchdog's failure: %s", e)
+            finally:
+                reported.set()
+
+        threading.Thread(target=report, name="gpucomm-failure-report", daemon=True).start()
+        reported.wait(REPORT_FIRST)
         self.fail(CollectiveError(text))
 
     # -- shutdown --------------------------------------------------------------------------------

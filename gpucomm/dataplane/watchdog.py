@@ -10,6 +10,12 @@ and each queue is retired from its head: a finished collective on one stream is 
 by an unfinished one on another. A query that fails (CUDA reports the error of an earlier
 kernel) is the job's failure too, reported once; the collective being watched stays watched.
 
+A collective can also stop the host before it is watched: since NCCL 2.22 the first collective that
+needs a connection to a peer makes it inside the host call, which returns only once that peer
+reaches the same collective. The executor notes each CUDA collective's host call in ``host_calls``
+while it runs; one that has not returned within the timeout is the job's failure as well (the abort
+then makes it return), whatever locks the stuck thread holds.
+
 Done events come from the job's ``EventPool`` and go back to it once two things happened: the GPU
 finished the collective (seen here), and its waiter enqueued its wait on the event (the handle
 calls ``release``). Either may come first; only both make reuse safe, since this thread still
@@ -65,6 +71,9 @@ class NcclWatchdog:
         self.failed = False  # a failure was found (then nothing counts as drained)
         self.failure: str | None = None  # what it was, for a shutdown that finds the work undrained
         self.retired = 0  # done events returned to the pool
+        # thread id -> (request, monotonic start) of each CUDA collective's host call running now (the
+        # executor writes it with C-level dict calls only; read here as a snapshot)
+        self.host_calls: dict[int, tuple[Any, float]] = {}
         events.reclaim = self.reclaim
 
     def watch(self, done_event: Any, device: int, request: Any, stream: int = 0) -> Callable[[], None]:
@@ -76,10 +85,20 @@ class NcclWatchdog:
             if queue is None:
                 queue = self._queues[(device, stream)] = collections.deque()
             queue.append(entry)  # no query here: the pool reclaims before it makes an event, the thread ticks
-            if self._thread is None and not self._stop.is_set():
-                self._thread = threading.Thread(target=self._run, name="gpucomm-nccl-watchdog", daemon=True)
-                self._thread.start()
+            self._start()
         return entry.release
+
+    def start(self) -> None:
+        """Run the watchdog's thread from now (the first CUDA collective's host call: it may block
+        before anything is watched)."""
+        with self._lock:
+            self._start()
+
+    def _start(self) -> None:
+        """(holding the lock) The thread, started once."""
+        if self._thread is None and not self._stop.is_set():
+            self._thread = threading.Thread(target=self._run, name="gpucomm-nccl-watchdog", daemon=True)
+            self._thread.start()
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())
@@ -150,14 +169,17 @@ class NcclWatchdog:
         return min(heads, key=lambda e: e.started) if heads else None
 
     def check(self) -> None:
-        """Retire finished collectives; report the oldest unfinished one if NCCL failed or it is overdue."""
+        """Retire finished collectives; report the oldest unfinished one if NCCL failed or it is overdue,
+        and a host call that has not returned within the timeout."""
         with self._lock:
             empty = self._retire_finished()
             oldest = None if empty else self._oldest()
         self._report_query_error()
-        if oldest is None or self.failed:
+        if self.failed or self._reported:
             return
-        if self._reported:
+        if self.host_calls and self._check_host_calls():
+            return
+        if oldest is None:
             return
         error = self._health(oldest.request.set_id)
         if error is None and (time.monotonic() - oldest.started <= self.timeout or self._finished_since(oldest)):
@@ -176,6 +198,32 @@ class NcclWatchdog:
             self._queues.clear()
         self._stop.set()
         self._fail(why + ". The NCCL communicators were aborted. " + NCCL_HINT)
+
+    def _check_host_calls(self) -> bool:
+        """Report the oldest CUDA collective whose host call has not returned within the timeout (True
+        if one was reported)."""
+        running = list(self.host_calls.values())  # a snapshot: other threads add and remove entries
+        if not running:
+            return False
+        request, started = min(running, key=lambda entry: entry[1])
+        waited = time.monotonic() - started
+        if waited <= self.timeout:
+            return False
+        why = (f"the host call that issues {request.describe()} on rank {self.rank} has not returned for "
+               f"{waited:.0f} s (GPUCOMM_TIMEOUT is {self.timeout:.0f} s). NCCL (since 2.22) connects a communicator's "
+               f"peers inside the first collective that needs them, and that call returns only once the peers "
+               f"reach the same collective. Likely causes: a rank died or hangs before this collective, or the "
+               f"network between the ranks is cut; the other ranks' logs name the first failure. Setting "
+               f"NCCL_RUNTIME_CONNECT=0 makes NCCL connect every peer when the communicator is created instead")
+        with self._lock:
+            if self._reported:
+                return True
+            self.failed = self._reported = True
+            self.failure = self.failure or why
+            self._queues.clear()
+        self._stop.set()
+        self._fail(why + ". The NCCL communicators were aborted. " + NCCL_HINT)
+        return True
 
     def _finished_since(self, entry: _InFlight) -> bool:
         """``entry`` finished after ``check`` let go of the lock: retired meanwhile (by ``reclaim`` or

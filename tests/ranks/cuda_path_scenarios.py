@@ -450,3 +450,51 @@ def tensor_on_another_gpu() -> dict:
         after = float(hvd.allreduce(torch.ones(3), name="after")[0])
         hvd.shutdown()
     return {"first": first, "after": after, **errors}
+
+
+class _ConnectingNccl(NcclOverCpu):
+    """A communicator whose first allreduce blocks inside its host call, as NCCL (>= 2.22) blocks
+    while it connects a peer that never comes, until the communicator is aborted."""
+
+    def __init__(self, cpu, size: int) -> None:
+        super().__init__(cpu, size)
+        import threading
+
+        self.aborted = threading.Event()
+        self.returned = threading.Event()
+
+    def allreduce(self, send, recv, *, op, stream=None) -> None:
+        self.aborted.wait(120)
+        self.returned.set()
+        raise RuntimeError("NCCL error: remote process exited or there was a network error (stand-in)")
+
+    def abort(self) -> None:
+        self.aborted.set()
+
+
+def host_call_blocked_inside_nccl() -> dict:
+    """The CUDA path (stand-ins): the job's first allreduce blocks inside its host call on every rank
+    (NCCL connecting a peer lazily); the watchdog must fail the job within the timeout, naming the
+    call, abort the communicator (which frees the call), and the caller's wait must raise that."""
+    import time as _time
+
+    made: list = []
+
+    def create(client, key, rank, size, device_ordinal, timeout):
+        made.append(_ConnectingNccl(gloo_group(client, key + "/standin/", rank, size, timeout=timeout,
+                                               one_host=True, iface=None), size))
+        return made[-1]
+
+    with cuda_path():
+        job_state.create_nccl = create
+        hvd.init()
+        start = _time.monotonic()
+        error = ""
+        try:
+            hvd.allreduce(torch.ones(3), name="stuck")
+        except hvd.HorovodInternalError as e:
+            error = str(e)
+        seconds = _time.monotonic() - start
+        returned = bool(made) and made[0].returned.wait(10)
+        hvd.shutdown()
+    return {"error": error, "seconds": seconds, "returned": returned}
