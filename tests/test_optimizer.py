@@ -134,3 +134,14 @@ def test_averaging_divides_after_the_sum_as_horovod_does(set_to_none):
         steps = run_ranks(sc.averaging_order, 2, args=(f, set_to_none))
         for grads in steps:
             assert grads == [[want] * 5, [want] * 5], (f, grads)
+
+
+def test_a_parameter_group_added_after_wrapping_is_averaged():
+    """Horovod's hooks are fixed when it wraps: a group added later was never averaged and the replicas
+    drifted apart silently. Here it joins the layout and is averaged; PowerSGD and Adasum, which cannot
+    take it in, refuse it with the fix."""
+    for seen in run_ranks(sc.group_added_after_wrapping, 2):
+        assert all(step == [[[1.5] * 3], [[1.5] * 3]] for step in seen["grads"]), seen["grads"]
+        assert seen["same_weights"], seen
+        assert set(seen["refused"]) == {"powersgd", "adasum"}, seen["refused"]
+        assert all("Build the optimizer with every group" in text for text in seen["refused"].values()), seen

@@ -167,6 +167,15 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
             check_same_parameters(every[0], theirs, rank)
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in self._delay]
 
+    def add_param_group(self, param_group: dict) -> None:
+        if "_hooks" in self.__dict__:  # torch's __init__ adds the first groups before ours runs
+            raise ValueError(
+                "DistributedOptimizer(op=hvd.Adasum): adding a parameter group after it was built is not supported: "
+                "the new parameters' updates would not be reduced, and the replicas would drift apart. Build the "
+                "optimizer with every group; a layer to train later can be in it from the start with "
+                "requires_grad=False.")
+        super(self.__class__, self).add_param_group(param_group)
+
     def _hook(self, p: torch.Tensor) -> None:
         with self._lock:
             if self._delay[p] <= 0:

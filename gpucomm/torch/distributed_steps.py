@@ -143,6 +143,35 @@ class DistributedSteps(torch.optim.Optimizer):
             self._delay[p] = self._passes
         self._fired.clear()
 
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, then the new parameters are averaged as the others: they join the agreed layout at the
+        end of the next step's reduction (a collective: add the group at the same point on every rank),
+        and that step's gradients of theirs are averaged then. Horovod leaves such parameters out of its
+        hooks, so each rank stepped them on its own gradients and the replicas drifted apart silently."""
+        built = "_buckets" in self.__dict__  # torch's __init__ adds the first groups before ours runs
+        if built and (self._powersgd is not None or self._kind != "DistributedOptimizer"):
+            what = "with PowerSGD compression" if self._powersgd is not None else f"to a {self._kind}"
+            raise ValueError(
+                f"{self._kind}: adding a parameter group after it was built is not supported {what}: the new "
+                f"parameters would not be reduced, and each rank would step them on its own gradients. Build the "
+                f"optimizer with every group; a layer to train later can be in it from the start with "
+                f"requires_grad=False (it is averaged once it is unfrozen).")
+        super(self.__class__, self).add_param_group(param_group)
+        if built:
+            self._add_parameters(len(self.param_groups) - 1)
+
+    def _add_parameters(self, group: int) -> None:
+        """The parameters of ``param_groups[group]`` new to this optimizer join it: named after their place
+        (the same on every rank), in ``_params``; the layout changes at the next step's end."""
+        known = set(self._params)
+        new = [p for p in self.param_groups[group]["params"] if p not in known]
+        for j, p in enumerate(new):
+            self._parameter_names[p] = f"param_group.{group}.{j}"
+        self._params.extend(new)
+        self._sparse.add(new)
+        if self._ready_us is not None:  # the watched step never saw them: taken as ready last
+            self._ready_us.extend([None] * len(new))
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Horovod's guard, then the gradients cleared as torch does: ``set_to_none=True`` (the
         default) frees them (the next step's buckets pack the new ones in, once each); with

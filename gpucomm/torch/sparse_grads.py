@@ -61,6 +61,12 @@ class SparseGradients:
         self._launched: list[tuple[torch.Tensor, Any]] = []  # this step's reductions: (parameter, handle or None)
         self._agreements = 0
 
+    def add(self, params: Sequence[torch.Tensor]) -> None:
+        """Parameters added to the optimizer (a new parameter group), after the others."""
+        for p in params:
+            self._index[p] = len(self._params)
+            self._params.append(p)
+
     @property
     def in_flight(self) -> bool:
         return bool(self._launched)

@@ -157,7 +157,7 @@ def mark_written(kind: str, tensors: Sequence[torch.Tensor]) -> None:
                     f"a leaf Variable that requires grad is being used in an in-place operation. ({kind}_ writes "
                     f"its result into the tensor.) Fix: use the out-of-place hvd.{kind}(), or write under "
                     f"torch.no_grad() (or into p.data) when changing parameters on purpose, as broadcast_parameters "
-                    f"does.")
+                    f"does. (Horovod wrote into such a tensor without this check, out of autograd's sight.)")
     if not tracked:  # no autograd in the way: the common case, without a grad-mode context
         for t in tensors:
             t.as_strided_(t.size(), t.stride(), t.storage_offset())  # no data touched: bumps _version

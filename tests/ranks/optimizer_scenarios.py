@@ -392,3 +392,36 @@ def averaging_order(predivide: float, set_to_none: bool, steps: int = 2) -> list
             opt.step()
     hvd.shutdown()
     return seen
+
+
+def group_added_after_wrapping(steps: int = 3) -> dict:
+    """A parameter group added with ``add_param_group`` after wrapping (e.g. a backbone unfrozen later)
+    is averaged from the next step on, as the others: each rank's gradient of both layers is
+    ``rank + 1`` times ones, so the average is 1.5 on every rank."""
+    hvd.init()
+    r = hvd.rank()
+    a, b = nn.Linear(3, 1, bias=False), nn.Linear(3, 1, bias=False)
+    hvd.broadcast_parameters({"a": a.weight, "b": b.weight}, root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.1),
+                                   named_parameters=[("a.weight", a.weight)])
+    opt.add_param_group({"params": list(b.parameters())})
+    grads = []
+    for _ in range(steps):
+        opt.zero_grad()
+        x = torch.ones(1, 3) * (r + 1)
+        (a(x) + b(x)).sum().backward()
+        opt.step()
+        grads.append([a.weight.grad.tolist(), b.weight.grad.tolist()])
+    weights = hvd.allgather(torch.cat([a.weight.detach(), b.weight.detach()]).reshape(1, -1))
+    refused = {}
+    for label, make in [("powersgd", lambda ps: hvd.DistributedOptimizer(
+                            torch.optim.SGD(ps, lr=0.1), compression=hvd.Compression.powersgd(rank=1))),
+                        ("adasum", lambda ps: hvd.DistributedOptimizer(torch.optim.SGD(ps, lr=0.1), op=hvd.Adasum))]:
+        c, d = nn.Linear(3, 1, bias=False), nn.Linear(3, 1, bias=False)
+        other = make(list(c.parameters()))
+        try:
+            other.add_param_group({"params": list(d.parameters())})
+        except ValueError as e:
+            refused[label] = str(e)
+    hvd.shutdown()
+    return {"grads": grads, "same_weights": bool((weights[0] == weights[1]).all()), "refused": refused}
