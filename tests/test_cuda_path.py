@@ -479,3 +479,11 @@ def test_a_host_call_blocked_inside_nccl_fails_the_job_within_the_timeout():
         assert "the host call that issues allreduce 'allreduce.stuck'" in seen["error"], seen
         assert "has not returned for" in seen["error"] and "NCCL_RUNTIME_CONNECT=0" in seen["error"], seen
         assert seen["returned"], seen  # the abort freed the blocked call
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_the_predivide_factor_splits_the_average_on_the_cuda_path_with_the_finite_check(set_to_none):
+    """With the finite check on, a GPU view bucket fused the whole 1/size into its pack, silently dropping
+    Horovod's gradient_predivide_factor split (1/f before the sum, f/size after)."""
+    for seen in run_ranks(sc.predivide_split_on_the_cuda_path, 2, args=(set_to_none,)):
+        assert seen == [[8.0] * 5, [8.0] * 5], seen

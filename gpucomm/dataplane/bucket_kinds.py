@@ -180,11 +180,12 @@ class ViewBucket(Bucket):
         # a GPU averages with NCCL's AVG, which divides each input before the sum for floats, or (with the
         # finite check, whose slots must stay sums) with the same division fused into the pack: no pass
         # of its own. Gloo only sums: the CPU scales in place in Horovod's order, the prescale as each
-        # gradient comes in, the postscale (1/size) after the sum.
+        # gradient comes in, the postscale (1/size) after the sum; so does a GPU given Horovod's
+        # gradient_predivide_factor (its split is what the factor is chosen for, e.g. fp16 range).
         self.by_op = gpu and settings.average and settings.check is None
         if self.by_op:
             self.scale = self.post = 1.0
-        elif gpu:
+        elif gpu and settings.predivide == 1.0:
             self.scale, self.post = settings.prescale * settings.postscale, 1.0
         else:
             self.scale, self.post = settings.prescale, settings.postscale

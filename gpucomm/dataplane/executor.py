@@ -139,20 +139,21 @@ class Executor:
         if self._start_watch is not None:
             self._start_watch()
             self._start_watch = None
+        backend = group.nccl()  # made by the set's first CUDA collective: not timed as a blocked call
         host_calls, thread = self._host_calls, threading.get_ident()
         host_calls[thread] = (req, time.monotonic())
         try:
             if req.waited_at_once and req.send is not None and req.ready_event is None and tracer is None:
-                return self._on_caller_stream(req, meta, group)
-            return self._cuda(req, meta, group, tracer)
+                return self._on_caller_stream(req, meta, group, backend)
+            return self._cuda(req, meta, group, backend, tracer)
         finally:
             host_calls.pop(thread, None)
 
-    def _on_caller_stream(self, req: Request, meta: dict, group) -> Issued:
+    def _on_caller_stream(self, req: Request, meta: dict, group, backend) -> Issued:
         """A synchronous prepared request: launched on the stream its caller waits on."""
         COUNTERS.sync_fast_ops += 1
         stream, index = req.stream, req.index
-        works, after = self._plan(req, meta, group, group.nccl(), stream)
+        works, after = self._plan(req, meta, group, backend, stream)
         done = self._events.record(stream, index)  # for the watchdog only: the caller's stream is ordered already
         return Issued(works, done, after, done_stream=stream, release_done=self._watch(done, index, req, stream))
 
@@ -176,8 +177,7 @@ class Executor:
                                                                              stream)
         return completion
 
-    def _cuda(self, req: Request, meta: dict, group, tracer) -> Issued:
-        backend = group.nccl()
+    def _cuda(self, req: Request, meta: dict, group, backend, tracer) -> Issued:
         calls = cuda_calls.calls()
         index = req.index
         comm = self.comm_stream(index)

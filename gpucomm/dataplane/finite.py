@@ -61,7 +61,7 @@ def first_bad_on_device(kept: Sequence[torch.Tensor], index: torch.Tensor, count
     """The device search over the non-empty pieces ``kept`` (``index``: their positions among ``count``
     pieces, on ``out``'s device): device ops only, no host sync. Norms in float32, float64 for float64
     pieces (torch refuses a narrowing dtype; a float16 sum would overflow at 65504 and report finite
-    gradients)."""
+    gradients as non-finite)."""
     wide = torch.float64 if kept[0].dtype == torch.float64 else torch.float32
     if _NORM_TAKES_DTYPE:
         norms = torch._foreach_norm(list(kept), 1, dtype=wide)

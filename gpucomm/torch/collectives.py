@@ -186,6 +186,8 @@ def join(device: int = -1) -> int:
     ``device``: the GPU index for the zero tensors of CUDA collectives (-1: this rank's GPU)."""
     job = current_job()
     if device >= 0:
+        if torch.cuda.is_available():  # the stand-ins' zeros meet the job's NCCL communicators there
+            job.check_gpu(torch.device("cuda", device), lambda: f"hvd.join(device={device})")
         job.join_device = device
     # the join leaves for the coordinator before the stand-ins start: a rank still training can only
     # finish a step with this rank's zeros after its join was sent, so "joined last" is that rank

@@ -44,12 +44,6 @@ class JobBinding:
         # a one-rank job runs no reducer, unless GPUCOMM_ONE_RANK_REDUCER asks for its full schedule (as
         # DDP runs its reducer at size 1): what the reducer itself costs is then measured on one GPU
         self._reducing = self._size > 1 or (self._reduces_at_one_rank and one_rank_reducer())
-        if self._reducing:  # before any collective: a parameter on another GPU than this rank's is named here
-            first_on: dict = {}
-            for p in self._params:
-                first_on.setdefault(p.device, p)
-            for device, p in first_on.items():
-                job.check_gpu(device, lambda p=p: f"DistributedOptimizer: parameter '{self._parameter_names[p]}'")
         self._finite = (FiniteSlots(self._check_mode, group.rank, self._size,
                                     budget=AUTO_BUDGET if self._check_mode == finite_check.DEFAULT_MODE else None)
                         if self._check_mode is not None and self._reducing else None)

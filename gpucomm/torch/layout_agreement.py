@@ -36,6 +36,12 @@ class LayoutAgreement:
         of the optimizer changes unless the ranks agreed."""
         requires = [p.requires_grad for p in self._params]
         trainable = [p for p in self._params if p.requires_grad]
+        if self._reducing:  # before any collective: a trainable parameter on another GPU than the rank's
+            first_on: dict = {}
+            for p in trainable:
+                first_on.setdefault(p.device, p)
+            for device, p in first_on.items():
+                job.check_gpu(device, lambda p=p: f"{self._kind}: parameter '{self._parameter_names[p]}'")
         dense = self._sparse.split(trainable)  # the agreed sparse ones are reduced on their own
         if self._groups is not None:
             plans = plan_groups(dense, _trainable_groups(self._groups, dense))

@@ -498,3 +498,26 @@ def host_call_blocked_inside_nccl() -> dict:
         returned = bool(made) and made[0].returned.wait(10)
         hvd.shutdown()
     return {"error": error, "seconds": seconds, "returned": returned}
+
+
+def predivide_split_on_the_cuda_path(set_to_none: bool) -> list:
+    """The CUDA path (stand-ins) with the default finite check, ``gradient_predivide_factor=4`` at 2 ranks:
+    each rank's gradient is 6 float32 subnormal units. Horovod's split, x 1/4 before the sum and x 4/2
+    after, gives 8 units (1.5 rounds to 2 before the sum); dividing by 2 before the sum gives 6."""
+    from tests.ranks.optimizer_scenarios import TINY
+
+    with cuda_path():
+        hvd.init()
+        p = nn.Parameter(torch.zeros(5))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=0.0), named_parameters=[("p", p)],
+                                       gradient_predivide_factor=4.0)
+        seen = []
+        for _ in range(2):
+            opt.zero_grad(set_to_none=set_to_none)
+            (p * torch.full((5,), 6 * TINY)).sum().backward()
+            opt.synchronize()
+            seen.append([v / TINY for v in p.grad.tolist()])
+            with opt.skip_synchronize():
+                opt.step()
+        hvd.shutdown()
+    return seen

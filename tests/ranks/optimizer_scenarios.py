@@ -404,7 +404,7 @@ def group_added_after_wrapping(steps: int = 3) -> dict:
     hvd.broadcast_parameters({"a": a.weight, "b": b.weight}, root_rank=0)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.1),
                                    named_parameters=[("a.weight", a.weight)])
-    opt.add_param_group({"params": list(b.parameters())})
+    opt.add_param_group({"params": list(b.parameters()), "lr": 0.1})
     grads = []
     for _ in range(steps):
         opt.zero_grad()
@@ -420,7 +420,7 @@ def group_added_after_wrapping(steps: int = 3) -> dict:
         c, d = nn.Linear(3, 1, bias=False), nn.Linear(3, 1, bias=False)
         other = make(list(c.parameters()))
         try:
-            other.add_param_group({"params": list(d.parameters())})
+            other.add_param_group({"params": list(d.parameters()), "lr": 0.1})
         except ValueError as e:
             refused[label] = str(e)
     hvd.shutdown()
