@@ -249,9 +249,12 @@ def test_dead_rank_fails_the_waiting_ranks_fast(size, mode, dying):
         assert seen["later"] == seen["error"], "later collectives fail at once with the same cause"
 
 
-def test_rank_that_shuts_down_fails_the_waiting_ranks_fast():
-    results = run_ranks(sc.shutdown_while_others_wait, 2, timeout=60)
-    assert results[1] is None
-    for rank in (0,):
+@pytest.mark.parametrize("leaver", [1, 0])
+def test_rank_that_shuts_down_fails_the_waiting_ranks_fast(leaver):
+    """Also rank 0, the coordinator: the others' requests that need it failed only once it stopped serving
+    (10 s later), blaming a closed connection ("exited or failed") though its process still ran."""
+    results = run_ranks(sc.shutdown_while_others_wait, 2, args=(leaver,), timeout=60)
+    assert results[leaver] is None
+    for rank in (1 - leaver,):
         seen = results[rank]
-        assert "rank 1 has shut gpucomm down" in seen["error"], seen["error"]
+        assert f"rank {leaver} has shut gpucomm down" in seen["error"], seen["error"]

@@ -145,3 +145,12 @@ def test_a_parameter_group_added_after_wrapping_is_averaged():
         assert seen["same_weights"], seen
         assert set(seen["refused"]) == {"powersgd", "adasum"}, seen["refused"]
         assert all("Build the optimizer with every group" in text for text in seen["refused"].values()), seen
+
+
+def test_a_rank_missing_from_a_step_is_explained_to_the_rank_waiting_in_it():
+    """A fixed-schedule step is never negotiated, so neither the stall warning nor the deadlock check sees
+    a rank that does not reach it: the waiting rank failed with Gloo's bare "Timed out waiting ... for recv
+    operation". It now says what the step needs, the likely causes and the fix."""
+    errors = run_ranks(sc.one_rank_late_for_a_step, 2, env={"GPUCOMM_TIMEOUT": "2"}, timeout=120)
+    assert "DistributedOptimizer.bucket." in errors[0] and "fixed schedule" in errors[0], errors[0]
+    assert "hvd.join()" in errors[0] and "GPUCOMM_TIMEOUT (2 s)" in errors[0], errors[0]

@@ -77,6 +77,10 @@ class Shutdown:
             self._fail_pending(lambda local: ShutdownError(
                 f"{local.handle.request.describe()} never ran: gpucomm was shut down while it was pending."))
         if self._link is None:  # rank 0 keeps serving until close; another rank already lost rank 0
+            hub = self._hub
+            if hub is not None:  # rank 0 submits nothing more: what needs it fails now on every rank, not
+                with self._lock:  # after the grace it keeps serving for (rank 0 may not exit for a while)
+                    hub.dispatch(hub.coordinator.rank_left(0, "rank 0 has shut gpucomm down"))
             return
         with self._lock:  # the reader clears ``_link`` (rank 0 went away) under this lock: read it here
             self._closed = True

@@ -68,7 +68,9 @@ def stall_report(stalled: Stalled, warning: float, shutdown: float | None, *, st
 
 def negotiation_timeout(what: str, missing: list[int] | None, timeout: float) -> str:
     """The error of a wait that reached GPUCOMM_TIMEOUT before ``what`` was negotiated."""
-    who = f"ranks {missing} have not submitted it" if missing else "the coordinator (rank 0) has not answered"
+    who = (f"ranks {missing} have not submitted it" if missing else
+           "some ranks have not submitted it (rank 0, which negotiates every collective, knows which: its stall "
+           "warning names them), or rank 0 has not answered")
     return (f"{what} was not negotiated within {timeout:.0f} s: {who}. Every rank must run the same collectives "
             f"(same names) in the same order; a rank that ran out of data should call hvd.join(). GPUCOMM_TIMEOUT "
             f"sets this limit.")

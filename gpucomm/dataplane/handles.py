@@ -178,7 +178,8 @@ class Handle:
             return CollectiveError(f"{_describe(self.request)} failed because {cause}")
         if isinstance(error, CollectiveError):
             return error
-        return CollectiveError(f"{_describe(self.request)} failed: {error}")
+        hint = getattr(self._owner, "transport_hint", None)  # what the owner knows of why peers may be missing
+        return CollectiveError(f"{_describe(self.request)} failed: {error}" + (hint() if callable(hint) else ""))
 
     def _waiting_stream(self) -> int:
         """The raw stream the result must be ready on: the caller's current one. A synchronous op is

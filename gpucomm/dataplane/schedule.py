@@ -109,6 +109,17 @@ class Schedule:
         return Handle(request, self, issued)
 
     # -- the handle owner's side ---------------------------------------------------------------
+    def transport_hint(self) -> str:
+        """Why a transfer of this schedule may fail with no failure named anywhere: a rank that does not
+        run the same step (nothing is negotiated, so no stall warning or deadlock check sees it)."""
+        return (f". This collective is a step of a DistributedOptimizer's fixed schedule: every rank of its "
+                f"process set runs the same bucket collectives in the same order, with no negotiation, so a rank "
+                f"that does not run this step leaves the others waiting in it until the transfer fails or "
+                f"GPUCOMM_TIMEOUT ({self.timeout:.0f} s) ends it. Likely causes: a rank ran fewer batches or skipped "
+                f"optimizer.step() (uneven data: call hvd.join() on the ranks that finish first), a rank is stuck "
+                f"outside gpucomm (data loading, a deadlock in the training script), or a collective that only some "
+                f"ranks run between backward() and step(). The other ranks' errors say where each one was")
+
     def wait_ready(self, handle: Handle, timeout: float) -> None:
         raise CollectiveError(f"internal error: {handle.request.describe()} was never issued on its fixed "
                               f"schedule; please report this as a gpucomm bug.")

@@ -495,12 +495,13 @@ def dies_while_others_wait(mode: str, dying: str = "1") -> None:
     hvd.shutdown()
 
 
-def shutdown_while_others_wait() -> dict[str, Any] | None:
-    """Rank 1 shuts gpucomm down cleanly while the others wait on an allreduce it never submits."""
+def shutdown_while_others_wait(leaver: int = 1) -> dict[str, Any] | None:
+    """Rank ``leaver`` shuts gpucomm down cleanly while the others wait on an allreduce it never submits
+    (rank 0, the coordinator, keeps its process and serves on until the others shut down too)."""
     hvd.init()
     r = hvd.rank()
     hvd.barrier()
-    if r == 1:
+    if r == leaver:
         time.sleep(0.5)
         hvd.shutdown()
         return None

@@ -425,3 +425,31 @@ def group_added_after_wrapping(steps: int = 3) -> dict:
             refused[label] = str(e)
     hvd.shutdown()
     return {"grads": grads, "same_weights": bool((weights[0] == weights[1]).all()), "refused": refused}
+
+
+def one_rank_late_for_a_step() -> str:
+    """Rank 1 is stuck outside gpucomm (a sleep past GPUCOMM_TIMEOUT) before its backward while rank 0
+    waits in the step's bucket allreduce: rank 0's error (returned) must say what a fixed-schedule step
+    needs and the likely causes, not only the transport's own text."""
+    import time
+
+    hvd.init()
+    r = hvd.rank()
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    x, y = batch(0)
+    error = ""
+    try:
+        if r == 1:
+            time.sleep(6)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        error = str(e)
+    try:
+        hvd.shutdown()
+    except Exception:  # noqa: BLE001 - the job failed: shutdown may report it again
+        pass
+    return error
