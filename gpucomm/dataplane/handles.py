@@ -134,7 +134,8 @@ class Handle:
             for w in issued.works:
                 w.wait(self._owner.timeout, self._owner.failure)
         except Exception as e:  # the transport failed: a peer's failure may be why
-            raise self._failed(e, CAUSE_GRACE if getattr(self._owner, "has_peers", True) else 0.0) from e
+            grace = CAUSE_GRACE if getattr(self._owner, "has_peers", True) else 0.0
+            raise self._failed(e, grace, transport=True) from e
         try:
             if issued.covered is not None or issued.done_event is not None:
                 self._result = self._finish_on_stream(issued)
@@ -169,16 +170,18 @@ class Handle:
             _used_on((request.send, request.tensors), request.index, stream)
         return result
 
-    def _failed(self, error: Exception, grace: float) -> CollectiveError:
+    def _failed(self, error: Exception, grace: float, transport: bool = False) -> CollectiveError:
         """The error ``wait`` raises: the job's failure as the control plane names it when there is
         one (waiting up to ``grace`` seconds for it to be named: only a transport failure in a job
-        with peers may be caused by another rank), else ``error`` as a ``CollectiveError``."""
+        with peers may be caused by another rank), else ``error`` as a ``CollectiveError`` (a failed
+        ``transport`` with the owner's hint on why peers may be missing)."""
         cause = _first_cause(self._owner, grace)
         if cause is not None:  # another rank's failure broke this collective: name that first cause
             return CollectiveError(f"{_describe(self.request)} failed because {cause}")
         if isinstance(error, CollectiveError):
             return error
-        hint = getattr(self._owner, "transport_hint", None)  # what the owner knows of why peers may be missing
+        # a transfer that failed with no cause named: what the owner knows of why peers may be missing
+        hint = getattr(self._owner, "transport_hint", None) if transport else None
         return CollectiveError(f"{_describe(self.request)} failed: {error}" + (hint() if callable(hint) else ""))
 
     def _waiting_stream(self) -> int:
