@@ -154,3 +154,12 @@ def test_a_rank_missing_from_a_step_is_explained_to_the_rank_waiting_in_it():
     errors = run_ranks(sc.one_rank_late_for_a_step, 2, env={"GPUCOMM_TIMEOUT": "2"}, timeout=120)
     assert "DistributedOptimizer.bucket." in errors[0] and "fixed schedule" in errors[0], errors[0]
     assert "hvd.join()" in errors[0] and "GPUCOMM_TIMEOUT (2 s)" in errors[0], errors[0]
+
+
+def test_a_rank_waiting_long_in_a_step_is_named_by_the_stall_warning():
+    """A step is never negotiated, so the stall inspector did not see a rank waiting in one: no warning at
+    all until GPUCOMM_TIMEOUT. The waiting rank now tells rank 0, which warns after the stall time."""
+    env = {"GPUCOMM_STALL_CHECK_TIME_SECONDS": "1", "GPUCOMM_TIMEOUT": "60"}
+    warnings = run_ranks(sc.step_wait_warned, 2, env=env, timeout=120)
+    assert len(warnings[0]) == 1 and "rank 0: a step of DistributedOptimizer schedule" in warnings[0][0], warnings
+    assert "hvd.join()" in warnings[0][0], warnings[0]

@@ -85,6 +85,8 @@ class Controller(Upkeep, Shutdown):
                           if self._link is not None and config.liveness_timeout else None)
         self._blocked_since: dict[Key, float] = {}  # operations a caller waits on, since when
         self._blocked_told: set[Key] = set()  # ... of which rank 0 has been told
+        self._in_step: str | None = None  # a DistributedOptimizer step this rank's caller blocks in (its transfers)
+        self._in_step_told: str | None = None  # ... as rank 0 was last told
         self._lock = threading.Lock()  # held by the thread driving progress
         self._state = threading.RLock()  # guards the fields below (taken directly: a C-level context manager)
         self._cv = threading.Condition(self._state)  # notified when a handle becomes ready, if anyone waits
@@ -183,6 +185,12 @@ class Controller(Upkeep, Shutdown):
                 self._blocked_told.discard(key)
                 if not self._waiting:
                     self._wait_ended = time.monotonic()
+
+    def note_in_step(self, what: str | None) -> None:
+        """(any thread) A fixed schedule's step blocks in its transfers (``what``), or no longer (None):
+        rank 0 hears of it at the next upkeep, as of a caller blocked on a negotiation."""
+        with self._state:
+            self._in_step = what
 
     def _release(self) -> None:
         self._lock.release()

@@ -74,6 +74,8 @@ class Coordinator:
         self.observer = observer  # the timeline (rank 0): negotiate_start / negotiate_rank_ready / negotiate_end
         self.responses = 0  # how many responses were emitted (benchmarks read it)
         self._blocked: dict[int, Key] = {}  # rank -> the pending operation its caller has been blocked on
+        self._in_step: dict[int, tuple[str, float]] = {}  # rank -> the DistributedOptimizer step its caller
+        # blocks in, and since when (the coordinator's clock)
         self._deadlocked_since: dict[int, float] = {}  # process set -> when all its members were last seen blocked
 
     # ------------------------------------------------------------------ submissions
@@ -82,6 +84,7 @@ class Coordinator:
         """Record ``rank``'s new submissions; return the responses that became possible, in order."""
         touched: list[Key] = []
         self._blocked.pop(rank, None)  # it submits again: its caller is no longer blocked
+        self._in_step.pop(rank, None)
         for item in _expand_bits(items):
             key, descriptor, hit = self._resolve(rank, item)
             payload = item[-1] if item[0] in ("req", "hit") else None
@@ -110,6 +113,23 @@ class Coordinator:
         pending = self._pending.get(key)
         if pending is not None and rank in pending.descriptors:
             self._blocked[rank] = key
+
+    def note_in_step(self, rank: int, what: str | None) -> None:
+        """``rank``'s caller blocks in a DistributedOptimizer step's transfers (``what``; None: no longer).
+        A step is never negotiated, so its wait is not counted as a deadlock here (its transfers may still
+        be moving, in Gloo's threads, while the rank waits); the stall warning names it."""
+        if what is None:
+            self._in_step.pop(rank, None)
+        elif rank not in self._in_step:
+            self._in_step[rank] = (what, self._clock())
+
+    def now(self) -> float:
+        """The coordinator's clock (the times it records are on it)."""
+        return self._clock()
+
+    def in_step(self) -> dict[int, tuple[str, float]]:
+        """The ranks whose callers block in a DistributedOptimizer step now: which, and since when."""
+        return dict(self._in_step)
 
     def deadlocks(self, grace: float = 0.5) -> list[Outgoing]:
         """Errors for every process set whose members all wait on operations that lack some member:

@@ -74,6 +74,9 @@ class CoordinatorHub:
             if item[0] == "blocked":
                 self.coordinator.note_blocked(rank, (item[1], item[2]))
                 continue
+            if item[0] == "in_step":
+                self.coordinator.note_in_step(rank, item[1])
+                continue
             if item[0] == "bye":
                 self.left.add(rank)
                 if self.liveness is not None:

@@ -23,6 +23,7 @@ class StallInspector:
         self._coordinator, self.warning, self.shutdown = coordinator, warning, shutdown
         self._report, self._abort = report, abort
         self._warned: dict[tuple[int, str], float] = {}
+        self._steps_warned: dict[int, float] = {}  # rank -> the start of the step wait last warned about
         self._next_check = time.monotonic()
 
     def check(self) -> None:
@@ -30,6 +31,7 @@ class StallInspector:
         if now < self._next_check:
             return
         self._next_check = now + min(1.0, self.warning / 4)
+        self._check_steps()
         stalled = self._coordinator.stalled(self.warning)
         if not stalled:
             return
@@ -44,6 +46,30 @@ class StallInspector:
             if over:
                 self._abort(f"the stall inspector stopped the job after {self.shutdown:g} s "
                             f"(GPUCOMM_STALL_SHUTDOWN_TIME_SECONDS). " + stall_report(over, self.warning, None, stopped=True))
+
+
+    def _check_steps(self) -> None:
+        """Warn once per wait about a rank blocked in a DistributedOptimizer step for ``warning`` s: a step
+        is never negotiated, so nothing else would say that its peers do not run it."""
+        steps = self._coordinator.in_step()
+        now = self._coordinator.now()
+        for rank in [r for r in self._steps_warned if r not in steps]:
+            del self._steps_warned[rank]
+        late = {r: (what, since) for r, (what, since) in steps.items()
+                if now - since >= self.warning and self._steps_warned.get(r) != since}
+        if not late:
+            return
+        for rank, (_, since) in late.items():
+            self._steps_warned[rank] = since
+        lines = "\n".join(f"  rank {r}: {what}, waiting {now - since:.0f} s"
+                          for r, (what, since) in sorted(late.items()))
+        log.warning("Ranks have waited in a DistributedOptimizer step for more than %g s for the other ranks of its "
+                    "process set. A step's bucket collectives are never negotiated: every rank of the set must run "
+                    "the same step. Likely causes: a rank ran fewer batches or skipped optimizer.step() (call "
+                    "hvd.join() there), is stuck outside gpucomm (data loading, a deadlock in the training script), or "
+                    "waits in a collective that only some ranks run between backward() and step(); the stall "
+                    "warnings of negotiated collectives, if any, name it. The step fails after GPUCOMM_TIMEOUT.\n%s",
+                    self.warning, lines)
 
 
 def stall_report(stalled: Stalled, warning: float, shutdown: float | None, *, stopped: bool = False) -> str:

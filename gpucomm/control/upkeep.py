@@ -26,6 +26,8 @@ class Upkeep:
     _inflight: dict
     _blocked_since: dict
     _blocked_told: set
+    _in_step: str | None
+    _in_step_told: str | None
     _next_housekeeping: float
     _root_host: str
     coordinator_lost: bool
@@ -52,6 +54,8 @@ class Upkeep:
             self._beat_to_root()
         if self._blocked_since and self._failure is None:
             self._tell_blocked()
+        if self._in_step != self._in_step_told and self._failure is None:
+            self._tell_in_step()
         if self._hub is not None and self._failure is None:
             self._hub.check_liveness()
             self._hub.check_clashes()
@@ -74,6 +78,19 @@ class Upkeep:
                     channel.send(self._link, [("blocked", set_id, name)])
                 except OSError:
                     pass  # the receive side reports the broken connection
+
+    def _tell_in_step(self) -> None:
+        """Tell rank 0 that this rank's caller blocks in a DistributedOptimizer step, or no longer."""
+        with self._state:
+            what = self._in_step
+        self._in_step_told = what
+        if self._hub is not None:
+            self._hub.coordinator.note_in_step(0, what)
+        elif self._link is not None:
+            try:
+                channel.send(self._link, [("in_step", what)])
+            except OSError:
+                pass  # the receive side reports the broken connection
 
     def _beat(self) -> None:
         """One heartbeat (the beating thread: no control lock needed; channels serialise sends)."""

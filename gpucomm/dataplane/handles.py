@@ -136,6 +136,10 @@ class Handle:
         except Exception as e:  # the transport failed: a peer's failure may be why
             grace = CAUSE_GRACE if getattr(self._owner, "has_peers", True) else 0.0
             raise self._failed(e, grace, transport=True) from e
+        finally:
+            ended = getattr(self._owner, "wait_ended", None) if issued.works else None
+            if ended is not None:  # (a fixed schedule: it tells rank 0 when a step blocks, see schedule.py)
+                ended()
         try:
             if issued.covered is not None or issued.done_event is not None:
                 self._result = self._finish_on_stream(issued)

@@ -42,12 +42,15 @@ class DataPlane:
 
     ``tracer()``: the timeline's tracer while one records; ``select_device()``: makes this rank's
     GPU current in the calling thread (every thread of the data plane runs it first);
-    ``report(text)``: tells the control plane this rank is failing (so every rank learns it)."""
+    ``report(text)``: tells the control plane this rank is failing (so every rank learns it);
+    ``in_step(what)``: tells it a fixed schedule's step blocks in a transfer (None: no longer)."""
 
     def __init__(self, rank: int, timeout: float, *, tracer: Callable[[], Any] = lambda: None,
                  select_device: Callable[[], None] = lambda: None,
-                 report: Callable[[str], None] = lambda text: None, order_cpu: bool | None = None) -> None:
+                 report: Callable[[str], None] = lambda text: None, order_cpu: bool | None = None,
+                 in_step: Callable[[str | None], None] = lambda what: None) -> None:
         self.rank, self.timeout = rank, timeout
+        self.in_step = in_step  # a fixed schedule's step blocks in a transfer (what), or no longer (None)
         self.events = EventPool()
         self._tracer = tracer
         self.select_device = select_device

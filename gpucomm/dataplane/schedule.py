@@ -11,6 +11,7 @@ places the step's NCCL calls among the negotiated ones the same way on every ran
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -26,6 +27,11 @@ if TYPE_CHECKING:
     from .plane import DataPlane
 
 
+# s a wait on a step's transfers blocks before the job is told: long enough that a healthy step, whose last
+# transfers may take a while after backward, sends no control message (the steady state sends none)
+BLOCKED_AFTER = 5.0
+
+
 class Schedule:
     """Launches requests on ``group`` in the order given; the caller keeps that order the same on
     every rank. ``plane`` is the job's data plane (executor, events, watchdog, issue orders,
@@ -39,6 +45,8 @@ class Schedule:
         self._executor = plane.executor(lambda set_id: group)
         self._devices: list[torch.device] = []
         self._epochs: list[tuple[Any, int]] | None = None  # the open step: (issue order, token) per device
+        self._waiting_since: float | None = None  # a wait on this schedule's transfers blocks (first poll)
+        self._told = False  # ... and the job was told (``DataPlane.in_step``)
         plane.register(group)
 
     def open(self, device: torch.device) -> None:
@@ -125,7 +133,24 @@ class Schedule:
                               f"schedule; please report this as a gpucomm bug.")
 
     def failure(self) -> CollectiveError | None:
+        """The job's failure; also polled (every 0.2 s) by a wait on this schedule's transfers while it
+        blocks: one blocked for ``BLOCKED_AFTER`` s is told to the job, and rank 0's stall inspector warns
+        about it (a step is never negotiated: nothing else would say its peers do not run it)."""
+        now = time.monotonic()
+        since = self._waiting_since
+        if since is None:
+            self._waiting_since = now
+        elif not self._told and now - since >= BLOCKED_AFTER:
+            self._told = True
+            self._plane.in_step(f"a step of DistributedOptimizer schedule {self.number} (process set {self.group.id})")
         return self._plane.failure()
+
+    def wait_ended(self) -> None:
+        """A wait on this schedule's transfers returned (or raised)."""
+        self._waiting_since = None
+        if self._told:
+            self._told = False
+            self._plane.in_step(None)
 
     def seal(self) -> None:
         """The launches so far (a backward has ended) get their done event now, so the watchdog

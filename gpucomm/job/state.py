@@ -86,7 +86,7 @@ class Job:
         rank, size = self.world.rank, self.world.size
         self.one_host = len(set(self.hosts)) == 1
         self.data = DataPlane(rank, self.timeout, tracer=self._current_tracer, select_device=self.select_device,
-                              report=self._report_data_failure)
+                              report=self._report_data_failure, in_step=self._step_blocked)
         self.groups = {0: self.data.register(Group(0, range(size), rank, lambda g: self.cpu, self._make_nccl))}
         for set_id, ranks in enumerate(self.static_sets, start=1):
             self.groups[set_id] = self.data.register(self._group(set_id, ranks))
@@ -188,6 +188,13 @@ class Job:
         if controller is not None and controller.coordinator_lost and self.server is None \
                 and not self.world.rendezvous_hosted:
             self.client.abandon(f"rank 0, which served it, is gone ({error})")
+
+    def _step_blocked(self, what: str | None) -> None:
+        """A DistributedOptimizer step of this rank blocks in a transfer (``what``), or no longer (None):
+        rank 0's deadlock check counts this rank as one that can submit nothing meanwhile."""
+        controller = self.controller
+        if controller is not None:
+            controller.note_in_step(what)
 
     def _report_data_failure(self, text: str) -> None:
         """The data plane found the job broken (the NCCL watchdog): tell every rank."""

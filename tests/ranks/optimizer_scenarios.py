@@ -453,3 +453,36 @@ def one_rank_late_for_a_step() -> str:
     except Exception:  # noqa: BLE001 - the job failed: shutdown may report it again
         pass
     return error
+
+
+def step_wait_warned() -> list[str]:
+    """Rank 1 is late (a sleep outside gpucomm, past the stall warning time but within GPUCOMM_TIMEOUT)
+    for a step rank 0 already waits in; returns rank 0's stall warnings (the step then completes)."""
+    import logging
+    import time
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    keep = Keep(level=logging.WARNING)
+    logging.getLogger("gpucomm.control").addHandler(keep)
+    try:
+        hvd.init()
+        r = hvd.rank()
+        model = make_model()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        x, y = batch(0)
+        for s in range(2):
+            if r == 1 and s == 1:
+                time.sleep(8)  # past schedule.BLOCKED_AFTER (5 s) and the stall warning time (1 s) after it
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        hvd.shutdown()
+    finally:
+        logging.getLogger("gpucomm.control").removeHandler(keep)
+    return [m for m in seen if "DistributedOptimizer step" in m]
