@@ -427,17 +427,22 @@ def group_added_after_wrapping(steps: int = 3) -> dict:
     return {"grads": grads, "same_weights": bool((weights[0] == weights[1]).all()), "refused": refused}
 
 
+def _wrapped_after_init() -> tuple:
+    """``hvd.init()``, then this rank, the small model and its DistributedOptimizer (SGD)."""
+    hvd.init()
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    return hvd.rank(), model, opt
+
+
 def one_rank_late_for_a_step() -> str:
     """Rank 1 is stuck outside gpucomm (a sleep past GPUCOMM_TIMEOUT) before its backward while rank 0
     waits in the step's bucket allreduce: rank 0's error (returned) must say what a fixed-schedule step
     needs and the likely causes, not only the transport's own text."""
     import time
 
-    hvd.init()
-    r = hvd.rank()
-    model = make_model()
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
+    r, model, opt = _wrapped_after_init()
     x, y = batch(0)
     error = ""
     try:
@@ -470,11 +475,7 @@ def step_wait_warned() -> list[str]:
     keep = Keep(level=logging.WARNING)
     logging.getLogger("gpucomm.control").addHandler(keep)
     try:
-        hvd.init()
-        r = hvd.rank()
-        model = make_model()
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       named_parameters=model.named_parameters())
+        r, model, opt = _wrapped_after_init()
         x, y = batch(0)
         for s in range(2):
             if r == 1 and s == 1:
