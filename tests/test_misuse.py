@@ -95,3 +95,11 @@ def test_names_that_differ_per_rank_raise_on_every_rank():
             assert "rank 0 waits in 'allreduce.grad.0' (submitted by rank 0)" in r["outcome"], r["outcome"]
             assert "rank 1 waits in 'allreduce.grad.7919' (submitted by rank 1)" in r["outcome"], r["outcome"]
             assert r["late"] == size and r["orders"] == [size, size], r
+
+
+def test_broadcast_object_of_none_on_other_ranks_says_why_it_cannot_meet():
+    """Horovod names broadcast_object's collectives after the object's type, so a non-root rank passing None
+    never meets the root (Horovod hangs; here the deadlock check ends it): the error says so."""
+    for outcome in run_ranks(scenarios.broadcast_object_of_none, 2, timeout=120):
+        assert "The ranks wait for collectives that can never complete" in outcome, outcome
+        assert "named this broadcast after the object's type" in outcome and "'NoneType'" in outcome, outcome

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..errors import CollectiveError
 from ..process_sets import ProcessSet, global_process_set
 from .collectives import broadcast_, broadcast_async_
 from .submission import current_job, execute, set_id, synchronize
@@ -47,6 +48,7 @@ def _to_bytes_tensor(obj: Any) -> torch.Tensor:
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Root's ``obj`` on every rank of ``process_set`` (pickled, two broadcasts: size then bytes)."""
+    named = name is not None
     name = name or type(obj).__name__
     rank = current_job().world.rank
     if rank == root_rank:
@@ -54,7 +56,15 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
         size = torch.tensor([data.numel()], dtype=torch.int64)
     else:
         size = torch.zeros(1, dtype=torch.int64)
-    broadcast_(size, root_rank, name + ".sz", process_set)
+    try:
+        broadcast_(size, root_rank, name + ".sz", process_set)
+    except CollectiveError as e:
+        if named:
+            raise
+        raise CollectiveError(
+            f"{e} (hvd.broadcast_object named this broadcast after the object's type, '{name}', as Horovod does: "
+            f"every rank must pass an object of the root's type, or the same name=. A rank other than the root "
+            f"that passes None, as in `obj if hvd.rank() == 0 else None`, names it 'NoneType'.)") from e
     if rank != root_rank:
         data = torch.empty(int(size.item()), dtype=torch.uint8)
     broadcast_(data, root_rank, name + ".t", process_set)

@@ -102,3 +102,16 @@ def per_rank_names() -> dict:
     orders = sorted(hvd.synchronize(handles[n]).item() for n in names)
     hvd.shutdown()
     return {"outcome": outcome, "elapsed": elapsed, "late": late, "orders": orders}
+
+
+def broadcast_object_of_none() -> str:
+    """The root passes a dict, the other rank None (``obj if rank == 0 else None``) with no name: the
+    default names differ by type, so the broadcasts can never meet; returns this rank's error."""
+    hvd.init()
+    try:
+        hvd.broadcast_object({"epoch": 3} if hvd.rank() == 0 else None, root_rank=0)
+        outcome = "ran"
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        outcome = str(e)
+    hvd.shutdown()
+    return outcome
