@@ -40,6 +40,7 @@ class Counters:
     sync_fast_ops: int = 0  # synchronous CUDA ops launched on the caller's own stream (no comm stream, no event round trip)
     local_ops: int = 0  # collectives of a one-rank job computed in place or as a copy (no backend call)
     warmup_steps: int = 0  # zero-filled passes of an optimizer's layout at a collective point (NCCL connects lazily)
+    step_waits_reported: int = 0  # optimizer steps whose host transfers blocked long enough to be told to rank 0
     issue_deferred: int = 0  # agreed CUDA collectives that waited for an optimizer step's launches (one order per device)
     nccl_aborts: int = 0  # NCCL communicators aborted (the job failed)
     nccl_destroys: int = 0  # NCCL communicators destroyed (a healthy job's shutdown, an optimizer's close)

@@ -258,3 +258,12 @@ def test_rank_that_shuts_down_fails_the_waiting_ranks_fast(leaver):
     for rank in (1 - leaver,):
         seen = results[rank]
         assert f"rank {leaver} has shut gpucomm down" in seen["error"], seen["error"]
+
+
+def test_an_op_a_rank_submitted_before_it_shut_down_fails_on_the_others():
+    """A rank that shut down never runs what it had submitted: the others' copy of that op must fail, naming
+    it (it was answered "run" and waited in the transfer for a rank that was gone)."""
+    results = run_ranks(sc.left_after_submitting, 2, env={"GPUCOMM_TIMEOUT": "20", "GPUCOMM_INLINE_BYTES": "0"},
+                        timeout=120)
+    assert results[0] is None
+    assert "'allreduce.orphan' cannot complete: rank 0 has shut gpucomm down" in results[1], results[1]

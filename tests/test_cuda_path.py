@@ -487,3 +487,11 @@ def test_the_predivide_factor_splits_the_average_on_the_cuda_path_with_the_finit
     Horovod's gradient_predivide_factor split (1/f before the sum, f/size after)."""
     for seen in run_ranks(sc.predivide_split_on_the_cuda_path, 2, args=(set_to_none,)):
         assert seen == [[8.0] * 5, [8.0] * 5], seen
+
+
+def test_no_step_wait_is_reported_on_the_cuda_path():
+    """A step's wait on a GPU is a stream wait: it never blocks the host, so it must never be told to rank 0
+    as a blocked step (the failure poll of the stream wait started a clock that never stopped: a control
+    message in a healthy step, then a false stall warning)."""
+    for seen in run_ranks(sc.no_step_wait_reported_on_the_cuda_path, 2):
+        assert seen["reported"] == 0, seen

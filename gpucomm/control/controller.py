@@ -432,7 +432,7 @@ class Controller(Upkeep, Shutdown):
             with self._state:
                 due = bool(self._unsent) and time.monotonic() >= self._unsent_since + self.config.cycle_time
             if not (due or len(ready) > (self._waker.fd in ready) or self._hub is not None
-                    or self._liveness is not None):
+                    or self._liveness is not None or self._in_step != self._in_step_told):
                 continue
             if not self._lock.acquire(timeout=self._stall_tick()):
                 continue

@@ -258,6 +258,10 @@ class Coordinator:
         """``rank`` will submit nothing more (it shut down, or its connection broke): fail what
         needs it, now and later; ``reason`` says what happened, naming the rank."""
         self._gone.setdefault(rank, reason)
+        for pending in self._pending.values():  # what it submitted it will never run: counted as absent
+            if pending.kind != "join":
+                pending.descriptors.pop(rank, None)
+                pending.payloads.pop(rank, None)
         return _coalesce(self._complete(list(self._pending)))
 
     def _finish(self, key: Key) -> None:

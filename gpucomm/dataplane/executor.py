@@ -79,6 +79,19 @@ def prepare(req: Request) -> None:
         req.send = src
 
 
+class CommunicatorCreation:
+    """What the watchdog names while a process set's NCCL communicator is being created, inside the
+    host call of its first collective (``ncclCommInitRank`` waits for every member)."""
+
+    creating = True
+
+    def __init__(self, set_id: int, request: Request) -> None:
+        self.set_id, self.request = set_id, request
+
+    def describe(self) -> str:
+        return f"the creation of process set {self.set_id}'s NCCL communicator for {self.request.describe()}"
+
+
 class Executor:
     """Turns negotiated requests into backend calls for one initialized job.
 
@@ -109,6 +122,7 @@ class Executor:
         # returns: NCCL's lazy connection to a peer that never comes); the watchdog runs from the first
         self._host_calls = host_calls if host_calls is not None else {}
         self._start_watch: Callable[[], None] | None = start_watch
+        self._nccl_made: set = set()  # groups whose NCCL communicator this executor has seen created
         self._streams: dict[int, int] = {}  # device index -> this executor's communication stream (raw)
         self._completions: dict[int, StreamCompletion] = {}
         self._made = threading.Lock()  # a device's stream and completion are made once, whatever thread asks
@@ -139,8 +153,16 @@ class Executor:
         if self._start_watch is not None:
             self._start_watch()
             self._start_watch = None
-        backend = group.nccl()  # made by the set's first CUDA collective: not timed as a blocked call
         host_calls, thread = self._host_calls, threading.get_ident()
+        if group in self._nccl_made:
+            backend = group.nccl()
+        else:  # the set's first CUDA collective creates its communicator: watched as a creation
+            host_calls[thread] = (CommunicatorCreation(group.id, req), time.monotonic())
+            try:
+                backend = group.nccl()
+            finally:
+                host_calls.pop(thread, None)
+            self._nccl_made.add(group)
         host_calls[thread] = (req, time.monotonic())
         try:
             if req.waited_at_once and req.send is not None and req.ready_event is None and tracer is None:

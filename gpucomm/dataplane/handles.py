@@ -131,8 +131,9 @@ class Handle:
             raise CollectiveError(f"internal error: {_describe(self.request)} was agreed but never issued; please "
                                   f"report this as a gpucomm bug.")
         try:
+            poll = getattr(self._owner, "blocked_poll", None) or self._owner.failure  # polled while a wait blocks
             for w in issued.works:
-                w.wait(self._owner.timeout, self._owner.failure)
+                w.wait(self._owner.timeout, poll)
         except Exception as e:  # the transport failed: a peer's failure may be why
             grace = CAUSE_GRACE if getattr(self._owner, "has_peers", True) else 0.0
             raise self._failed(e, grace, transport=True) from e

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from ..counters import COUNTERS
 from ..errors import CollectiveError
 from .groups import Group
 from .handles import Handle
@@ -133,15 +134,20 @@ class Schedule:
                               f"schedule; please report this as a gpucomm bug.")
 
     def failure(self) -> CollectiveError | None:
-        """The job's failure; also polled (every 0.2 s) by a wait on this schedule's transfers while it
-        blocks: one blocked for ``BLOCKED_AFTER`` s is told to the job, and rank 0's stall inspector warns
-        about it (a step is never negotiated: nothing else would say its peers do not run it)."""
+        return self._plane.failure()
+
+    def blocked_poll(self) -> CollectiveError | None:
+        """The job's failure, as polled (every 0.2 s) by a wait on this schedule's host transfers while it
+        blocks (``Handle.wait``; ``wait_ended`` follows): one blocked for ``BLOCKED_AFTER`` s is told to the
+        job, and rank 0's stall inspector warns about it (a step is never negotiated: nothing else would
+        say its peers do not run it)."""
         now = time.monotonic()
         since = self._waiting_since
         if since is None:
             self._waiting_since = now
         elif not self._told and now - since >= BLOCKED_AFTER:
             self._told = True
+            COUNTERS.step_waits_reported += 1
             self._plane.in_step(f"a step of DistributedOptimizer schedule {self.number} (process set {self.group.id})")
         return self._plane.failure()
 

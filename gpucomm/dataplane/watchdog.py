@@ -209,12 +209,20 @@ class NcclWatchdog:
         waited = time.monotonic() - started
         if waited <= self.timeout:
             return False
-        why = (f"the host call that issues {request.describe()} on rank {self.rank} has not returned for "
-               f"{waited:.0f} s (GPUCOMM_TIMEOUT is {self.timeout:.0f} s). NCCL (since 2.22) connects a communicator's "
-               f"peers inside the first collective that needs them, and that call returns only once the peers "
-               f"reach the same collective. Likely causes: a rank died or hangs before this collective, or the "
-               f"network between the ranks is cut; the other ranks' logs name the first failure. Setting "
-               f"NCCL_RUNTIME_CONNECT=0 makes NCCL connect every peer when the communicator is created instead")
+        if getattr(request, "creating", False):
+            why = (f"{request.describe()} has not finished on rank {self.rank} after {waited:.0f} s (GPUCOMM_TIMEOUT "
+                   f"is {self.timeout:.0f} s): NCCL creates a communicator only once every member joins. Likely "
+                   f"causes: a rank died or hangs before this collective, or the network between the ranks is cut; "
+                   f"the other ranks' logs name the first failure. A communicator still being created cannot be "
+                   f"aborted: this rank's caller stays blocked, and the other ranks fail with this error")
+        else:
+            why = (f"the host call that issues {request.describe()} on rank {self.rank} has not returned for "
+                   f"{waited:.0f} s (GPUCOMM_TIMEOUT is {self.timeout:.0f} s). NCCL (since 2.22) connects a "
+                   f"communicator's peers inside the first collective that needs them, and that call returns only "
+                   f"once the peers reach the same collective. Likely causes: a rank died or hangs before this "
+                   f"collective, or the network between the ranks is cut; the other ranks' logs name the first "
+                   f"failure. Setting NCCL_RUNTIME_CONNECT=0 makes NCCL connect every peer when the communicator is "
+                   f"created instead")
         with self._lock:
             if self._reported:
                 return True

@@ -138,6 +138,11 @@ class LayoutAgreement:
         before = set(self._trainable)
         self._drain_checks()  # the old layout's reports still on their way, decoded against it
         self._buckets = self._agree_on_layout(current_job())
+        self._average_added(before)
+
+    def _average_added(self, before: set) -> None:
+        """Average now this step's gradients of the parameters that joined the layout just agreed (not in
+        ``before``): unfrozen, or added in a new group; their hooks were not registered during backward."""
         added = [p for p in self._trainable if p not in before]
         if added and self._reducing:
             self._buckets.reduce_once(added, f"DistributedOptimizer.added.{self._layouts}")

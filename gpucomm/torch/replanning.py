@@ -112,5 +112,7 @@ class Replanning:
         """Adopt the autotuner's ``plan`` (agreed across ranks like every layout)."""
         self._planned = plan
         self._drain_checks()  # the old layout's reports still on their way, decoded against it
+        before = set(self._trainable)
         self._buckets = self._agree_on_layout(current_job())
+        self._average_added(before)  # a layer unfrozen or a group added in this step: its gradients too
         COUNTERS.autotune_recuts += 1

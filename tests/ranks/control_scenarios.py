@@ -516,3 +516,22 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+def left_after_submitting() -> str | None:
+    """Rank 0 submits an allreduce, then shuts gpucomm down without waiting for it (its own handle fails);
+    rank 1 submits the same allreduce later: it can never run, and must say why at once."""
+    hvd.init()
+    if hvd.rank() == 0:
+        hvd.allreduce_async(torch.ones(2), name="orphan")
+        time.sleep(0.5)  # the request has reached the coordinator
+        hvd.shutdown()
+        return None
+    time.sleep(1.0)
+    try:
+        hvd.allreduce(torch.ones(2), name="orphan")
+        outcome = "ran"
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        outcome = str(e)
+    hvd.shutdown()
+    return outcome

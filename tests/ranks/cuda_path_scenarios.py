@@ -521,3 +521,32 @@ def predivide_split_on_the_cuda_path(set_to_none: bool) -> list:
                 opt.step()
         hvd.shutdown()
     return seen
+
+
+def no_step_wait_reported_on_the_cuda_path(steps: int = 4) -> dict:
+    """The CUDA path (stand-ins) with ``schedule.BLOCKED_AFTER`` at 0: a step's wait is a stream wait, never
+    a blocked host transfer, so no step may be reported to rank 0 as waiting, however far apart the steps."""
+    import time as _time
+
+    from gpucomm.dataplane import schedule
+
+    saved, schedule.BLOCKED_AFTER = schedule.BLOCKED_AFTER, 0.0
+    try:
+        with cuda_path():
+            hvd.init()
+            r, n = hvd.rank(), hvd.size()
+            model = make_model()
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                           named_parameters=model.named_parameters())
+            before = hvd.stats()["step_waits_reported"]
+            for s in range(steps):
+                x, y = batch(s)
+                opt.zero_grad()
+                nn.functional.mse_loss(model(half(x, r, n)), half(y, r, n)).backward()
+                opt.step()
+                _time.sleep(0.2)
+            reported = hvd.stats()["step_waits_reported"] - before
+            hvd.shutdown()
+    finally:
+        schedule.BLOCKED_AFTER = saved
+    return {"reported": reported}
