@@ -13,6 +13,11 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 
+def torch_at_least(major: int, minor: int) -> bool:
+    """Whether the installed torch is ``major.minor`` or newer (features its older releases lack)."""
+    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (major, minor)
+
+
 class BackendOp(str, enum.Enum):
     """The reduction a backend performs (``ReduceOp`` is the user's; Average and Adasum become these). A str
     enum: hashing it costs no Python call."""

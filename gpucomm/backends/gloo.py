@@ -33,7 +33,7 @@ import torch.distributed as dist
 from ..bootstrap.rendezvous import RendezvousClient, RendezvousTimeout
 from ..errors import CollectiveError
 from ..settings import GLOO_IFACE
-from .base import BackendOp
+from .base import BackendOp, torch_at_least
 
 log = logging.getLogger("gpucomm")
 
@@ -54,7 +54,7 @@ _GLOO_OPS = {
 }
 # Gloo reduces bfloat16 from torch 2.2 on; with torch 2.1 ("Invalid scalar type") a bfloat16 reduction runs on a
 # float32 copy (every bfloat16 is a float32; the float32 result is rounded to bfloat16 once, at the end).
-GLOO_REDUCES_BF16 = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 2)
+GLOO_REDUCES_BF16 = torch_at_least(2, 2)
 _flat_allgather = True  # Gloo's allgather into one tensor (torch >= 2.2); set False once torch says it has none
 # Gloo has no kernels for these; data movement sends their bytes instead.
 # (torch.uint16/32/64 exist from torch 2.3 on; CI's oldest-torch step runs 2.1)

@@ -121,7 +121,7 @@ class Executor:
         # each CUDA collective's host call, noted while it runs (the watchdog reports one that never
         # returns: NCCL's lazy connection to a peer that never comes); the watchdog runs from the first
         self._host_calls = host_calls if host_calls is not None else {}
-        self._start_watch: Callable[[], None] | None = start_watch
+        self._start_watch = start_watch
         self._nccl_made: set = set()  # groups whose NCCL communicator this executor has seen created
         self._streams: dict[int, int] = {}  # device index -> this executor's communication stream (raw)
         self._completions: dict[int, StreamCompletion] = {}
@@ -150,13 +150,11 @@ class Executor:
             if tracer is not None:
                 tracer.cpu_op(req.name, req.kind, req.tensors, works, transport=name)
             return Issued(works, None, after)
-        if self._start_watch is not None:
-            self._start_watch()
-            self._start_watch = None
         host_calls, thread = self._host_calls, threading.get_ident()
         if group in self._nccl_made:
             backend = group.nccl()
         else:  # the set's first CUDA collective creates its communicator: watched as a creation
+            self._start_watch()  # from the first (idempotent): a host call may block before anything is watched
             host_calls[thread] = (CommunicatorCreation(group.id, req), time.monotonic())
             try:
                 backend = group.nccl()

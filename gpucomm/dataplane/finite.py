@@ -19,6 +19,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..backends.base import torch_at_least
+
 __all__ = ["AUTO_BUDGET", "FiniteSlots", "FirstNonFinite", "exact_limit", "first_bad_on_device"]
 
 AUTO_BUDGET = 0.005  # the default mode's search costs at most this share of the step, on average
@@ -53,7 +55,7 @@ class FirstNonFinite:
 
 
 # ``torch._foreach_norm`` takes ``dtype`` from torch 2.4 on; before, each piece is cast first
-_NORM_TAKES_DTYPE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 4)
+_NORM_TAKES_DTYPE = torch_at_least(2, 4)
 
 
 def first_bad_on_device(kept: Sequence[torch.Tensor], index: torch.Tensor, count: int, out: torch.Tensor,

@@ -130,17 +130,8 @@ class Handle:
         if issued is None:  # an owner bug: agreed, neither issued nor failed nor queued
             raise CollectiveError(f"internal error: {_describe(self.request)} was agreed but never issued; please "
                                   f"report this as a gpucomm bug.")
-        try:
-            poll = getattr(self._owner, "blocked_poll", None) or self._owner.failure  # polled while a wait blocks
-            for w in issued.works:
-                w.wait(self._owner.timeout, poll)
-        except Exception as e:  # the transport failed: a peer's failure may be why
-            grace = CAUSE_GRACE if getattr(self._owner, "has_peers", True) else 0.0
-            raise self._failed(e, grace, transport=True) from e
-        finally:
-            ended = getattr(self._owner, "wait_ended", None) if issued.works else None
-            if ended is not None:  # (a fixed schedule: it tells rank 0 when a step blocks, see schedule.py)
-                ended()
+        if issued.works:  # host-completed transfers (Gloo, MPI); a CUDA collective has none
+            self._wait_works(issued.works)
         try:
             if issued.covered is not None or issued.done_event is not None:
                 self._result = self._finish_on_stream(issued)
@@ -151,6 +142,22 @@ class Handle:
         self._finished = True
         self._issued = None  # drop the backend's references
         return self._result
+
+    def _wait_works(self, works: Sequence[Any]) -> None:
+        """Wait for the backend's host works. An owner may follow a wait that blocks: ``blocked_poll`` is
+        polled meanwhile instead of ``failure``, and ``wait_ended`` runs after (a fixed schedule tells
+        rank 0 of a step that blocks long, see schedule.py)."""
+        owner = self._owner
+        try:
+            poll = getattr(owner, "blocked_poll", None) or owner.failure
+            for w in works:
+                w.wait(owner.timeout, poll)
+        except Exception as e:  # the transport failed: a peer's failure may be why
+            raise self._failed(e, CAUSE_GRACE if getattr(owner, "has_peers", True) else 0.0, transport=True) from e
+        finally:
+            ended = getattr(owner, "wait_ended", None)
+            if ended is not None:
+                ended()
 
     def _finish_on_stream(self, issued: Issued) -> Any:
         """CUDA: make the caller's stream wait for the collective (nothing when it ran there), then

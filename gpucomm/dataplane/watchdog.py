@@ -192,12 +192,19 @@ class NcclWatchdog:
             why = (f"{request.describe()} did not finish within {self.timeout:.0f} s (GPUCOMM_TIMEOUT) on rank "
                    f"{self.rank}: at least one of the ranks it needs ({who}) never reached it — that rank died, "
                    f"hangs before this collective, or cannot reach this one")
+        self._report_failure(why)
+
+    def _report_failure(self, why: str) -> bool:
+        """Report ``why`` as the job's failure, once (False: already reported); the caller aborts."""
         with self._lock:
+            if self._reported:
+                return False
             self.failed = self._reported = True  # before clearing: a drain after this never reports "all finished"
             self.failure = self.failure or why
             self._queues.clear()
         self._stop.set()
         self._fail(why + ". The NCCL communicators were aborted. " + NCCL_HINT)
+        return True
 
     def _check_host_calls(self) -> bool:
         """Report the oldest CUDA collective whose host call has not returned within the timeout (True
@@ -223,14 +230,7 @@ class NcclWatchdog:
                    f"collective, or the network between the ranks is cut; the other ranks' logs name the first "
                    f"failure. Setting NCCL_RUNTIME_CONNECT=0 makes NCCL connect every peer when the communicator is "
                    f"created instead")
-        with self._lock:
-            if self._reported:
-                return True
-            self.failed = self._reported = True
-            self.failure = self.failure or why
-            self._queues.clear()
-        self._stop.set()
-        self._fail(why + ". The NCCL communicators were aborted. " + NCCL_HINT)
+        self._report_failure(why)
         return True
 
     def _finished_since(self, entry: _InFlight) -> bool:

@@ -191,7 +191,7 @@ class Job:
 
     def _step_blocked(self, what: str | None) -> None:
         """A DistributedOptimizer step of this rank blocks in a transfer (``what``), or no longer (None):
-        rank 0's deadlock check counts this rank as one that can submit nothing meanwhile."""
+        rank 0's stall inspector names it (a step is never negotiated)."""
         controller = self.controller
         if controller is not None:
             controller.note_in_step(what)

@@ -236,14 +236,19 @@ def replaced_gradients_are_rebound(steps: int = 4) -> dict:
             "buckets": len(opt._buckets.buckets)}
 
 
+def _started(lr: float) -> tuple:
+    """``hvd.init()``, then this rank, the size, the small model and its DistributedOptimizer (SGD)."""
+    hvd.init()
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
+                                   named_parameters=model.named_parameters())
+    return hvd.rank(), hvd.size(), model, opt
+
+
 def trace_launch() -> list:
     """(debugging) The Python calls of one bucket launch on the CUDA path."""
     with cuda_path():
-        hvd.init()
-        r, n = hvd.rank(), hvd.size()
-        model = make_model()
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                       named_parameters=model.named_parameters())
+        r, n, model, opt = _started(lr=0.05)
         names: list = []
         for s in range(3):
             x, y = batch(s)
@@ -533,11 +538,7 @@ def no_step_wait_reported_on_the_cuda_path(steps: int = 4) -> dict:
     saved, schedule.BLOCKED_AFTER = schedule.BLOCKED_AFTER, 0.0
     try:
         with cuda_path():
-            hvd.init()
-            r, n = hvd.rank(), hvd.size()
-            model = make_model()
-            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                           named_parameters=model.named_parameters())
+            r, n, model, opt = _started(lr=0.01)
             before = hvd.stats()["step_waits_reported"]
             for s in range(steps):
                 x, y = batch(s)
