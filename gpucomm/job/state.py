@@ -218,7 +218,10 @@ class Job:
             return
         mine = self._gpu_index
         if mine is None:
-            mine = self._gpu_index = calls.index(self._cuda_device())
+            mine = self._gpu_of_rank()
+            if mine is None:  # no GPU pinned or seen at init: the calling thread's would be a guess
+                return
+            self._gpu_index = mine
         index = calls.index(device)
         if index == mine:
             return
@@ -342,6 +345,14 @@ class Job:
         if self._builder_device is None:
             self._builder_device = torch.cuda.current_device()
         return torch.device("cuda", self._builder_device)
+
+    def _gpu_of_rank(self) -> int | None:
+        """This rank's GPU where it is known without asking the calling thread: the pinned one, or the
+        one current on the thread that built the job; None when neither is (``_cuda_device`` then takes
+        the first caller's, which ``check_gpu`` must not)."""
+        if self.device is not None:
+            return self.device.cuda_ordinal
+        return self._builder_device
 
     def _zeros_device(self) -> torch.device:
         return torch.device("cuda", self.join_device) if self.join_device >= 0 else self._cuda_device()

@@ -39,13 +39,14 @@ def cuda_path() -> Iterator[StandInCuda]:
     after, for the harness's pooled processes)."""
     stand_in = StandInCuda(cpu_is_gpu=True)
     previous = cuda_calls.install(stand_in)
-    create, device = job_state.create_nccl, job_state.Job._cuda_device
+    create, device, gpu = job_state.create_nccl, job_state.Job._cuda_device, job_state.Job._gpu_of_rank
     job_state.create_nccl = _nccl_over_cpu
     job_state.Job._cuda_device = lambda self: torch.device("cpu")
+    job_state.Job._gpu_of_rank = lambda self: 0  # the stand-in numbers every device 0
     try:
         yield stand_in
     finally:
-        job_state.create_nccl, job_state.Job._cuda_device = create, device
+        job_state.create_nccl, job_state.Job._cuda_device, job_state.Job._gpu_of_rank = create, device, gpu
         cuda_calls.install(previous)
 
 
