@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
@@ -25,9 +25,10 @@ from ..settings import FUSION_KERNELS
 from .finite import FirstNonFinite
 
 _SHAPE = operator.attrgetter("shape")
+T = TypeVar("T")
 
 __all__ = ["BucketCopy", "KERNELS_ENV", "TorchCopy", "kernels_wanted", "pack_bucket", "stream_context",
-           "torch_pack", "torch_unpack", "unpack_bucket"]
+           "torch_pack", "torch_unpack", "unpack_bucket", "without_grad"]
 
 KERNELS_ENV = FUSION_KERNELS.names[0]  # "0": pack CUDA buckets with torch ops instead of the kernels
 
@@ -58,17 +59,23 @@ class TorchCopy:
 
     def __call__(self, tensors: Sequence[torch.Tensor], flat: torch.Tensor, stream: Any = None) -> None:
         tensors = rules.tensor_list(self.direction, tensors)
+        if flat.is_cuda and stream is not None:
+            with torch.cuda.stream(stream):
+                without_grad(self._copy, tensors, flat)
+        else:
+            without_grad(self._copy, tensors, flat)
+
+    def _copy(self, tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
         lean = flat.is_cuda if self.lean is None else self.lean
-        with stream_context(flat, stream), torch.no_grad():
-            if not lean:
-                if self.direction == "pack":
-                    torch_pack(tensors, flat, self.scale)
-                else:
-                    torch_unpack(flat, tensors, self.scale)
-                return
-            views = self._views_of(tensors, flat)
-            if views:
-                (_lean_pack if self.direction == "pack" else _lean_unpack)(tensors, flat, views, self.scale)
+        if not lean:
+            if self.direction == "pack":
+                torch_pack(tensors, flat, self.scale)
+            else:
+                torch_unpack(flat, tensors, self.scale)
+            return
+        views = self._views_of(tensors, flat)
+        if views:
+            (_lean_pack if self.direction == "pack" else _lean_unpack)(tensors, flat, views, self.scale)
 
     def _views_of(self, tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of ``flat`` shaped like ``tensors``, back to back (checked and built once per buffer and
@@ -238,6 +245,16 @@ def _copy(direction: str, tensors: Sequence[torch.Tensor], buffer: torch.Tensor,
     if kernels_wanted(buffer) and availability.try_kernels(with_kernels):
         return
     TorchCopy(direction, scale)(tensors, buffer, stream)  # CUDA: few launches; CPU: one pass
+
+
+def without_grad(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` with autograd off, under ``torch.no_grad()`` only where grad mode is on: a
+    backward hook runs with it off already (unless ``create_graph``), and the context costs seven Python
+    calls per use."""
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+    return fn(*args, **kwargs)
 
 
 def stream_context(buffer: torch.Tensor, stream: Any):

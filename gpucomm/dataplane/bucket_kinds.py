@@ -42,7 +42,7 @@ import torch
 from ..counters import COUNTERS
 from ..reduce_op import ReduceOp
 from . import cuda_calls, fusion
-from .bucket_copy import BucketCopy
+from .bucket_copy import BucketCopy, without_grad
 from .bucket_settings import BucketSettings, fused_wire
 from .grad_layout import gradient_targets, gradient_to_send, gradients_as_they_are, send_view, slot_view, view_in_order
 from .handles import Handle
@@ -68,8 +68,8 @@ class Bucket:
         self.contiguous = all(p.is_contiguous() for p in params)  # each travels in its own order (``gradients``)
 
     # -- the interface ---------------------------------------------------------------------------
-    def arrived(self, p: torch.Tensor) -> None:
-        """``p``'s gradient is final for this step (its hook fired); called only when ``early``."""
+    def arrived(self, p: torch.Tensor, j: int) -> None:
+        """``p`` (``params[j]``)'s gradient is final for this step (its hook fired); called only when ``early``."""
 
     def fill(self) -> list[torch.Tensor]:
         """This rank's part of the bucket's allreduce this step (gradients, training flag, finite slots)."""
@@ -200,8 +200,8 @@ class ViewBucket(Bucket):
         # spread over backward, so its allreduce starts right after the last one (a GPU packs at launch,
         # one kernel for the bucket instead of one copy per gradient)
         self.early = not gpu
-        self.position = {p: j for j, p in enumerate(self.params)}
-        self.arrived_now: set = set()  # parameters in their slots this step (CPU)
+        self.arrived_now = [False] * len(self.params)  # which parameters are in their slots this step (CPU)
+        self.arrivals = 0  # ... how many
         self.copied_now = False  # ... of which one was copied, not accumulated in place
 
     def _bind_buffer(self) -> None:
@@ -218,24 +218,30 @@ class ViewBucket(Bucket):
                 return False
         return True
 
-    def arrived(self, p: torch.Tensor) -> None:
-        """(CPU, ``p``'s hook) ``p``'s gradient into its slot, scaled: in place when it is its view
-        already, else one scaled copy (zeros when it has none)."""
+    def arrived(self, p: torch.Tensor, j: int) -> None:
+        """(CPU, ``p``'s hook; ``p`` is ``params[j]``) ``p``'s gradient into its slot, scaled: in place
+        when it is its view already, else one scaled copy into the view (which has ``p``'s shape and
+        travel order, so the copy takes the gradient in whatever layout it has: no flat view of it is
+        made first); zeros when it has none. Synchronous: nothing is kept alive for later."""
         if self.full is None:
             self._bind_buffer()
-        if not self.arrived_now:  # the step's first: last step's gradients go now, if zero_grad kept them
+        if not self.arrivals:  # the step's first: last step's gradients go now, if zero_grad kept them
             self.in_flight = []
-        j = self.position[p]
         view, g = self.views[j], p.grad
-        if g is view and p.requires_grad:
+        trains = p.requires_grad
+        if g is view and trains:
             if self.scale != 1.0:
                 view.mul_(self.scale)
         else:
-            piece, g = self.pieces[j], send_view(p, self.settings.strides[p])
-            torch.mul(g, self.scale, out=piece) if self.scale != 1.0 else piece.copy_(g)
-            self.in_flight.append(g)
+            if g is None or not trains:
+                view.zero_()
+            else:
+                if g.is_sparse:
+                    g = g.to_dense()
+                torch.mul(g, self.scale, out=view) if self.scale != 1.0 else view.copy_(g)
             self.copied_now = True
-        self.arrived_now.add(p)
+        self.arrived_now[j] = True
+        self.arrivals += 1
 
     def fill(self) -> list[torch.Tensor]:
         # no grad-mode context needed: neither the buffer nor a gradient requires grad
@@ -246,9 +252,10 @@ class ViewBucket(Bucket):
         start = tracer.now_us() if tracer is not None else 0.0
         checked = False  # the finite check's slot written by the pack itself
         if self.early:
-            for p in self.params:  # the gradients whose hooks did not fire (zeros if they have none)
-                if p not in self.arrived_now:
-                    self.arrived(p)
+            if self.arrivals < len(self.params):  # the gradients whose hooks did not fire (zeros if they have none)
+                for j, p in enumerate(self.params):
+                    if not self.arrived_now[j]:
+                        self.arrived(p, j)
             self.bound = not self.copied_now
             if self.bound:
                 COUNTERS.grad_bucket_views += 1
@@ -263,14 +270,13 @@ class ViewBucket(Bucket):
             self.bound = False
             COUNTERS.grad_bucket_packs += 1
             grads = self.gradients()
-            with torch.no_grad():
-                if settings.check is not None and self.copy.checks_in_kernel(full):
-                    # the checked pack kernel: no second pass over the gradients to search them
-                    self.copy.pack(grads, full[:numel], check_out=self.check_slots(full),
-                                   check_limit=settings.check.limit(full.dtype))
-                    checked = True
-                else:  # torch ops: packed, then searched below within the check's budget
-                    self.copy.pack(grads, full[:numel])
+            if settings.check is not None and self.copy.checks_in_kernel(full):
+                # the checked pack kernel: no second pass over the gradients to search them
+                without_grad(self.copy.pack, grads, full[:numel], check_out=self.check_slots(full),
+                             check_limit=settings.check.limit(full.dtype))
+                checked = True
+            else:  # torch ops: packed, then searched below within the check's budget
+                without_grad(self.copy.pack, grads, full[:numel])
             self.in_flight = grads
         if self.first:
             full[numel : numel + 1].fill_(1)  # the training flag
@@ -317,7 +323,9 @@ class ViewBucket(Bucket):
         in_flight = self.in_flight
         super().reset()
         self.in_flight = in_flight  # the gradients copied in, kept until zero_grad (release) or the next step
-        self.arrived_now.clear()
+        if self.arrivals:
+            self.arrived_now = [False] * len(self.params)
+            self.arrivals = 0
         self.copied_now = False
 
 
@@ -341,14 +349,14 @@ class FusedBucket(Bucket):
         full = self.buffer()
         start = self.now_us()
         COUNTERS.grad_bucket_packs += 1
-        with torch.no_grad():
-            mine = self.check_slots(full)
-            if mine is None:
-                self.copy.pack(grads, full[:numel])
-            else:
-                self.copy.pack(grads, full[:numel], check_out=mine, check_limit=settings.check.limit(full.dtype))
-            if self.first:
-                full[numel : numel + 1].fill_(1)  # the training flag
+        mine = self.check_slots(full)
+        if mine is None:
+            without_grad(self.copy.pack, grads, full[:numel])
+        else:
+            without_grad(self.copy.pack, grads, full[:numel], check_out=mine,
+                         check_limit=settings.check.limit(full.dtype))
+        if self.first:
+            full[numel : numel + 1].fill_(1)  # the training flag (the buffer does not require grad)
         self.trace("MEMCPY_IN_FUSION_BUFFER", start)
         self.in_flight, self.full = grads, full
         return [full]

@@ -76,7 +76,9 @@ class GradientBuckets:
         settings.strides.update({p: layout_of(p) for plan in plans for p in (trainable[i] for i in plan.param_indices)})
         self.buckets: list[Bucket] = (make or standard_buckets)(plans, trainable, settings)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
-        self._index_of = {p: k for k, b in enumerate(self.buckets) for p in b.params}
+        # id(p) -> (its bucket's index, its place in that bucket): what a hook looks up (a tensor's hash is
+        # a Python call; an int's is not)
+        self.slot_of = {id(p): (k, j) for k, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
         self._sizes = [len(b.params) for b in self.buckets]
         self._pending = list(self._sizes)  # gradients each bucket still waits for this step
         self._next = 0
@@ -101,10 +103,10 @@ class GradientBuckets:
         gradient also goes into its slot now, spreading the bucket's copies over backward). A bucket
         is ready to send when its last gradient arrives (DDP's order); then every complete bucket
         whose predecessors are launched is launched."""
-        k = self._index_of[p]
+        k, j = self.slot_of[id(p)]
         bucket = self.buckets[k]
         if bucket.early:  # a CPU bucket takes the gradient into its slot now (``bucket_kinds.ViewBucket``)
-            bucket.arrived(p)
+            bucket.arrived(p, j)
         pending = self._pending
         pending[k] -= 1
         if k == self._next and not pending[k]:

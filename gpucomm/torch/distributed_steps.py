@@ -139,8 +139,7 @@ class DistributedSteps(torch.optim.Optimizer):
         self._backward_ended()  # also when backward raised before its final callback
         self._buckets.reset()
         self._sparse.reset()
-        for p in self._delay:
-            self._delay[p] = self._passes
+        self._delay = dict.fromkeys(self._delay, self._passes)
         self._fired.clear()
 
     def add_param_group(self, param_group: dict) -> None:

@@ -70,7 +70,7 @@ class LayoutAgreement:
                 if p not in self._hooks:
                     self._hooks[p] = p.register_post_accumulate_grad_hook(self._hook)
         self._requires, self._trainable, self._dense = requires, trainable, dense
-        self._delay = {p: self._passes for p in trainable}
+        self._delay = {id(p): self._passes for p in trainable}  # by id: a tensor's hash is a Python call
         return buckets
 
     def _bucket_maker(self) -> MakeBuckets | None:

@@ -89,8 +89,7 @@ class SharedSteps:
         """Average every ``passes`` backward passes (gradients accumulate locally in between)."""
         check_passes(passes)
         self._passes = passes
-        for p in self._delay:
-            self._delay[p] = passes
+        self._delay = dict.fromkeys(self._delay, passes)
 
     def step(self, closure: Any = None) -> Any:
         if self._should_synchronize:

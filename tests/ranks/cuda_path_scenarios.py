@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -122,13 +122,23 @@ def sync_op_on_callers_stream(ops: int = 20) -> dict:
 
 
 class _Calls:
-    """Python calls attributed to the innermost of some wrapped methods (a hook's own work, apart
-    from the bucket launches it triggers), counted over one step."""
+    """Python calls attributed to the innermost of some wrapped methods or scoped functions (a hook's
+    own work, apart from the bucket launches it triggers), counted over one step, with the names of
+    the functions called outside gpucomm (``foreign``: e.g. torch's ``Tensor.__hash__``)."""
 
     def __init__(self) -> None:
         self.calls: dict[str, int] = {}
         self.entries: dict[str, int] = {}
+        self.foreign: dict[str, int] = {}
         self._stack: list[str] = []
+        self._scopes: dict[Any, str] = {}  # code object -> name: calls inside a frame running it count for it
+        self._frames: list[Any] = []  # the scoped frames open now (innermost last)
+
+    def scope(self, function: Any, name: str) -> None:
+        """Count the calls made inside ``function`` (a plain function: hooks bound at registration cannot
+        be wrapped afterwards) under ``name``."""
+        self._scopes[function.__code__] = name
+        self.calls[name] = self.entries[name] = 0
 
     def wrap(self, owner: object, name: str) -> None:
         real = getattr(owner, name)
@@ -145,8 +155,24 @@ class _Calls:
         setattr(owner, name, counted)
 
     def profile(self, frame, event, arg) -> None:
-        if event == "call" and self._stack and frame.f_code.co_name != "counted":
+        if event == "return":
+            if self._frames and frame is self._frames[-1]:
+                self._frames.pop()
+                self._stack.pop()
+            return
+        if event != "call":
+            return
+        code = frame.f_code
+        if self._stack and code.co_name != "counted":
             self.calls[self._stack[-1]] += 1
+            if os.sep + "gpucomm" + os.sep not in code.co_filename:
+                key = f"{self._stack[-1]}: {os.path.basename(code.co_filename)}:{code.co_name}"
+                self.foreign[key] = self.foreign.get(key, 0) + 1
+        name = self._scopes.get(code)
+        if name is not None:
+            self.entries[name] += 1
+            self._stack.append(name)
+            self._frames.append(frame)
 
     def per_entry(self, name: str) -> float:
         return self.calls[name] / max(1, self.entries[name])
@@ -169,6 +195,7 @@ def training_steps(steps: int = 6, views: str = "1", set_to_none: bool = True) -
             for s in range(steps):
                 last = s == steps - 1
                 if last:  # the last step: Python calls of each hook and of each bucket launch
+                    counting.scope(type(opt)._hook, "hook")
                     counting.wrap(opt._buckets, "gradient_ready")
                     counting.wrap(opt._buckets, "_launch")
                 before = hvd.stats()
@@ -198,6 +225,8 @@ def training_steps(steps: int = 6, views: str = "1", set_to_none: bool = True) -
             diff = max_rel_diff(model, ref)
             result = {"kinds": kinds, "buckets": len(opt._buckets.buckets), "per_step": per_step, "diff": diff,
                       "hook_calls": counting.per_entry("gradient_ready"), "hooks": counting.entries["gradient_ready"],
+                      "hook_own_calls": counting.per_entry("hook"), "hook_entries": counting.entries["hook"],
+                      "foreign_calls": dict(counting.foreign),
                       "launch_calls": counting.per_entry("_launch"), "launches": counting.entries["_launch"],
                       "grads_are_views": grads_are_views, "watched_after_backward": watched}
             hvd.shutdown()
