@@ -25,7 +25,9 @@ steps first so a tight budget drops only the last ones:
    gradients in their buckets (``--zero-grad keep-views``: no bucket packs), the candidate GPU default,
    with the counters that prove no timed step packed; then where the one-rank reducer's host time goes
    (``benchmarks/step_profile.py``): CPU and queueing ms per step beside the plain optimizer's, the
-   synchronizing CUDA calls gpucomm makes in a step and the lines that make them, its heaviest functions,
+   synchronizing CUDA calls gpucomm makes in a step and the lines that make them, its heaviest functions;
+   then the reducer's host work alone (``benchmarks/reducer_host_cost.py``: ResNet-50's 161 parameters
+   scaled down so that backward and the bytes cost nothing) beside DDP at its defaults and at its best,
 6. the collectives sweep at 2 ranks, the training benchmark (``benchmarks/train.py``, the same four
    variants) at 1 and 2 ranks, and the sweep at 4 ranks.
 
@@ -202,6 +204,11 @@ def plan(out: Path, gpus: int, quick: bool) -> list[Step]:
             *(["--warmup", "2", "--steps", "3", "--rounds", "2"] if quick else
               ["--warmup", "5", "--steps", "10", "--rounds", "5"]),
             "--json", str(raw / "step_profile_1.json")], 60, raw / "step_profile_1.json",
+             {KERNELS_ENV: "1", VIEWS_ENV: "1", KEEP_VIEWS_ENV: "0"}),
+        Step("reducer host cost 1 rank", launcher(1, gpus) + [
+            PY, "benchmarks/reducer_host_cost.py", "--cuda",
+            *(["--quick"] if quick else ["--rounds", "8", "--steps-per-round", "20", "--warmup", "10"]),
+            "--json", str(raw / "reducer_host_cost_1.json")], 40, raw / "reducer_host_cost_1.json",
              {KERNELS_ENV: "1", VIEWS_ENV: "1", KEEP_VIEWS_ENV: "0"}),
         Step("finite check 2 ranks", launcher(2, gpus) + [
             PY, "benchmarks/finite_check.py", "--cuda", "--model", "resnet50", "--mode", "auto",
@@ -893,9 +900,43 @@ def summarize_step_profile(step: Step) -> list[str]:
     return lines
 
 
+def reducer_cost_figures(d: Any) -> dict[str, Any] | None:
+    """``benchmarks/reducer_host_cost.py``'s figures: each variant's ms per step and what it adds over the floor."""
+    if not d or not d.get("variants"):
+        return None
+    return {"parameters": d.get("parameters"), "elements": d.get("elements"), "ranks": d.get("ranks"),
+            "device": d.get("device"),
+            "variants": {name: {k: v.get(k) for k in ("label", "wall_ms", "cpu_ms", "added_wall_ms", "added_cpu_ms")}
+                         for name, v in d["variants"].items()},
+            "gpucomm_added_over_ddp_added": d.get("gpucomm_added_over_ddp_added"),
+            "reducer_ran": (d.get("reducer") or {}).get("verified"), "counters_per_step": d.get("counters_per_step")}
+
+
+def summarize_reducer_cost(step: Step) -> list[str]:
+    """The reducer's own host work per step (issue 35), on a model whose backward costs nothing: what each
+    variant adds over the no-comm floor, and gpucomm's added time as a share of DDP-best's."""
+    f = reducer_cost_figures(step.data)
+    if f is None:
+        return []
+    v = f["variants"]
+    order = [n for n in ("gpucomm", "ddp-default", "ddp-best", "no-comm") if n in v]
+
+    def row(key: str) -> str:
+        return " | ".join(f"{v[n].get('label') or n} {fmt(v[n].get(key), '.3f')}" for n in order)
+
+    share = f.get("gpucomm_added_over_ddp_added") or {}
+    ran = {True: "ran (its counters moved)", False: "did NOT run (no counter moved)"}.get(f.get("reducer_ran"), "n/a")
+    return [f"{f['parameters']} parameters (ResNet-50's, scaled down to {f['elements']} elements: host work only), "
+            f"{f['ranks']} rank(s), {f['device']}: wall ms/step {row('wall_ms')}",
+            f"added over no-comm, wall ms/step: {row('added_wall_ms')}; CPU: {row('added_cpu_ms')}",
+            f"gpucomm / ddp-best added {fmt(share.get('ddp-best'), '.2f')}, / ddp-default {fmt(share.get('ddp-default'), '.2f')}"
+            f" (target <= 0.5 of ddp-best's); one-rank reducer {ran}"]
+
+
 SUMMARIES: dict[str, Callable[[Step], list[str]]] = {"gpu tests": summarize_tests, "pack_bw": summarize_pack,
                                                      "finite check 2 ranks": summarize_finite_check,
-                                                     "step profile 1 rank": summarize_step_profile}
+                                                     "step profile 1 rank": summarize_step_profile,
+                                                     "reducer host cost 1 rank": summarize_reducer_cost}
 
 
 def summary_lines(step: Step) -> list[str]:
@@ -1089,6 +1130,8 @@ def build_summary(steps: list[Step], env: dict[str, Any], run: dict[str, Any]) -
             "finite_check": by_name["finite check 2 ranks"].data if "finite check 2 ranks" in by_name else None,
             "step_profile": step_profile_figures(by_name["step profile 1 rank"].data)
             if "step profile 1 rank" in by_name else None,
+            "reducer_host_cost": reducer_cost_figures(by_name["reducer host cost 1 rank"].data)
+            if "reducer host cost 1 rank" in by_name else None,
         },
         "raw": f"{RAW}/ beside this file (not committed): every log, full JSON, plot and the junit XML",
     }

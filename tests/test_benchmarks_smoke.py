@@ -100,6 +100,8 @@ CASES = {c.id: c for c in [
                           "--steps", "2", "--rounds", "2", "--top", "3", "--one-rank-reducer",
                           "--json", "{out}/step_profile.json"),
          "step_profile.json", "# issue ms per step (the host queueing a step", 1),
+    Case("reducer_host_cost-2", ("benchmarks/reducer_host_cost.py", "--quick", "--json", "{out}/reducer_host_cost.json"),
+         "reducer_host_cost.json", "gpucomm's added wall time / DDP's: ", 2),
     Case("verify_gpu", ("benchmarks/verify_gpu.py", "--summarize-only", "--out", "{out}"), "summary.json",
          "# gpucomm GPU verification, summary of the results in ", needs=("collectives-1", "collectives-2", "train")),
 ]}
@@ -562,6 +564,19 @@ def check_powersgd_accuracy(r: Run, doc: dict) -> None:
         assert all(0 <= a <= 1 for a in rows[(task, "none")]["accuracies"] + rows[(task, "powersgd")]["accuracies"])
 
 
+def check_reducer_host_cost(r: Run, doc: dict) -> None:
+    assert doc["tool"] == "reducer_host_cost" and doc["ranks"] == r.case.ranks and doc["parameters"] == 161
+    assert list(doc["variants"]) == VARIANTS and [sorted(o) for o in doc["round_orders"]] == [sorted(VARIANTS)] * 4
+    for name, v in doc["variants"].items():
+        assert v["wall_ms"] > 0 and v["cpu_ms"] >= 0 and v["label"] == name, (name, v)
+    assert doc["variants"]["no-comm"]["added_wall_ms"] == 0.0
+    assert set(doc["gpucomm_added_over_ddp_added"]) == {"ddp-default", "ddp-best"}
+    assert doc["reducer"]["applies"] is False  # two ranks: the reducer always runs
+    # every step reduced every bucket through the schedule, with no control message
+    per_step = doc["counters_per_step"]
+    assert per_step["schedule_steps"] == 1.0 and per_step["collectives"] >= 1 and "control_rounds" not in per_step
+
+
 CHECKS: dict[str, Callable[[Run, Any], None]] = {
     "compression_memory": check_compression_memory, "powersgd_accuracy": check_powersgd_accuracy,
     "collectives-1": check_collectives, "collectives-2": check_collectives, "train": check_train,
@@ -572,7 +587,7 @@ CHECKS: dict[str, Callable[[Run, Any], None]] = {
     "cpu_allreduce": check_cpu_allreduce, "overhead-1": check_overhead, "overhead-2": check_overhead,
     "startup": check_startup, "timeline_overhead": check_timeline_overhead,
     "mismatch_exit": check_mismatch_exit, "pack_bw": check_pack_bw, "verify_gpu": check_verify_gpu,
-    "step_profile": check_step_profile,
+    "step_profile": check_step_profile, "reducer_host_cost-2": check_reducer_host_cost,
 }
 
 

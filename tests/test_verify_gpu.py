@@ -41,7 +41,8 @@ def _load(script: str):
 
 
 PLAN = ["gpu tests", "pack_bw", "collectives 1 rank(s)", "resnet50 2 ranks kernels", "resnet50 2 ranks packed",
-        "resnet50 1 rank reducer-on", "resnet50 1 rank keep-views", "step profile 1 rank", "finite check 2 ranks",
+        "resnet50 1 rank reducer-on", "resnet50 1 rank keep-views", "step profile 1 rank", "reducer host cost 1 rank",
+        "finite check 2 ranks",
         "collectives 2 rank(s)",
         "train 1 rank", "train 2 ranks", "collectives 4 rank(s)"]
 SOCKETS = {"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}
@@ -326,7 +327,8 @@ def cpu_runs(tmp_path_factory):
     runs = {"collectives": ["benchmarks/collectives.py", "--device", "cpu", "--quick", "--plot", ""],
             "optimizer": ["benchmarks/optimizer_vs_ddp.py", "--quick", "--model", "cnn"],
             "step_profile": ["benchmarks/step_profile.py", "--device", "cpu", "--model", "cnn", "--warmup", "1",
-                             "--steps", "2", "--rounds", "2", "--top", "3", "--one-rank-reducer"]}
+                             "--steps", "2", "--rounds", "2", "--top", "3", "--one-rank-reducer"],
+            "reducer_cost": ["benchmarks/reducer_host_cost.py", "--quick"]}
     docs = {}
     for name, argv in runs.items():
         path = where / f"{name}.json"
@@ -475,6 +477,7 @@ def summarized(cpu_runs, sample_pytest, tmp_path_factory):
                                        "zero_grad": "keep-views"},
         "pack_bw.json": pack_run(2000.0),
         "step_profile_1.json": as_cuda_profile(cpu_runs["step_profile"]),
+        "reducer_host_cost_1.json": {**cpu_runs["reducer_cost"], "device": "cuda:0"},
         "train_1.json": train_run(1),
         "finite_check_2.json": {"model": "resnet50", "device": "cuda:0", "ranks": 2, "batch_per_rank": 32,
                                 "mode": "auto", "step_s": {"checked": 0.0905, "plain": 0.0900},
@@ -497,7 +500,8 @@ def test_summary_json_holds_every_part(summarized):
                         "train 2 ranks": "no results", "collectives 4 rank(s)": "no results"}
     tests = {c["id"]: c["outcome"] for c in doc["gpu_tests"]["cases"]}
     assert len(tests) == len(EXPECTED_OUTCOMES) and tests["suite.test_sample::test_param[2]"] == "failed"
-    assert set(doc["figures"]) == {"resnet50", "pack_bw", "collectives", "train", "finite_check", "step_profile"}
+    assert set(doc["figures"]) == {"resnet50", "pack_bw", "collectives", "train", "finite_check", "step_profile",
+                                   "reducer_host_cost"}
     assert doc["figures"]["finite_check"]["cost_pct_of_step"] == 0.56
     finite = next(s for s in doc["steps"] if s["name"] == "finite check 2 ranks")
     assert "+0.56% of the step" in finite["figures"][0] and "checked (auto)" in finite["figures"][0], finite
@@ -518,6 +522,19 @@ def test_the_step_profile_names_the_host_time_added_and_the_lines_that_wait_for_
     assert f"1 through gpucomm ({SYNC_LINE} x1); the plain step's 1" in step["figures"][2], step["figures"]
     assert "Python calls per step in gpucomm: " in step["figures"][3] and "heaviest" in step["figures"][3]
     assert "synchronizing CUDA calls per step" in md
+
+
+def test_the_reducer_host_cost_shows_each_variants_added_time_beside_ddp_best(summarized):
+    _, doc, md, files = summarized
+    run, f = files["reducer_host_cost_1.json"], doc["figures"]["reducer_host_cost"]
+    assert f["parameters"] == run["parameters"] == 161 and f["device"] == "cuda:0" and f["reducer_ran"] is True
+    assert f["variants"]["ddp-best"]["added_wall_ms"] == run["variants"]["ddp-best"]["added_wall_ms"]
+    assert f["gpucomm_added_over_ddp_added"] == run["gpucomm_added_over_ddp_added"]
+    step = next(s for s in doc["steps"] if s["name"] == "reducer host cost 1 rank")
+    share = run["gpucomm_added_over_ddp_added"]["ddp-best"]
+    assert f"gpucomm / ddp-best added {share:.2f}" in step["figures"][2], step["figures"]
+    assert "one-rank reducer ran" in step["figures"][2] and "161 parameters" in step["figures"][0]
+    assert "gpucomm-reducer-on" in step["figures"][1] and "reducer host cost 1 rank" in md
 
 
 def test_collectives_figures_put_gpucomm_beside_nccl_and_torch(summarized):
