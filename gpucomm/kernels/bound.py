@@ -75,15 +75,10 @@ class BoundCopy:
             if stream is None:
                 stream = torch.cuda.current_stream(flat.device)
             layout.table.use_on(stream)
+        launch(stream)
         finite = layout.finite
-        if finite is None:
-            launch(stream)
-            return
-        with stream_context(given):  # the flags zeroed, the checked pack, its result: in the stream's order
-            finite.flags.zero_()
-            launch(stream)
-            if check_out is not None:
-                finite.first_flagged(check_out, check_limit)
+        if finite is not None:  # the checked pack's result into check_out, its flags cleared: one more launch
+            finite.finish(check_out, check_limit, stream)
 
     def _bind(self, key: tuple | None, tensors: Sequence[torch.Tensor], flat: torch.Tensor, stream: Any) -> Layout:
         layout = self._layouts.get(key) if key is not None else None

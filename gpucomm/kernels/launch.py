@@ -59,6 +59,8 @@ _core_streams: dict[int, Any] = {}
 _numba_streams: dict[int, Any] = {}
 _numba_configs: dict[tuple[str, int, int], Any] = {}  # (spec, grid, stream) -> configured kernel
 _core_configs: dict[int, Any] = {}  # grid -> cuda.core LaunchConfig
+_NUMPY_OF = {ctypes.c_uint64: np.uint64, ctypes.c_int64: np.int64, ctypes.c_float: np.float32,
+             ctypes.c_double: np.float64}  # each argument as the simulator and Numba's own launch take it
 _thread = threading.local()  # .devices: GPUs with a context made current in this thread
 _broken: set[str] = set()  # launch paths given up in this process
 _modes: dict[Any, str] = {}  # GPUCOMM_KERNEL_LAUNCH as set (None: unset) -> the path it resolves to now
@@ -159,22 +161,39 @@ class Launch:
 
     def __init__(self, spec: KernelSpec, table_address: int, nrows: int, grid: int, scale: float,
                  device: torch.device, flags_address: int = 0) -> None:
-        self.spec, self.grid, self.nrows, self.device = spec, grid, nrows, device
-        self.index = -1 if SIMULATOR or device.type != "cuda" else (
-            device.index if device.index is not None else torch.cuda.current_device())
         if spec.checked and not flags_address:
             raise ValueError(f"the checked kernel {spec.name!r} needs the address of its per-row flags")
         scale_c = ctypes.c_double(scale) if spec.uses_float64 else ctypes.c_float(scale)
-        self._args = (ctypes.c_uint64(table_address), ctypes.c_int64(nrows), scale_c)
-        scale_np = np.float64(scale) if spec.uses_float64 else np.float32(scale)
-        self._np_args = (np.uint64(table_address), np.int64(nrows), scale_np)
+        args = [ctypes.c_uint64(table_address), ctypes.c_int64(nrows), scale_c]
         if spec.checked:  # the fourth parameter: where the kernel flags the rows holding Inf or NaN
-            self._args += (ctypes.c_uint64(flags_address),)
-            self._np_args += (np.uint64(flags_address),)
+            args.append(ctypes.c_uint64(flags_address))
+        self._prepare(spec, grid, nrows, device, args)
+
+    @classmethod
+    def with_args(cls, spec: KernelSpec, grid: int, device: torch.device, args: list) -> "Launch":
+        """A launch of a kernel of another signature (``spec.params``): ``args`` are its ctypes scalars, in
+        order (``set_arg`` changes one between launches)."""
+        launch = cls.__new__(cls)
+        launch._prepare(spec, grid, 0, device, args)
+        return launch
+
+    def _prepare(self, spec: KernelSpec, grid: int, nrows: int, device: torch.device, args: list) -> None:
+        self.spec, self.grid, self.nrows, self.device = spec, grid, nrows, device
+        self.index = -1 if SIMULATOR or device.type != "cuda" else (
+            device.index if device.index is not None else torch.cuda.current_device())
+        self._args = tuple(args)
+        self._np_args = tuple(_NUMPY_OF[type(a)](a.value) for a in self._args)
         self._params = (ctypes.c_void_p * len(self._args))(*(ctypes.addressof(a) for a in self._args))
         self._params_address = ctypes.addressof(self._params)
         self._kernel = compile_kernel(spec, device)
         self._function = None
+
+    def set_arg(self, i: int, value: int | float) -> None:
+        """Argument ``i`` of the next launches (a launch reads its arguments when it is queued)."""
+        arg = self._args[i]
+        if arg.value != value:
+            arg.value = value
+            self._np_args = (*self._np_args[:i], _NUMPY_OF[type(arg)](value), *self._np_args[i + 1:])
 
     def __call__(self, stream: Any) -> None:
         """Launch on ``stream`` (a torch.cuda.Stream; ignored in the simulator)."""

@@ -12,6 +12,7 @@ key holds both dtypes and the scale, so a hit also yields the kernel and its pre
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import operator
 from typing import Any, Sequence
 
@@ -23,7 +24,7 @@ from ..errors import KernelUnavailableError
 from . import launch as _launch
 from .devicefns import SIMULATOR
 from .rules import tensor_list, validate
-from .specs import KernelSpec, select_kernel
+from .specs import KernelSpec, select_finisher, select_kernel
 from .table import CHUNK_ELEMS, RowPlan, Staging, Table, TableCache
 
 __all__ = ["pack", "unpack", "clear_cache", "cache_info", "compile_variant", "Layout", "RowFlags", "new_layout", "rebased_layout",
@@ -64,7 +65,9 @@ def compile_variant(src: torch.dtype, dst: torch.dtype, scaled: bool, device: to
     ``scaled``; the checked pack when ``checked``) for ``device``; KernelUnavailableError when the
     kernels cannot run there, ValueError for a conversion no kernel makes. Compiling happens once
     per process and variant."""
-    spec = select_kernel(src, dst, scaled, checked)
+    specs = [select_kernel(src, dst, scaled, checked)]
+    if checked:  # and the finisher writing a slot of the buffer's dtype
+        specs.append(select_finisher(dst))
     _check_runnable("pack", device)
     if device.type == "cuda" and not SIMULATOR and device.index is not None:
         from numba import cuda  # noqa: PLC0415
@@ -72,9 +75,11 @@ def compile_variant(src: torch.dtype, dst: torch.dtype, scaled: bool, device: to
         # Numba compiles for and loads into the current context: ``device``'s (a context push and pop,
         # no cudaSetDevice on the way out)
         with cuda.gpus[device.index]:
-            _launch.compile_kernel(spec, device)
+            for spec in specs:
+                _launch.compile_kernel(spec, device)
         return
-    _launch.compile_kernel(spec, device)
+    for spec in specs:
+        _launch.compile_kernel(spec, device)
 
 
 def clear_cache() -> None:
@@ -147,30 +152,30 @@ class Layout:
 
 class RowFlags:
     """A checked pack's per-row flags (int32, set to 1 by the kernel when the row's piece holds Inf or
-    NaN) and each row's tensor index, both on the layout's device. ``weights``: per limit, each row's
-    weight for ``first_flagged`` (shared by the layouts of one bucket: it depends on the rows alone)."""
+    NaN; zero between packs) and each row's tensor index (int32), both on the layout's device, and the
+    finisher launches that turn them into a slot value (one per slot dtype, prepared at first use)."""
 
-    __slots__ = ("flags", "row_tensor", "count", "weights")
+    __slots__ = ("flags", "row_tensor", "count", "_finishers")
 
-    def __init__(self, flags: torch.Tensor, row_tensor: torch.Tensor, count: int,
-                 weights: dict[int, torch.Tensor] | None = None) -> None:
+    def __init__(self, flags: torch.Tensor, row_tensor: torch.Tensor, count: int) -> None:
         self.flags, self.row_tensor, self.count = flags, row_tensor, count
-        self.weights = {} if weights is None else weights
+        self._finishers: dict[torch.dtype, _launch.Launch] = {}
 
-    def first_flagged(self, out: torch.Tensor, limit: int, stream: Any = None) -> None:
-        """Write into the 1-element ``out`` 0 when no row was flagged, else 1 + the index of the first
-        tensor with a flagged row (at most ``limit``), on ``stream``: device ops, no host sync.
-
-        Five small launches: row r weighs ``top - min(1 + tensor(r), limit)`` (``top = limit + 1``), so the
-        largest weight among the flagged rows belongs to the first flagged tensor; ``m = max(flags * weight)``
-        is 0 when none is flagged, and ``(top - m) mod top`` is then 0, else that tensor's value."""
-        top = limit + 1
-        with stream_context(stream):
-            weight = self.weights.get(limit)
-            if weight is None:  # once per limit (one per wire dtype): int64, as a float64 wire's limit is 2**53
-                weight = self.weights[limit] = top - (self.row_tensor.to(torch.int64) + 1).clamp(max=limit)
-            m = torch.mul(self.flags, weight).amax()
-            out.copy_(torch.remainder(top - m, top).reshape(out.shape))
+    def finish(self, out: torch.Tensor | None, limit: int, stream: Any = None) -> None:
+        """After the checked pack, on the same ``stream``: one kernel launch that writes into the 1-element
+        ``out`` 0 when no row was flagged, else 1 + the index of the first tensor with a flagged row (at
+        most ``limit``), and clears the flags for the next pack (``out`` None: only that). No host sync,
+        no torch op."""
+        dtype = out.dtype if out is not None else torch.float32
+        finisher = self._finishers.get(dtype)
+        if finisher is None:
+            spec = select_finisher(dtype)
+            finisher = self._finishers[dtype] = _launch.Launch.with_args(spec, 1, self.flags.device, [
+                ctypes.c_uint64(self.flags.data_ptr()), ctypes.c_uint64(self.row_tensor.data_ptr()),
+                ctypes.c_int64(self.flags.numel()), ctypes.c_uint64(0), ctypes.c_int64(limit)])
+        finisher.set_arg(3, out.data_ptr() if out is not None else 0)
+        finisher.set_arg(4, limit)
+        finisher(stream)
 
 
 def stream_context(stream: Any):
@@ -242,7 +247,7 @@ def rebased_layout(base: Layout, direction: str, tensors: Sequence[torch.Tensor]
     finite = base.finite
     if finite is not None:  # its own flags (a launch of the old layout may still be in flight); the same row map
         with stream_context(stream if device.type == "cuda" else None):
-            finite = RowFlags(torch.zeros_like(finite.flags), finite.row_tensor, finite.count, finite.weights)
+            finite = RowFlags(torch.zeros_like(finite.flags), finite.row_tensor, finite.count)
     launch = _launch.Launch(base.spec, new_table.address, new_table.nrows, new_table.grid, base.scale, device,
                             flags_address=finite.flags.data_ptr() if finite is not None else 0)
     return Layout(base.spec, base.total, new_table, launch, finite, plan=plan, scale=base.scale,

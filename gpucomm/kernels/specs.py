@@ -31,16 +31,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
-from numba import cuda
+from numba import cuda, int32
 
 from . import devicefns as d
-from .rules import checked_conversion, conversion
+from .rules import FLOAT_DTYPES, checked_conversion, conversion, dtype_name
 
-__all__ = ["KernelSpec", "KERNELS", "select_kernel"]
+__all__ = ["KernelSpec", "KERNELS", "FINISHERS", "select_kernel", "select_finisher"]
 
 _LANE_BITS = 5
 _LANES = 1 << _LANE_BITS  # elements one warp instruction covers
+_NONE_FLAGGED = 0x7FFFFFFF  # the finisher's "no row flagged" (above any 1 + tensor index)
 
 
 def _make_kernel(src_view: Callable, dst_view: Callable, convert: Callable) -> Callable:
@@ -132,6 +134,46 @@ def _make_checked_kernel(src_view: Callable, dst_view: Callable, convert: Callab
     return pack_checked_kernel
 
 
+def _make_finish_kernel(out_view: Callable, encode: Callable) -> Callable:
+    """The body of a *finisher*: after a checked pack on the same stream, one block reads the pack's
+    per-row flags, clears them for the next pack, and writes into the 1-element slot at ``out_addr`` 0
+    when no row was flagged, else ``min(1 + the first flagged row's tensor, limit)``, encoded in the
+    slot's dtype (``out_addr`` 0: only the clearing). One launch in place of the five small torch ops
+    (and the flags' zeroing) that found the first flagged tensor before: the finite check's result costs
+    the host one kernel launch per bucket. Threads scan the rows with a block-wide stride; the smallest
+    tensor index meets in shared memory (an atomic min: only flagged rows reach it)."""
+
+    def finish_checked_kernel(flags_addr, tensors_addr, nrows, out_addr, limit):
+        flags = d.view_i32(flags_addr, nrows)
+        tensor_of = d.view_i32(tensors_addr, nrows)
+        first = cuda.shared.array(1, int32)
+        tid = cuda.threadIdx.x
+        if tid == 0:
+            first[0] = _NONE_FLAGGED
+        cuda.syncthreads()
+        mine = _NONE_FLAGGED
+        i = tid
+        while i < nrows:
+            if flags[i] != 0:
+                flags[i] = 0
+                t = tensor_of[i] + 1
+                if t < mine:
+                    mine = t
+            i += cuda.blockDim.x
+        if mine != _NONE_FLAGGED:
+            cuda.atomic.min(first, 0, np.int32(mine))
+        cuda.syncthreads()
+        if tid == 0 and out_addr != 0:
+            v = first[0]
+            value = 0
+            if v != _NONE_FLAGGED:
+                value = min(v, limit)
+            out = out_view(out_addr, 1)
+            out[0] = encode(value)
+
+    return finish_checked_kernel
+
+
 # -- conversions: (element, scale) -> destination element ---------------------------------------
 @d.device_function
 def _copy(x, s):
@@ -193,6 +235,27 @@ def _bf16_to_f32_scaled(h, s):
     return d.mul(d.f32_from_bf16(h), s)
 
 
+# -- the finishers' encodings: slot value (a small integer) -> the slot's element -------------------
+@d.device_function
+def _int_f32(v):
+    return d.to_f32(v)
+
+
+@d.device_function
+def _int_f16(v):
+    return d.to_f16(d.to_f32(v))
+
+
+@d.device_function
+def _int_bf16(v):  # exact: slot values stay within bfloat16's exact integers (256, the slot's limit)
+    return d.bf16_from_f32(d.to_f32(v))
+
+
+@d.device_function
+def _int_f64(v):
+    return v * 1.0
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """One kernel variant: its Python body, its single signature, and its element sizes."""
@@ -203,11 +266,14 @@ class KernelSpec:
     src_itemsize: int
     dst_itemsize: int
     checked: bool = False  # a fourth parameter: the address of one int32 flag per row (Inf/NaN seen)
+    params: tuple[str, ...] = ()  # a kernel of another signature (a finisher): its parameter types, by name
 
     @property
     def argtypes(self) -> tuple:
         from numba.cuda import types  # noqa: PLC0415 - numba.cuda.types differs in the simulator
 
+        if self.params:
+            return tuple(getattr(types, name) for name in self.params)
         scalars = (types.uint64, types.int64, getattr(types, self.scale_type))
         return scalars + (types.uint64,) if self.checked else scalars
 
@@ -260,6 +326,25 @@ KERNELS: dict[str, KernelSpec] = {s.name: s for s in (
     _checked("f32_to_bf16_checked", d.view_f32, d.view_u16, _f32_to_bf16, d.bad_bf16_bits, (4, 2)),
     _checked("f32_to_bf16_scaled_checked", d.view_f32, d.view_u16, _f32_to_bf16_scaled, d.bad_bf16_bits, (4, 2)),
 )}
+
+
+# the finishers, one per slot dtype: (flags address, row-to-tensor address, rows, slot address, limit)
+_FINISH_PARAMS = ("uint64", "uint64", "int64", "uint64", "int64")
+FINISHERS: dict[str, KernelSpec] = {s.name: s for s in (
+    KernelSpec("finish_checked_f32", _make_finish_kernel(d.view_f32, _int_f32), "float32", 4, 4, params=_FINISH_PARAMS),
+    KernelSpec("finish_checked_f16", _make_finish_kernel(d.view_f16, _int_f16), "float32", 2, 2, params=_FINISH_PARAMS),
+    KernelSpec("finish_checked_bf16", _make_finish_kernel(d.view_u16, _int_bf16), "float32", 2, 2,
+               params=_FINISH_PARAMS),
+    KernelSpec("finish_checked_f64", _make_finish_kernel(d.view_f64, _int_f64), "float64", 8, 8, params=_FINISH_PARAMS),
+)}
+
+
+def select_finisher(slot: torch.dtype) -> KernelSpec:
+    """The finisher writing a slot of dtype ``slot`` (a floating dtype); ValueError if none."""
+    if slot not in FLOAT_DTYPES:
+        raise ValueError(f"the finite check's slot must be a floating tensor (the fusion buffer's dtype), got "
+                         f"{dtype_name(slot)}")
+    return FINISHERS[f"finish_checked_{FLOAT_DTYPES[slot]}"]
 
 
 def select_kernel(src: torch.dtype, dst: torch.dtype, scaled: bool, checked: bool = False) -> KernelSpec:

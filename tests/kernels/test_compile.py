@@ -27,8 +27,11 @@ if kernels.SIMULATOR:
 from gpucomm.kernels import launch, packing, table  # noqa: E402
 from tests.kernels.toolchain import toolchain_missing  # noqa: E402
 
+from gpucomm.kernels.specs import FINISHERS  # noqa: E402
+
 CC = (9, 0)
 NAMES = sorted(kernels.KERNELS)
+SPECS = {**kernels.KERNELS, **FINISHERS}
 _ptx_cache: dict[str, str] = {}
 
 
@@ -40,7 +43,7 @@ pytestmark = pytest.mark.skipif(bool(_PROBLEM), reason=(
 
 def ptx_of(name: str) -> str:
     if name not in _ptx_cache:
-        _ptx_cache[name] = launch.compile_ptx(kernels.KERNELS[name], CC)
+        _ptx_cache[name] = launch.compile_ptx(SPECS[name], CC)
     return _ptx_cache[name]
 
 
@@ -74,7 +77,7 @@ def link_sm90(ptx: str) -> tuple[bytes, str]:
         nvjitlink.destroy(handle)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + sorted(FINISHERS))
 def test_kernel_compiles_and_links_for_sm90(name):
     ptx = ptx_of(name)
     assert ".target sm_90" in ptx
@@ -86,10 +89,10 @@ def test_kernel_compiles_and_links_for_sm90(name):
     assert "0 bytes spill stores, 0 bytes spill loads" in info, info
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + sorted(FINISHERS))
 def test_no_float64_instructions_outside_float64_kernels(name):
     lines = [line.strip() for line in ptx_of(name).splitlines() if ".f64" in line]
-    if kernels.KERNELS[name].uses_float64:
+    if SPECS[name].uses_float64:
         assert lines, "the float64 kernel should compute in float64"
     else:
         assert not lines, f"{name} has float64 instructions (a stray Python float?): {lines[:5]}"
@@ -102,6 +105,29 @@ def test_parameter_block_is_three_scalars(name):
     scale = "f64" if kernels.KERNELS[name].uses_float64 else "f32"
     flags = ["u64"] if kernels.KERNELS[name].checked else []
     assert entry_params(ptx_of(name)) == ["u64", "u64", scale, *flags]
+
+
+@pytest.mark.parametrize("name", sorted(FINISHERS))
+def test_a_finisher_takes_five_scalars_and_meets_in_shared_memory(name):
+    """(flags, row-to-tensor map, row count, slot address, limit): nothing per tensor; the rows' minimum
+    meets in one shared-memory atomic, and the flags and the map are read through global accesses."""
+    body = ptx_of(name)
+    assert entry_params(body) == ["u64"] * 5
+    assert re.search(r"atom\.shared\.min\.s32", body), "the first flagged tensor meets in shared memory"
+    generic = re.findall(r"^\s*(?:ld|st)\.(?:u|s|b|f)\d+\b", body, re.M)
+    assert not generic and "ld.global" in body and "st.global" in body, generic[:3]
+    assert ".local" not in body, "the finisher spills to local memory"
+
+
+def test_every_checked_pack_has_a_finisher_for_its_buffer():
+    from gpucomm.kernels.specs import select_finisher
+
+    for slot in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        spec = select_finisher(slot)
+        assert spec.dst_itemsize == slot.itemsize and spec.name in FINISHERS
+        assert spec.uses_float64 == (slot == torch.float64)
+    with pytest.raises(ValueError, match="floating"):
+        select_finisher(torch.int32)
 
 
 def test_every_floating_pack_has_a_checked_twin():

@@ -385,8 +385,9 @@ def test_bound_copy_repoints_its_table_when_only_addresses_change(direction, che
 
 
 # Python calls ('call' events in gpucomm's own files, the simulated kernel body aside) of one BoundCopy call
-# whose gradients moved (zero_grad(set_to_none=True), a rebase), measured: 8 plain, 11 checked, whatever the
-# tensor count; the new rows go over the table (no new table, launch, flags or layout). Before: 31 for 8
+# whose gradients moved (zero_grad(set_to_none=True), a rebase), measured: 8 plain, 12 checked (the
+# finisher's launch; before it, 11 and six torch ops), whatever the tensor count; the new rows go over the
+# table (no new table, launch, flags or layout). Before: 31 for 8
 # tensors and 111 for 48 (two generator steps per tensor), then 13 and 19 with a new table each time. The
 # guard: no work per tensor in Python, and at most this many calls per rebase.
 MAX_CALLS_PER_REBASE = 16
@@ -498,6 +499,40 @@ def test_checked_pack_finds_the_first_tensor_holding_inf_or_nan(src, wire, scale
         assert_same_bits(wire_buf[:sum(sizes)], reference(torch.cat(poisoned), wire, scale))
         copy(srcs, wire_buf, check_out=out)  # the flags are cleared for the next call
         assert float(out) == 0.0
+
+
+def test_a_checked_pack_finishes_in_one_more_launch_and_no_torch_op(launches):
+    """The slot value comes from one finisher launch after the pack (which also clears the flags for the
+    next pack): no torch op at all, where finding the first flagged tensor took six (the flags' zeroing,
+    then five small ops: on a GPU about 50 us of host time per bucket and step)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from gpucomm.kernels.bound import BoundCopy
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    copy = BoundCopy("pack", 1.0, checked=True)
+    flat, out = torch.zeros(3 * CHUNK + 8), torch.full((1,), -1.0)
+    srcs = [torch.randn(n) for n in (CHUNK + 5, 3, 2 * CHUNK)]
+    copy(srcs, flat, check_out=out)  # binds the layout (checked in full)
+    for poisoned in (None, 2, 0):
+        tensors = [t.clone() for t in srcs]  # new addresses: a rebase each time, as after zero_grad()
+        if poisoned is not None:
+            tensors[poisoned][-1] = float("nan")
+        launches.clear()
+        with Ops() as seen:
+            copy(tensors, flat, check_out=out)
+        assert seen.ops == [], seen.ops
+        assert [name for name, _, _ in launches] == ["copy_f32_checked", "finish_checked_f32"], launches
+        assert float(out) == (0.0 if poisoned is None else poisoned + 1.0)
+        assert torch.equal(flat.view(torch.int32), torch.cat(tensors).view(torch.int32))  # NaN too
 
 
 def test_checked_pack_flags_a_cast_that_overflows():
