@@ -228,3 +228,35 @@ def test_a_stand_in_without_a_handle_is_ordered_too():
     assert log == []
     order.close_epoch(token)
     assert log == ["zeros"]
+
+
+def test_a_backends_own_timeout_in_a_fixed_schedule_step_gets_the_steps_context():
+    """MPI's timeout is a CollectiveError of its own, which the handle passed on as it was: the rank waiting
+    in a DistributedOptimizer step read "MPI allreduce of 216 float32 ... did not complete", with neither the
+    bucket's name nor what a fixed-schedule step needs (a Gloo failure had both). A shutdown is left alone."""
+    from gpucomm.errors import ShutdownError
+
+    class _Work:
+        def __init__(self, error: Exception) -> None:
+            self.error = error
+
+        def wait(self, timeout, poll) -> None:
+            raise self.error
+
+    class _Schedule(_Owner):
+        def transport_hint(self) -> str:
+            return ". This collective is a step of a DistributedOptimizer's fixed schedule"
+
+    timeout = CollectiveError("MPI allreduce of 216 float32 (sum) did not complete within 2 s. Fix: raise it.")
+    for owner, error, expected in (
+            (_Schedule(), timeout, "allreduce 'bucket' failed: MPI allreduce of 216 float32 (sum) did not complete "
+                                   "within 2 s. Fix: raise it. This collective is a step of a DistributedOptimizer's "
+                                   "fixed schedule"),
+            (_Owner(), timeout, str(timeout)),  # a negotiated op: no hint to add
+            (_Schedule(), ShutdownError("pending when gpucomm shut down"), "pending when gpucomm shut down")):
+        owner.has_peers = False  # no cause to wait for
+        handle = Handle(_Request("bucket"), owner)
+        handle.settle(issued=Issued(works=[_Work(error)]))
+        with pytest.raises(CollectiveError) as raised:
+            handle.wait()
+        assert str(raised.value) == expected, str(raised.value)

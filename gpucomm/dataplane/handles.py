@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from ..errors import CollectiveError
+from ..errors import CollectiveError, ShutdownError
 from . import cuda_calls
 
 CAUSE_GRACE = 2.0  # seconds a broken collective waits for the control plane to name why (a peer's death)
@@ -190,10 +190,13 @@ class Handle:
         cause = _first_cause(self._owner, grace)
         if cause is not None:  # another rank's failure broke this collective: name that first cause
             return CollectiveError(f"{_describe(self.request)} failed because {cause}")
-        if isinstance(error, CollectiveError):
-            return error
-        # a transfer that failed with no cause named: what the owner knows of why peers may be missing
+        # a transfer that failed with no cause named: what the owner knows of why peers may be missing (also
+        # after a backend's own CollectiveError, e.g. MPI's timeout, which cannot know what the collective was)
         hint = getattr(self._owner, "transport_hint", None) if transport else None
+        if isinstance(error, CollectiveError):
+            if not callable(hint) or isinstance(error, ShutdownError):
+                return error
+            return CollectiveError(f"{_describe(self.request)} failed: {str(error).rstrip('. ')}{hint()}")
         return CollectiveError(f"{_describe(self.request)} failed: {error}" + (hint() if callable(hint) else ""))
 
     def _waiting_stream(self) -> int:
