@@ -75,10 +75,13 @@ class BoundCopy:
             if stream is None:
                 stream = torch.cuda.current_stream(flat.device)
             layout.table.use_on(stream)
-        launch(stream)
         finite = layout.finite
-        if finite is not None:  # the checked pack's result into check_out, its flags cleared: one more launch
-            finite.finish(check_out, check_limit, stream)
+        if finite is None:
+            launch(stream)
+            return
+        finisher = finite.finisher(check_out, check_limit)  # checked first: nothing fails between the two launches
+        launch(stream)
+        finite.finish(finisher, stream)  # the result into check_out, the flags cleared: one more launch
 
     def _bind(self, key: tuple | None, tensors: Sequence[torch.Tensor], flat: torch.Tensor, stream: Any) -> Layout:
         layout = self._layouts.get(key) if key is not None else None

@@ -153,29 +153,46 @@ class Layout:
 class RowFlags:
     """A checked pack's per-row flags (int32, set to 1 by the kernel when the row's piece holds Inf or
     NaN; zero between packs) and each row's tensor index (int32), both on the layout's device, and the
-    finisher launches that turn them into a slot value (one per slot dtype, prepared at first use)."""
+    finisher launches that turn them into a slot value (one per slot dtype, prepared at first use;
+    ``slot_dtype``: the buffer's, the one compiled with the pack)."""
 
-    __slots__ = ("flags", "row_tensor", "count", "_finishers")
+    __slots__ = ("flags", "row_tensor", "count", "slot_dtype", "_finishers")
 
-    def __init__(self, flags: torch.Tensor, row_tensor: torch.Tensor, count: int) -> None:
-        self.flags, self.row_tensor, self.count = flags, row_tensor, count
+    def __init__(self, flags: torch.Tensor, row_tensor: torch.Tensor, count: int, slot_dtype: torch.dtype) -> None:
+        self.flags, self.row_tensor, self.count, self.slot_dtype = flags, row_tensor, count, slot_dtype
         self._finishers: dict[torch.dtype, _launch.Launch] = {}
 
-    def finish(self, out: torch.Tensor | None, limit: int, stream: Any = None) -> None:
-        """After the checked pack, on the same ``stream``: one kernel launch that writes into the 1-element
-        ``out`` 0 when no row was flagged, else 1 + the index of the first tensor with a flagged row (at
-        most ``limit``), and clears the flags for the next pack (``out`` None: only that). No host sync,
-        no torch op."""
-        dtype = out.dtype if out is not None else torch.float32
+    def finisher(self, out: torch.Tensor | None, limit: int) -> _launch.Launch:
+        """The finisher launch that will write into ``out`` (None: only clear the flags), its arguments set:
+        prepared, and ``out`` checked, before the pack is launched, so that nothing can fail between the
+        pack and the finisher (flags left set would report the next, clean pack as non-finite)."""
+        if out is not None and (out.numel() != 1 or not out.is_floating_point() or out.device != self.flags.device):
+            raise ValueError(f"the finite check's result goes into one floating element on the buffer's device "
+                             f"({self.flags.device}); got a {out.dtype} tensor of {out.numel()} element(s) on "
+                             f"{out.device}. Pass a 1-element slot of the fusion buffer (or of its dtype).")
+        dtype = out.dtype if out is not None else self.slot_dtype
         finisher = self._finishers.get(dtype)
         if finisher is None:
-            spec = select_finisher(dtype)
-            finisher = self._finishers[dtype] = _launch.Launch.with_args(spec, 1, self.flags.device, [
+            finisher = self._finishers[dtype] = _launch.Launch.with_args(select_finisher(dtype), 1, self.flags.device, [
                 ctypes.c_uint64(self.flags.data_ptr()), ctypes.c_uint64(self.row_tensor.data_ptr()),
                 ctypes.c_int64(self.flags.numel()), ctypes.c_uint64(0), ctypes.c_int64(limit)])
         finisher.set_arg(3, out.data_ptr() if out is not None else 0)
         finisher.set_arg(4, limit)
-        finisher(stream)
+        return finisher
+
+    def finish(self, finisher: _launch.Launch, stream: Any) -> None:
+        """Launch ``finisher`` (from ``finisher()``) after the checked pack, on the same ``stream`` (None: the
+        current one): 0 into its slot when no row was flagged, else 1 + the index of the first tensor with a
+        flagged row (capped), and the flags cleared for the next pack. No host sync, no torch op. Should the
+        launch fail, the flags are zeroed by torch before the error goes on."""
+        if stream is None and self.flags.is_cuda and not SIMULATOR:
+            stream = torch.cuda.current_stream(self.flags.device)
+        try:
+            finisher(stream)
+        except BaseException:
+            with stream_context(stream if self.flags.is_cuda else None):
+                self.flags.zero_()
+            raise
 
 
 def stream_context(stream: Any):
@@ -204,7 +221,7 @@ def new_layout(direction: str, tensors: Sequence[torch.Tensor], flat: torch.Tens
     plan = RowPlan(np.fromiter(numels, dtype=np.int64, count=len(numels)), CHUNK_ELEMS)
     COUNTERS.kernel_tables_built += 1
     table = _build_table(direction, spec, plan, flat.data_ptr(), flat.element_size(), ptrs, device, stream)
-    finite = _row_flags(numels, table.nrows, device, stream) if checked else None
+    finite = _row_flags(numels, table.nrows, device, stream, flat.dtype) if checked else None
     launch = _launch.Launch(spec, table.address, table.nrows, table.grid, scale, device,
                             flags_address=finite.flags.data_ptr() if finite is not None else 0)
     return Layout(spec, total, table, launch, finite, plan=plan, scale=scale, flat_ptr=flat.data_ptr(),
@@ -247,14 +264,14 @@ def rebased_layout(base: Layout, direction: str, tensors: Sequence[torch.Tensor]
     finite = base.finite
     if finite is not None:  # its own flags (a launch of the old layout may still be in flight); the same row map
         with stream_context(stream if device.type == "cuda" else None):
-            finite = RowFlags(torch.zeros_like(finite.flags), finite.row_tensor, finite.count)
+            finite = RowFlags(torch.zeros_like(finite.flags), finite.row_tensor, finite.count, finite.slot_dtype)
     launch = _launch.Launch(base.spec, new_table.address, new_table.nrows, new_table.grid, base.scale, device,
                             flags_address=finite.flags.data_ptr() if finite is not None else 0)
     return Layout(base.spec, base.total, new_table, launch, finite, plan=plan, scale=base.scale,
                   flat_ptr=base.flat_ptr, flat_dtype=base.flat_dtype, dtype=dtype, staging=base.staging)
 
 
-def _row_flags(numels: tuple, nrows: int, device: torch.device, stream: Any) -> RowFlags:
+def _row_flags(numels: tuple, nrows: int, device: torch.device, stream: Any, slot_dtype: torch.dtype) -> RowFlags:
     """The flags and row-to-tensor map of a checked layout (built once per layout, like its table)."""
     pieces = -(-np.asarray(numels, dtype=np.int64) // CHUNK_ELEMS)
     rows = np.repeat(np.arange(len(numels), dtype=np.int32), pieces)
@@ -266,7 +283,7 @@ def _row_flags(numels: tuple, nrows: int, device: torch.device, stream: Any) -> 
             flags = torch.zeros(nrows, dtype=torch.int32, device=device)
     else:
         flags = torch.zeros(nrows, dtype=torch.int32)
-    return RowFlags(flags, row_tensor, len(numels))
+    return RowFlags(flags, row_tensor, len(numels), slot_dtype)
 
 
 def _build_table(direction: str, spec: KernelSpec, plan: RowPlan, flat_ptr: int, flat_itemsize: int, ptrs: tuple,

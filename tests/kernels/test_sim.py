@@ -535,6 +535,29 @@ def test_a_checked_pack_finishes_in_one_more_launch_and_no_torch_op(launches):
         assert torch.equal(flat.view(torch.int32), torch.cat(tensors).view(torch.int32))  # NaN too
 
 
+def test_a_slot_the_finisher_cannot_write_is_refused_before_the_pack_runs(launches):
+    """A review's finding: an integer slot (or one on another device) failed in the finisher after the pack
+    had flagged a NaN, so the flags stayed set and the next, clean pack reported a non-finite tensor. The
+    slot is checked before anything is launched, and a clean pack then reports nothing."""
+    from gpucomm.kernels.bound import BoundCopy
+
+    copy = BoundCopy("pack", 1.0, checked=True)
+    flat = torch.zeros(2 * CHUNK + 5)
+    poisoned = [torch.randn(CHUNK + 5), torch.randn(CHUNK)]
+    poisoned[1][3] = float("nan")
+    for slot in (torch.zeros(1, dtype=torch.int32), torch.zeros(2)):
+        launches.clear()
+        with pytest.raises(ValueError, match="one floating element on the buffer's device"):
+            copy(poisoned, flat, check_out=slot)
+        assert launches == []
+    out = torch.full((1,), -1.0)
+    copy([torch.randn(CHUNK + 5), torch.randn(CHUNK)], flat, check_out=out)
+    assert float(out) == 0.0
+    copy(poisoned, flat)  # no slot: the pack's flags are still cleared by the finisher
+    copy([torch.randn(CHUNK + 5), torch.randn(CHUNK)], flat, check_out=out)
+    assert float(out) == 0.0
+
+
 def test_checked_pack_flags_a_cast_that_overflows():
     """65504 is the largest float16: 1e5 packs to Inf, and that is what travels."""
     from gpucomm.kernels.bound import BoundCopy
