@@ -142,6 +142,40 @@ def test_a_finished_collective_is_retired_whatever_another_stream_still_runs(cud
         watchdog.close()
 
 
+def test_a_collective_that_needs_a_rank_which_shut_down_fails_without_waiting_for_the_timeout(cuda):
+    """NCCL waits for ever for a peer that destroyed its communicator: a rank that ran fewer steps and shut
+    gpucomm down left the others' step in flight until GPUCOMM_TIMEOUT (300 s). The watchdog now fails an
+    unfinished collective of a set with a departed member (after the plane's grace, here none), naming
+    it; a finished one, or one of a set the rank was not in, is left alone."""
+    from gpucomm.dataplane.events import EventPool
+    from gpucomm.dataplane.watchdog import NcclWatchdog
+
+    pool, failures = EventPool(), []
+    gone = {0: "rank 1 shut gpucomm down (hvd.shutdown(), or its script ended) while this rank still needed it in "
+               "this collective"}
+    watchdog = NcclWatchdog(0, 600.0, pool, health=lambda set_id: None, fail=failures.append,
+                            departed=lambda set_id: gone.get(set_id))
+    try:
+        done = pool.record(11, 0)
+        watchdog.watch(done, 0, _Request("finished"), 11)
+        watchdog.check()  # finished: retired, nothing reported
+        assert failures == [] and len(watchdog) == 0
+        cuda.hold = True
+        other_set = _Request("other set")
+        other_set.set_id = 3
+        watchdog.watch(pool.record(12, 0), 0, other_set, 12)
+        watchdog.check()
+        assert failures == []  # in time, and set 3 lost no member
+        watchdog.watch(pool.record(11, 0), 0, _Request("step"), 11)
+        watchdog.check()
+        assert len(failures) == 1 and watchdog.failed, failures
+        assert failures[0].startswith("allreduce 'step' cannot finish on rank 0: rank 1 shut gpucomm down"), failures
+        assert "hvd.join()" in failures[0] and "The NCCL communicators were aborted" in failures[0], failures
+    finally:
+        cuda.hold = False
+        watchdog.close()
+
+
 def test_a_failing_query_leaves_the_new_collective_watched_and_fails_the_job_once(cuda):
     """Before: the done event of a collective just issued was taken from the pool (which reclaims,
     querying the earlier collectives) and then watched; a query that raised (CUDA reporting an

@@ -23,10 +23,10 @@ DATA_PLANE = ("allreduce", "data_movement", "reducescatter", "out_of_order", "jo
               "train_uneven_then_join", "static_process_sets", "async_and_barrier", "autograd")  # scenarios whose tensors go through the backend
 
 
-def _gpucomm_run_mpi(np: int, *argv: str, timeout: float) -> tuple:
+def _gpucomm_run_mpi(np: int, *argv: str, timeout: float, env: dict | None = None) -> tuple:
     found = launcher("mpich")  # skips without mpi4py or MPICH's mpiexec
     return run(launcher_cmd("--mpi", "-np", str(np), PYTHON, *argv), timeout=timeout,
-               env={"GPUCOMM_MPIEXEC": found.path})
+               env={"GPUCOMM_MPIEXEC": found.path, **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +130,20 @@ def test_a_stall_is_reported_and_the_job_recovers(outcomes):
 def test_an_early_join_is_no_stall(outcomes):
     lasts = _values(outcomes, "early_join_under_stall_shutdown")
     assert len(set(lasts)) == 1 and lasts[0] != 0, lasts  # the same on every rank; rank 0 joined first
+
+
+RAN_FEWER = ("import json; from tests.ranks.optimizer_scenarios import ran_fewer_steps; "
+             "print('RESULT ' + json.dumps(ran_fewer_steps(1)), flush=True)")
+
+
+def test_a_rank_that_ran_fewer_steps_is_named_without_waiting_for_the_timeout():
+    """On MPI no reset ends the step's allreduce that a rank which shut gpucomm down never runs: rank 0
+    waited for GPUCOMM_TIMEOUT (here 600 s: the test's own limit would end first). Rank 0's step now
+    fails a few seconds after it learns who left, naming that rank and hvd.join()."""
+    r = _gpucomm_run_mpi(2, "-c", RAN_FEWER, timeout=120, env={"GPUCOMM_TIMEOUT": "600"})
+    found = re.search(r"\[0\]<stdout>:RESULT (.*)", r.stdout)
+    assert found, r.stdout[-3000:] + r.stderr[-3000:]
+    error = json.loads(found.group(1))
+    assert "rank 1 shut gpucomm down (hvd.shutdown(), or its script ended)" in error, error
+    assert "DistributedOptimizer.bucket." in error and "hvd.join()" in error, error
+    assert r.leftovers == []

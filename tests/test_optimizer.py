@@ -163,3 +163,16 @@ def test_a_rank_waiting_long_in_a_step_is_named_by_the_stall_warning():
     warnings = run_ranks(sc.step_wait_warned, 2, env=env, timeout=120)
     assert len(warnings[0]) == 1 and "rank 0: a step of DistributedOptimizer schedule" in warnings[0][0], warnings
     assert "hvd.join()" in warnings[0][0], warnings[0]
+
+
+@pytest.mark.parametrize("leaver", [1, 0])
+def test_a_rank_that_ran_fewer_steps_and_shut_down_is_named_by_the_ranks_still_stepping(leaver):
+    """A rank that finished its batches first and shut gpucomm down (uneven data without hvd.join()) left
+    the others with Gloo's "Connection reset by peer" after a 2 s wait for a cause (a clean exit names
+    none), or, where no reset comes (MPI, NCCL), waiting for GPUCOMM_TIMEOUT. Rank 0 now tells every rank
+    who left, and a step that needs it fails naming it and the fix. Rank 0 leaving is told too."""
+    errors = run_ranks(sc.ran_fewer_steps, 2, args=(leaver,), env={"GPUCOMM_TIMEOUT": "60"}, timeout=120)
+    assert errors[leaver] is None, errors
+    stepping = errors[1 - leaver]
+    assert f"rank {leaver} shut gpucomm down (hvd.shutdown(), or its script ended)" in stepping, stepping
+    assert "DistributedOptimizer.bucket." in stepping and "hvd.join()" in stepping, stepping

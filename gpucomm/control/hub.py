@@ -82,6 +82,7 @@ class CoordinatorHub:
                 if self.liveness is not None:
                     self.liveness.forget(rank)
                 self.dispatch(self.coordinator.rank_left(rank, f"rank {rank} has shut gpucomm down"))
+                self.tell_left(rank)
             elif item[0] == "fail":
                 self._failed_reports.setdefault(rank, item[1])
                 self.abort_all(f"rank {rank} failed: {item[1]}")
@@ -92,6 +93,12 @@ class CoordinatorHub:
                 self.dispatch(self.coordinator.submit(rank, requests))
             except Exception as e:  # a protocol violation: the job cannot go on consistently
                 self.abort_all(f"rank {rank} sent a request the coordinator cannot accept: {e}")
+
+    def tell_left(self, rank: int) -> None:
+        """Tell every rank still here, rank 0 included, that ``rank`` shut gpucomm down: a fixed schedule's
+        step it never reaches then fails naming it, instead of a bare transport error or a timeout."""
+        others = tuple(r for r in self._workers if r not in self.left and r != rank)
+        self.dispatch([((0, *others) if rank != 0 else others, ("left", rank))])
 
     def lost(self, rank: int, what: str) -> None:
         if rank in self.left:

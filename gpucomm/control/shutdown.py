@@ -81,6 +81,7 @@ class Shutdown:
             if hub is not None:  # rank 0 submits nothing more: what needs it fails now on every rank, not
                 with self._lock:  # after the grace it keeps serving for (rank 0 may not exit for a while)
                     hub.dispatch(hub.coordinator.rank_left(0, "rank 0 has shut gpucomm down"))
+                    hub.tell_left(0)
             return
         with self._lock:  # the reader clears ``_link`` (rank 0 went away) under this lock: read it here
             self._closed = True

@@ -187,9 +187,15 @@ class Handle:
         one (waiting up to ``grace`` seconds for it to be named: only a transport failure in a job
         with peers may be caused by another rank), else ``error`` as a ``CollectiveError`` (a failed
         ``transport`` with the owner's hint on why peers may be missing)."""
-        cause = _first_cause(self._owner, grace)
+        departure = getattr(self._owner, "departure", None) if transport else None
+        cause = _first_cause(self._owner, grace, departure)
         if cause is not None:  # another rank's failure broke this collective: name that first cause
             return CollectiveError(f"{_describe(self.request)} failed because {cause}")
+        gone = departure() if callable(departure) else None
+        if gone is not None:  # a rank it needs shut gpucomm down: that, not the transport's own text
+            failed = CollectiveError(f"{_describe(self.request)} failed: {gone}")
+            self._owner.departed_failure(failed)  # the owner's work cannot go on (a transfer may stay stuck)
+            return failed
         # a transfer that failed with no cause named: what the owner knows of why peers may be missing (also
         # after a backend's own CollectiveError, e.g. MPI's timeout, which cannot know what the collective was)
         hint = getattr(self._owner, "transport_hint", None) if transport else None
@@ -226,17 +232,19 @@ def _describe(request: Any) -> str:
     return describe() if callable(describe) else repr(request)
 
 
-def _first_cause(owner: HandleOwner, grace: float) -> CollectiveError | None:
+def _first_cause(owner: HandleOwner, grace: float, departure: Callable[[], str | None] | None = None
+                 ) -> CollectiveError | None:
     """The job's failure as the control plane names it, waiting up to ``grace`` seconds for it: when
     a peer dies, its data connection (a Gloo reset) and its control connection close together, and
     the collective's error can reach the waiter before the control thread has read the closed link.
     The named cause ("the control connection to rank 0 closed: rank 0 exited or failed") says what
     happened; the transport's ("Connection reset by peer") does not. Only a transport failure in a
-    job with peers waits (``grace`` > 0); a local error asks once."""
+    job with peers waits (``grace`` > 0), and stops waiting once ``departure()`` names a rank that shut
+    gpucomm down (a clean exit is no failure: none would be named); a local error asks once."""
     deadline = time.monotonic() + grace
     while True:
         cause = owner.failure()
-        if cause is not None or time.monotonic() >= deadline:
+        if cause is not None or time.monotonic() >= deadline or (departure is not None and departure() is not None):
             return cause
         time.sleep(0.01)
 

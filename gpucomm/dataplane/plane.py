@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable
+import time
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -34,6 +35,11 @@ from .watchdog import NcclWatchdog
 log = logging.getLogger("gpucomm")
 
 REPORT_FIRST = 2.0  # seconds the watchdog's failure report may take before the abort goes ahead without it
+# seconds after this rank learnt that a peer shut gpucomm down before the watchdog fails an unfinished CUDA
+# collective that needs it (a fixed schedule's blocked transfer waits ``schedule.DEPARTED_GRACE``): longer
+# than a host transfer's, since this GPU may still have work queued ahead of a collective the peer completed
+# before it left (a small broadcast it sent)
+DEPARTED_GPU_GRACE = 30.0
 ORDER_ENV = ISSUE_ORDER.names[0]  # "cuda" (default): order CUDA collectives; "all": CPU ones too (tests, debugging)
 
 
@@ -43,14 +49,17 @@ class DataPlane:
     ``tracer()``: the timeline's tracer while one records; ``select_device()``: makes this rank's
     GPU current in the calling thread (every thread of the data plane runs it first);
     ``report(text)``: tells the control plane this rank is failing (so every rank learns it);
-    ``in_step(what)``: tells it a fixed schedule's step blocks in a transfer (None: no longer)."""
+    ``in_step(what)``: tells it a fixed schedule's step blocks in a transfer (None: no longer);
+    ``departed()``: the ranks that shut gpucomm down, each with when this rank learnt it (monotonic s)."""
 
     def __init__(self, rank: int, timeout: float, *, tracer: Callable[[], Any] = lambda: None,
                  select_device: Callable[[], None] = lambda: None,
                  report: Callable[[str], None] = lambda text: None, order_cpu: bool | None = None,
-                 in_step: Callable[[str | None], None] = lambda what: None) -> None:
+                 in_step: Callable[[str | None], None] = lambda what: None,
+                 departed: Callable[[], dict[int, float]] = dict) -> None:
         self.rank, self.timeout = rank, timeout
         self.in_step = in_step  # a fixed schedule's step blocks in a transfer (what), or no longer (None)
+        self._departed = departed
         self.events = EventPool()
         self._tracer = tracer
         self.select_device = select_device
@@ -63,7 +72,7 @@ class DataPlane:
             order_cpu = ISSUE_ORDER.read(None, "cuda") == "all"
         self.orders_cpu = order_cpu
         self.watchdog = NcclWatchdog(rank, timeout, self.events, health=self._health, fail=self._watchdog_failed,
-                                     select_device=select_device)
+                                     select_device=select_device, departed=self._set_departure)
 
     # -- executing ------------------------------------------------------------------------------
     def executor(self, groups: Callable[[int], Group]) -> Executor:
@@ -148,6 +157,30 @@ class DataPlane:
             except Exception as e:  # noqa: BLE001 - reported as the job's failure
                 return str(e)
         return None
+
+    def departure(self, ranks: Iterable[int], grace: float = 0.0) -> str | None:
+        """Why a collective over ``ranks`` cannot complete when some of them shut gpucomm down (learnt at
+        least ``grace`` s ago): the sentence naming the first to leave (the others may have left because of
+        it: a rank whose step failed shuts down as it exits), or None."""
+        gone = self._departed()
+        if not gone:
+            return None
+        now = time.monotonic()
+        names = sorted((r for r in ranks if r != self.rank and r in gone and now - gone[r] >= grace), key=gone.get)
+        if not names:
+            return None
+        later = f" (then {'rank' if len(names) == 2 else 'ranks'} {', '.join(map(str, names[1:]))} too)" \
+            if len(names) > 1 else ""
+        return (f"rank {names[0]} shut gpucomm down (hvd.shutdown(), or its script ended) while this rank still "
+                f"needed it in this collective{later}")
+
+    def _set_departure(self, set_id: int) -> str | None:
+        """(the watchdog) ``departure`` for process set ``set_id``'s members, after the GPU's grace."""
+        if not self._departed():
+            return None
+        with self._lock:
+            group = next((g for g in self._groups if g.id == set_id), None)
+        return self.departure(group.ranks, DEPARTED_GPU_GRACE) if group is not None else None
 
     # -- failure ---------------------------------------------------------------------------------
     def failure(self) -> CollectiveError | None:

@@ -27,6 +27,10 @@ from .executor import prepare
 if TYPE_CHECKING:
     from .plane import DataPlane
 
+# seconds after this rank learnt that a member of the set shut gpucomm down before a step's transfer still
+# blocked on it ends (one that member ran before it left has finished by then: its part was done)
+DEPARTED_GRACE = 3.0
+
 
 # s a wait on a step's transfers blocks before the job is told: long enough that a healthy step, whose last
 # transfers may take a while after backward, sends no control message (the steady state sends none)
@@ -133,6 +137,23 @@ class Schedule:
         raise CollectiveError(f"internal error: {handle.request.describe()} was never issued on its fixed "
                               f"schedule; please report this as a gpucomm bug.")
 
+    def departure(self) -> str | None:
+        """Why this schedule's step cannot complete when a member of its set shut gpucomm down (None: none
+        did): what the waiting rank is told instead of a transport error or a timeout."""
+        gone = self._plane.departure(self.group.ranks)
+        if gone is None:
+            return None
+        return (f"{gone}. A DistributedOptimizer step is a fixed schedule: every rank of its process set runs "
+                f"the same bucket collectives in the same order, so that rank ran fewer steps than this one. If the "
+                f"ranks' data is uneven, call hvd.join() on the ranks that finish first (it stands in for their "
+                f"missing steps); else give every rank the same number of batches")
+
+    def departed_failure(self, error: CollectiveError) -> None:
+        """A step failed because a member of the set shut gpucomm down: this rank's job cannot go on, and
+        the transfer it waited for may never end (MPI, NCCL): fail the data plane, so that shutdown
+        aborts the communicators instead of waiting for that transfer for GPUCOMM_TIMEOUT."""
+        self._plane.fail(error)
+
     def failure(self) -> CollectiveError | None:
         return self._plane.failure()
 
@@ -149,7 +170,12 @@ class Schedule:
             self._told = True
             COUNTERS.step_waits_reported += 1
             self._plane.in_step(f"a step of DistributedOptimizer schedule {self.number} (process set {self.group.id})")
-        return self._plane.failure()
+        failure = self._plane.failure()
+        if failure is None and since is not None and now - since >= DEPARTED_GRACE:
+            gone = self._plane.departure(self.group.ranks, DEPARTED_GRACE)
+            if gone is not None:  # a transfer that needs a rank gone for good: end the wait (no reset may come)
+                return CollectiveError(gone)
+        return failure
 
     def wait_ended(self) -> None:
         """A wait on this schedule's transfers returned (or raised)."""

@@ -54,14 +54,18 @@ class _InFlight:
 
 class NcclWatchdog:
     """``health(set_id)`` returns NCCL's asynchronous error on a process set's communicators (or
-    None); ``fail(text)`` reports the failure (the caller aborts); ``select_device()`` runs first
+    None); ``departed(set_id)`` says which of its members shut gpucomm down a while ago (or None):
+    an unfinished collective that needs them fails then, not at the timeout (NCCL would wait for them
+    for ever); ``fail(text)`` reports the failure (the caller aborts); ``select_device()`` runs first
     on the watchdog's thread, which starts with the first watched collective."""
 
     def __init__(self, rank: int, timeout: float, events: EventPool, *, health: Callable[[int], str | None],
-                 fail: Callable[[str], None], select_device: Callable[[], None] = lambda: None) -> None:
+                 fail: Callable[[str], None], select_device: Callable[[], None] = lambda: None,
+                 departed: Callable[[int], str | None] = lambda set_id: None) -> None:
         self.rank, self.timeout = rank, timeout
         self._events = events
         self._health, self._fail, self._select_device = health, fail, select_device
+        self._departed = departed
         self._queues: dict[tuple[int, int], collections.deque] = {}  # (device, stream) -> entries in issue order
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -170,10 +174,12 @@ class NcclWatchdog:
 
     def check(self) -> None:
         """Retire finished collectives; report the oldest unfinished one if NCCL failed or it is overdue,
-        and a host call that has not returned within the timeout."""
+        the first unfinished one of a stream whose set lost a member that shut gpucomm down, and a host
+        call that has not returned within the timeout."""
         with self._lock:
             empty = self._retire_finished()
             oldest = None if empty else self._oldest()
+            heads = [] if empty else [q[0] for q in self._queues.values() if q]
         self._report_query_error()
         if self.failed or self._reported:
             return
@@ -181,12 +187,24 @@ class NcclWatchdog:
             return
         if oldest is None:
             return
-        error = self._health(oldest.request.set_id)
-        if error is None and (time.monotonic() - oldest.started <= self.timeout or self._finished_since(oldest)):
+        gone = None
+        for head in heads:  # (cheap while no rank left: the callback answers from an empty dict)
+            gone = self._departed(head.request.set_id)
+            if gone is not None and not self._finished_since(head):
+                oldest = head
+                break
+            gone = None
+        error = self._health(oldest.request.set_id) if gone is None else None
+        if error is None and gone is None and (time.monotonic() - oldest.started <= self.timeout
+                                               or self._finished_since(oldest)):
             return  # in time, or it finished meanwhile
         request = oldest.request
         if error is not None:
             why = f"NCCL reported an error while {request.describe()} was in flight on rank {self.rank}: {error}"
+        elif gone is not None:
+            why = (f"{request.describe()} cannot finish on rank {self.rank}: {gone}. Every rank of its process set "
+                   f"must run it (a DistributedOptimizer step: each rank the same number of steps; uneven data: "
+                   f"call hvd.join() on the ranks that finish first)")
         else:
             who = "every rank" if request.set_id == 0 else f"the members of process set {request.set_id}"
             why = (f"{request.describe()} did not finish within {self.timeout:.0f} s (GPUCOMM_TIMEOUT) on rank "

@@ -86,7 +86,7 @@ class Job:
         rank, size = self.world.rank, self.world.size
         self.one_host = len(set(self.hosts)) == 1
         self.data = DataPlane(rank, self.timeout, tracer=self._current_tracer, select_device=self.select_device,
-                              report=self._report_data_failure, in_step=self._step_blocked)
+                              report=self._report_data_failure, in_step=self._step_blocked, departed=self._departed)
         self.groups = {0: self.data.register(Group(0, range(size), rank, lambda g: self.cpu, self._make_nccl))}
         for set_id, ranks in enumerate(self.static_sets, start=1):
             self.groups[set_id] = self.data.register(self._group(set_id, ranks))
@@ -195,6 +195,11 @@ class Job:
         controller = self.controller
         if controller is not None:
             controller.note_in_step(what)
+
+    def _departed(self) -> dict[int, float]:
+        """The ranks that shut gpucomm down, as rank 0 told this rank (each with when it learnt it)."""
+        plane = getattr(self, "plane", None)  # (not yet made while the job is being built)
+        return plane.departed if isinstance(plane, Controller) else {}
 
     def _report_data_failure(self, text: str) -> None:
         """The data plane found the job broken (the NCCL watchdog): tell every rank."""

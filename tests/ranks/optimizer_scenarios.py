@@ -487,3 +487,34 @@ def step_wait_warned() -> list[str]:
     finally:
         logging.getLogger("gpucomm.control").removeHandler(keep)
     return [m for m in seen if "DistributedOptimizer step" in m]
+
+
+def ran_fewer_steps(leaver: int = 1, linger: float = 4.0) -> str | None:
+    """Rank ``leaver`` runs 2 DistributedOptimizer steps, shuts gpucomm down cleanly and keeps its process
+    for ``linger`` s; the others run 3. The others' error in step 3 (returned) must name the rank that left
+    and the fix (hvd.join()), not a transport's reset or, where no reset comes (MPI), GPUCOMM_TIMEOUT."""
+    import time
+
+    hvd.init()
+    r = hvd.rank()
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    error = None
+    try:
+        for step in range(2 if r == leaver else 3):
+            x, y = batch(step)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        error = str(e)
+    if r == leaver:
+        hvd.shutdown()
+        time.sleep(linger)  # the process stays: its data connections may stay open too
+        return error
+    try:
+        hvd.shutdown()
+    except Exception:  # noqa: BLE001 - the job failed: shutdown may report it again
+        pass
+    return error
