@@ -38,8 +38,9 @@ cuda = stand_in_cuda  # the fixture, under the name these tests use
 class _Request:
     set_id = 0
 
-    def __init__(self, name: str = "x") -> None:
+    def __init__(self, name: str = "x", step: tuple | None = None) -> None:
         self.name = name
+        self.step = step
 
     def describe(self) -> str:
         return f"allreduce '{self.name}'"
@@ -145,28 +146,35 @@ def test_a_finished_collective_is_retired_whatever_another_stream_still_runs(cud
 def test_a_collective_that_needs_a_rank_which_shut_down_fails_without_waiting_for_the_timeout(cuda):
     """NCCL waits for ever for a peer that destroyed its communicator: a rank that ran fewer steps and shut
     gpucomm down left the others' step in flight until GPUCOMM_TIMEOUT (300 s). The watchdog now fails an
-    unfinished collective of a set with a departed member (after the plane's grace, here none), naming
-    it; a finished one, or one of a set the rank was not in, is left alone."""
+    unfinished collective of a step that a member of its set never launched (the plane's answer, from what
+    the leaver told: ``DataPlane.departure``), naming it; a finished one, or one of a step every member
+    launched, is left alone."""
     from gpucomm.dataplane.events import EventPool
+    from gpucomm.dataplane.plane import DataPlane
     from gpucomm.dataplane.watchdog import NcclWatchdog
 
+    # rank 1 launched 2 steps of schedule (0, 1) whole before it left; it was never in process set 3
+    plane = DataPlane(0, 600.0, departed=lambda: {1: {(0, 1): 2}})
+    assert plane.departure((0, 1), (0, 1, 2)) is None and plane.departure((0, 1), None) is None
+    assert plane.departure((0, 2), (0, 1, 3)) is None  # a set rank 1 is not in
+    assert plane.departure((0, 1), (0, 1, 3)).startswith("rank 1 shut gpucomm down")
+    assert plane.departure((0, 1), (0, 2, 1)).startswith("rank 1 shut gpucomm down")  # a schedule it never ran
+
+    def departed(request):
+        return plane.departure((0, 1), request.step)
+
     pool, failures = EventPool(), []
-    gone = {0: "rank 1 shut gpucomm down (hvd.shutdown(), or its script ended) while this rank still needed it in "
-               "this collective"}
-    watchdog = NcclWatchdog(0, 600.0, pool, health=lambda set_id: None, fail=failures.append,
-                            departed=lambda set_id: gone.get(set_id))
+    watchdog = NcclWatchdog(0, 600.0, pool, health=lambda set_id: None, fail=failures.append, departed=departed)
     try:
         done = pool.record(11, 0)
-        watchdog.watch(done, 0, _Request("finished"), 11)
+        watchdog.watch(done, 0, _Request("finished", (0, 1, 3)), 11)
         watchdog.check()  # finished: retired, nothing reported
         assert failures == [] and len(watchdog) == 0
         cuda.hold = True
-        other_set = _Request("other set")
-        other_set.set_id = 3
-        watchdog.watch(pool.record(12, 0), 0, other_set, 12)
+        watchdog.watch(pool.record(12, 0), 0, _Request("launched by all", (0, 1, 2)), 12)
         watchdog.check()
-        assert failures == []  # in time, and set 3 lost no member
-        watchdog.watch(pool.record(11, 0), 0, _Request("step"), 11)
+        assert failures == []  # in time, and rank 1 launched that step whole: it will finish
+        watchdog.watch(pool.record(11, 0), 0, _Request("step", (0, 1, 3)), 11)
         watchdog.check()
         assert len(failures) == 1 and watchdog.failed, failures
         assert failures[0].startswith("allreduce 'step' cannot finish on rank 0: rank 1 shut gpucomm down"), failures

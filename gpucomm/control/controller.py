@@ -87,7 +87,9 @@ class Controller(Upkeep, Shutdown):
         self._blocked_told: set[Key] = set()  # ... of which rank 0 has been told
         self._in_step: str | None = None  # a DistributedOptimizer step this rank's caller blocks in (its transfers)
         self._in_step_told: str | None = None  # ... as rank 0 was last told
-        self.departed: dict[int, float] = {}  # ranks that shut gpucomm down (rank 0 tells), when this rank learnt it
+        # ranks that shut gpucomm down (rank 0 tells), in the order learnt: {(set id, schedule number): steps
+        # it launched whole} for each
+        self.departed: dict[int, dict[tuple[int, int], int]] = {}
         self._lock = threading.Lock()  # held by the thread driving progress
         self._state = threading.RLock()  # guards the fields below (taken directly: a C-level context manager)
         self._cv = threading.Condition(self._state)  # notified when a handle becomes ready, if anyone waits
@@ -318,7 +320,7 @@ class Controller(Upkeep, Shutdown):
         if tag == "hb":
             return
         if tag == "left":  # a rank shut gpucomm down: a fixed schedule's step it never ran fails naming it
-            self.departed.setdefault(response[1], time.monotonic())
+            self.departed.setdefault(response[1], {(s, n): k for s, n, k in response[2]})
             return
         if tag == "bits":  # cached operations whose answer is unchanged: run them in cache-id order
             for cache_id in set_bits(response[1]):

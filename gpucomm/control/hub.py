@@ -82,7 +82,7 @@ class CoordinatorHub:
                 if self.liveness is not None:
                     self.liveness.forget(rank)
                 self.dispatch(self.coordinator.rank_left(rank, f"rank {rank} has shut gpucomm down"))
-                self.tell_left(rank)
+                self.tell_left(rank, item[1] if len(item) > 1 else ())
             elif item[0] == "fail":
                 self._failed_reports.setdefault(rank, item[1])
                 self.abort_all(f"rank {rank} failed: {item[1]}")
@@ -94,11 +94,20 @@ class CoordinatorHub:
             except Exception as e:  # a protocol violation: the job cannot go on consistently
                 self.abort_all(f"rank {rank} sent a request the coordinator cannot accept: {e}")
 
-    def tell_left(self, rank: int) -> None:
-        """Tell every rank still here, rank 0 included, that ``rank`` shut gpucomm down: a fixed schedule's
-        step it never reaches then fails naming it, instead of a bare transport error or a timeout."""
-        others = tuple(r for r in self._workers if r not in self.left and r != rank)
-        self.dispatch([((0, *others) if rank != 0 else others, ("left", rank))])
+    def tell_left(self, rank: int, steps: tuple = ()) -> None:
+        """Tell every rank still here, rank 0 included, that ``rank`` shut gpucomm down, with ``steps``: how
+        many steps of each fixed schedule it launched whole (``(set id, number, steps)`` triples). A step it
+        never launched then fails naming it, instead of a bare transport error or a timeout. Not kept as
+        what a rank was last told to run (``_last_sent``: a silent rank's report names that)."""
+        others = [r for r in self._workers if r not in self.left and r != rank]
+        message = ("left", rank, tuple(steps))
+        for r in others:
+            try:
+                channel.send(self._workers[r], [message])
+            except OSError as e:
+                self.lost(r, f"sending to it failed: {e}")
+        if rank != 0:
+            self._apply(message)
 
     def lost(self, rank: int, what: str) -> None:
         if rank in self.left:

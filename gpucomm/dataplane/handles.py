@@ -149,7 +149,9 @@ class Handle:
         rank 0 of a step that blocks long, see schedule.py)."""
         owner = self._owner
         try:
-            poll = getattr(owner, "blocked_poll", None) or owner.failure
+            blocked = getattr(owner, "blocked_poll", None)
+            request = self.request
+            poll = (lambda: blocked(request)) if blocked is not None else owner.failure
             for w in works:
                 w.wait(owner.timeout, poll)
         except Exception as e:  # the transport failed: a peer's failure may be why
@@ -188,10 +190,11 @@ class Handle:
         with peers may be caused by another rank), else ``error`` as a ``CollectiveError`` (a failed
         ``transport`` with the owner's hint on why peers may be missing)."""
         departure = getattr(self._owner, "departure", None) if transport else None
-        cause = _first_cause(self._owner, grace, departure)
+        request = self.request
+        cause = _first_cause(self._owner, grace, (lambda: departure(request)) if departure is not None else None)
         if cause is not None:  # another rank's failure broke this collective: name that first cause
             return CollectiveError(f"{_describe(self.request)} failed because {cause}")
-        gone = departure() if callable(departure) else None
+        gone = departure(request) if callable(departure) else None
         if gone is not None:  # a rank it needs shut gpucomm down: that, not the transport's own text
             failed = CollectiveError(f"{_describe(self.request)} failed: {gone}")
             self._owner.departed_failure(failed)  # the owner's work cannot go on (a transfer may stay stuck)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any, Callable, Iterable
 
 import torch
@@ -35,11 +34,6 @@ from .watchdog import NcclWatchdog
 log = logging.getLogger("gpucomm")
 
 REPORT_FIRST = 2.0  # seconds the watchdog's failure report may take before the abort goes ahead without it
-# seconds after this rank learnt that a peer shut gpucomm down before the watchdog fails an unfinished CUDA
-# collective that needs it (a fixed schedule's blocked transfer waits ``schedule.DEPARTED_GRACE``): longer
-# than a host transfer's, since this GPU may still have work queued ahead of a collective the peer completed
-# before it left (a small broadcast it sent)
-DEPARTED_GPU_GRACE = 30.0
 ORDER_ENV = ISSUE_ORDER.names[0]  # "cuda" (default): order CUDA collectives; "all": CPU ones too (tests, debugging)
 
 
@@ -50,13 +44,14 @@ class DataPlane:
     GPU current in the calling thread (every thread of the data plane runs it first);
     ``report(text)``: tells the control plane this rank is failing (so every rank learns it);
     ``in_step(what)``: tells it a fixed schedule's step blocks in a transfer (None: no longer);
-    ``departed()``: the ranks that shut gpucomm down, each with when this rank learnt it (monotonic s)."""
+    ``departed()``: the ranks that shut gpucomm down, each with how many steps of each fixed schedule it
+    launched whole (``{(set id, number): steps}``), as it told rank 0 when it left."""
 
     def __init__(self, rank: int, timeout: float, *, tracer: Callable[[], Any] = lambda: None,
                  select_device: Callable[[], None] = lambda: None,
                  report: Callable[[str], None] = lambda text: None, order_cpu: bool | None = None,
                  in_step: Callable[[str | None], None] = lambda what: None,
-                 departed: Callable[[], dict[int, float]] = dict) -> None:
+                 departed: Callable[[], dict[int, dict]] = dict) -> None:
         self.rank, self.timeout = rank, timeout
         self.in_step = in_step  # a fixed schedule's step blocks in a transfer (what), or no longer (None)
         self._departed = departed
@@ -72,7 +67,7 @@ class DataPlane:
             order_cpu = ISSUE_ORDER.read(None, "cuda") == "all"
         self.orders_cpu = order_cpu
         self.watchdog = NcclWatchdog(rank, timeout, self.events, health=self._health, fail=self._watchdog_failed,
-                                     select_device=select_device, departed=self._set_departure)
+                                     select_device=select_device, departed=self._request_departure)
 
     # -- executing ------------------------------------------------------------------------------
     def executor(self, groups: Callable[[int], Group]) -> Executor:
@@ -158,15 +153,19 @@ class DataPlane:
                 return str(e)
         return None
 
-    def departure(self, ranks: Iterable[int], grace: float = 0.0) -> str | None:
-        """Why a collective over ``ranks`` cannot complete when some of them shut gpucomm down (learnt at
-        least ``grace`` s ago): the sentence naming the first to leave (the others may have left because of
-        it: a rank whose step failed shuts down as it exits), or None."""
+    def departure(self, ranks: Iterable[int], step: tuple[int, int, int] | None) -> str | None:
+        """Why fixed-schedule ``step`` ((set id, schedule number, index)) over ``ranks`` cannot complete: some
+        of them shut gpucomm down having launched fewer of that schedule's steps (what each told rank 0 as it
+        left; a step it launched whole completes, however late). The sentence naming the first of them to
+        leave (the others may have left because of it: a rank whose step failed shuts down as it exits), or
+        None; None for what is not a schedule's step."""
         gone = self._departed()
-        if not gone:
+        if not gone or step is None:
             return None
-        now = time.monotonic()
-        names = sorted((r for r in ranks if r != self.rank and r in gone and now - gone[r] >= grace), key=gone.get)
+        key, index = step[:2], step[2]
+        order = list(gone)  # in the order this rank learnt of them
+        names = sorted((r for r in ranks if r != self.rank and r in gone and gone[r].get(key, 0) < index),
+                       key=order.index)
         if not names:
             return None
         later = f" (then {'rank' if len(names) == 2 else 'ranks'} {', '.join(map(str, names[1:]))} too)" \
@@ -174,13 +173,13 @@ class DataPlane:
         return (f"rank {names[0]} shut gpucomm down (hvd.shutdown(), or its script ended) while this rank still "
                 f"needed it in this collective{later}")
 
-    def _set_departure(self, set_id: int) -> str | None:
-        """(the watchdog) ``departure`` for process set ``set_id``'s members, after the GPU's grace."""
-        if not self._departed():
+    def _request_departure(self, request: Request) -> str | None:
+        """(the watchdog) ``departure`` for a watched collective (None at once while no rank has left)."""
+        if request.step is None or not self._departed():
             return None
         with self._lock:
-            group = next((g for g in self._groups if g.id == set_id), None)
-        return self.departure(group.ranks, DEPARTED_GPU_GRACE) if group is not None else None
+            group = next((g for g in self._groups if g.id == request.set_id), None)
+        return self.departure(group.ranks, request.step) if group is not None else None
 
     # -- failure ---------------------------------------------------------------------------------
     def failure(self) -> CollectiveError | None:

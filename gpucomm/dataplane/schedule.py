@@ -27,11 +27,6 @@ from .executor import prepare
 if TYPE_CHECKING:
     from .plane import DataPlane
 
-# seconds after this rank learnt that a member of the set shut gpucomm down before a step's transfer still
-# blocked on it ends (one that member ran before it left has finished by then: its part was done)
-DEPARTED_GRACE = 3.0
-
-
 # s a wait on a step's transfers blocks before the job is told: long enough that a healthy step, whose last
 # transfers may take a while after backward, sends no control message (the steady state sends none)
 BLOCKED_AFTER = 5.0
@@ -52,6 +47,7 @@ class Schedule:
         self._epochs: list[tuple[Any, int]] | None = None  # the open step: (issue order, token) per device
         self._waiting_since: float | None = None  # a wait on this schedule's transfers blocks (first poll)
         self._told = False  # ... and the job was told (``DataPlane.in_step``)
+        self.steps_launched = 0  # steps whose every collective this rank launched (the same sequence everywhere)
         plane.register(group)
 
     def open(self, device: torch.device) -> None:
@@ -88,6 +84,8 @@ class Schedule:
         work that waited for the step is issued."""
         self._executor.seal_step()
         epochs, self._epochs = self._epochs, None
+        if epochs is not None:
+            self.steps_launched += 1
         for order, token in epochs or ():
             order.close_epoch(token)
 
@@ -103,6 +101,7 @@ class Schedule:
         failure = self._plane.failure()
         if failure is not None:  # its communicators were aborted: say why, not NCCL's "invalid argument"
             raise failure
+        request.step = (self.group.id, self.number, self.steps_launched + 1)
         calls = cuda_calls.calls()
         if request.device.type in calls.gpu_types:
             request.index = calls.index(request.device)
@@ -137,10 +136,15 @@ class Schedule:
         raise CollectiveError(f"internal error: {handle.request.describe()} was never issued on its fixed "
                               f"schedule; please report this as a gpucomm bug.")
 
-    def departure(self) -> str | None:
-        """Why this schedule's step cannot complete when a member of its set shut gpucomm down (None: none
-        did): what the waiting rank is told instead of a transport error or a timeout."""
-        gone = self._plane.departure(self.group.ranks)
+    def steps_record(self) -> tuple[int, int, int]:
+        """(set id, number, steps launched): what a rank that shuts down tells the others of this schedule."""
+        return self.group.id, self.number, self.steps_launched
+
+    def departure(self, request: Request) -> str | None:
+        """Why ``request``'s step cannot complete: a member of the set shut gpucomm down before it launched
+        every collective of that step (None: none did). Exact, with no grace: a step a member launched
+        whole completes. What the waiting rank is told instead of a transport error or a timeout."""
+        gone = self._plane.departure(self.group.ranks, request.step)
         if gone is None:
             return None
         return (f"{gone}. A DistributedOptimizer step is a fixed schedule: every rank of its process set runs "
@@ -157,7 +161,7 @@ class Schedule:
     def failure(self) -> CollectiveError | None:
         return self._plane.failure()
 
-    def blocked_poll(self) -> CollectiveError | None:
+    def blocked_poll(self, request: Request | None = None) -> CollectiveError | None:
         """The job's failure, as polled (every 0.2 s) by a wait on this schedule's host transfers while it
         blocks (``Handle.wait``; ``wait_ended`` follows): one blocked for ``BLOCKED_AFTER`` s is told to the
         job, and rank 0's stall inspector warns about it (a step is never negotiated: nothing else would
@@ -171,8 +175,8 @@ class Schedule:
             COUNTERS.step_waits_reported += 1
             self._plane.in_step(f"a step of DistributedOptimizer schedule {self.number} (process set {self.group.id})")
         failure = self._plane.failure()
-        if failure is None and since is not None and now - since >= DEPARTED_GRACE:
-            gone = self._plane.departure(self.group.ranks, DEPARTED_GRACE)
+        if failure is None and request is not None:
+            gone = self._plane.departure(self.group.ranks, request.step)
             if gone is not None:  # a transfer that needs a rank gone for good: end the wait (no reset may come)
                 return CollectiveError(gone)
         return failure

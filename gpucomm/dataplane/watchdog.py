@@ -54,14 +54,14 @@ class _InFlight:
 
 class NcclWatchdog:
     """``health(set_id)`` returns NCCL's asynchronous error on a process set's communicators (or
-    None); ``departed(set_id)`` says which of its members shut gpucomm down a while ago (or None):
-    an unfinished collective that needs them fails then, not at the timeout (NCCL would wait for them
-    for ever); ``fail(text)`` reports the failure (the caller aborts); ``select_device()`` runs first
+    None); ``departed(request)`` says which members of a fixed schedule step's set shut gpucomm down
+    before launching that step (or None): such a collective can never finish and fails at once, not at
+    the timeout (NCCL would wait for them for ever); ``fail(text)`` reports the failure (the caller aborts); ``select_device()`` runs first
     on the watchdog's thread, which starts with the first watched collective."""
 
     def __init__(self, rank: int, timeout: float, events: EventPool, *, health: Callable[[int], str | None],
                  fail: Callable[[str], None], select_device: Callable[[], None] = lambda: None,
-                 departed: Callable[[int], str | None] = lambda set_id: None) -> None:
+                 departed: Callable[[Any], str | None] = lambda request: None) -> None:
         self.rank, self.timeout = rank, timeout
         self._events = events
         self._health, self._fail, self._select_device = health, fail, select_device
@@ -174,8 +174,8 @@ class NcclWatchdog:
 
     def check(self) -> None:
         """Retire finished collectives; report the oldest unfinished one if NCCL failed or it is overdue,
-        the first unfinished one of a stream whose set lost a member that shut gpucomm down, and a host
-        call that has not returned within the timeout."""
+        a stream's first unfinished one that a member of its set can no longer run (it shut gpucomm down
+        before launching that step), and a host call that has not returned within the timeout."""
         with self._lock:
             empty = self._retire_finished()
             oldest = None if empty else self._oldest()
@@ -189,7 +189,7 @@ class NcclWatchdog:
             return
         gone = None
         for head in heads:  # (cheap while no rank left: the callback answers from an empty dict)
-            gone = self._departed(head.request.set_id)
+            gone = self._departed(head.request)
             if gone is not None and not self._finished_since(head):
                 oldest = head
                 break

@@ -196,8 +196,9 @@ class Job:
         if controller is not None:
             controller.note_in_step(what)
 
-    def _departed(self) -> dict[int, float]:
-        """The ranks that shut gpucomm down, as rank 0 told this rank (each with when it learnt it)."""
+    def _departed(self) -> dict[int, dict]:
+        """The ranks that shut gpucomm down, as rank 0 told this rank (each with the steps of each fixed
+        schedule it launched whole)."""
         plane = getattr(self, "plane", None)  # (not yet made while the job is being built)
         return plane.departed if isinstance(plane, Controller) else {}
 
@@ -381,7 +382,7 @@ class Job:
             log.warning("gpucomm: shutting down after a failure: waiting at most %g s for the other ranks to leave "
                         "(a stalled or dead rank will not)", grace)
         if controller is not None:
-            controller.stop()
+            controller.stop(tuple(s.steps_record() for s in self._schedules))
             if self.world.rank == 0:
                 controller.wait_workers_gone(grace)
         else:
