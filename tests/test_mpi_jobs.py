@@ -138,8 +138,9 @@ RAN_FEWER = ("import json; from tests.ranks.optimizer_scenarios import ran_fewer
 
 def test_a_rank_that_ran_fewer_steps_is_named_without_waiting_for_the_timeout():
     """On MPI no reset ends the step's allreduce that a rank which shut gpucomm down never runs: rank 0
-    waited for GPUCOMM_TIMEOUT (here 600 s: the test's own limit would end first). Rank 0's step now
-    fails a few seconds after it learns who left, naming that rank and hvd.join()."""
+    waited for GPUCOMM_TIMEOUT (here 600 s: the test's own limit would end first). Rank 1 never launched
+    that step (it says how many it launched as it leaves), so rank 0's step fails at once, naming it and
+    hvd.join()."""
     r = _gpucomm_run_mpi(2, "-c", RAN_FEWER, timeout=120, env={"GPUCOMM_TIMEOUT": "600"})
     found = re.search(r"\[0\]<stdout>:RESULT (.*)", r.stdout)
     assert found, r.stdout[-3000:] + r.stderr[-3000:]
