@@ -175,11 +175,14 @@ class DataPlane:
 
     def _request_departure(self, request: Request) -> str | None:
         """(the watchdog) ``departure`` for a watched collective (None at once while no rank has left)."""
-        if request.step is None or not self._departed():
+        if not self._departed():
+            return None
+        step = getattr(request, "step", None)  # (whatever the watchdog was given to describe the collective)
+        if step is None:
             return None
         with self._lock:
             group = next((g for g in self._groups if g.id == request.set_id), None)
-        return self.departure(group.ranks, request.step) if group is not None else None
+        return self.departure(group.ranks, step) if group is not None else None
 
     # -- failure ---------------------------------------------------------------------------------
     def failure(self) -> CollectiveError | None:
