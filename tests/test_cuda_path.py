@@ -146,14 +146,14 @@ def test_a_finished_collective_is_retired_whatever_another_stream_still_runs(cud
 def test_a_collective_that_needs_a_rank_which_shut_down_fails_without_waiting_for_the_timeout(cuda):
     """NCCL waits for ever for a peer that destroyed its communicator: a rank that ran fewer steps and shut
     gpucomm down left the others' step in flight until GPUCOMM_TIMEOUT (300 s). The watchdog now fails an
-    unfinished collective of a step that a member of its set never launched (the plane's answer, from what
-    the leaver told: ``DataPlane.departure``), naming it; a finished one, or one of a step every member
+    unfinished collective that a member of its set never launched (the plane's answer, from the launch
+    count the leaver told: ``DataPlane.departure``), naming it; a finished one, or one every member
     launched, is left alone."""
     from gpucomm.dataplane.events import EventPool
     from gpucomm.dataplane.plane import DataPlane
     from gpucomm.dataplane.watchdog import NcclWatchdog
 
-    # rank 1 launched 2 steps of schedule (0, 1) whole before it left; it was never in process set 3
+    # rank 1 launched 2 collectives of schedule (0, 1) before it left; it is not in the set of ranks (0, 2)
     plane = DataPlane(0, 600.0, departed=lambda: {1: {(0, 1): 2}})
     assert plane.departure((0, 1), (0, 1, 2)) is None and plane.departure((0, 1), None) is None
     assert plane.departure((0, 2), (0, 1, 3)) is None  # a set rank 1 is not in
@@ -173,7 +173,7 @@ def test_a_collective_that_needs_a_rank_which_shut_down_fails_without_waiting_fo
         cuda.hold = True
         watchdog.watch(pool.record(12, 0), 0, _Request("launched by all", (0, 1, 2)), 12)
         watchdog.check()
-        assert failures == []  # in time, and rank 1 launched that step whole: it will finish
+        assert failures == []  # in time, and rank 1 launched that one too: it will finish
         watchdog.watch(pool.record(11, 0), 0, _Request("step", (0, 1, 3)), 11)
         watchdog.check()
         assert len(failures) == 1 and watchdog.failed, failures

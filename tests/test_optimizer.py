@@ -176,3 +176,13 @@ def test_a_rank_that_ran_fewer_steps_and_shut_down_is_named_by_the_ranks_still_s
     stepping = errors[1 - leaver]
     assert f"rank {leaver} shut gpucomm down (hvd.shutdown(), or its script ended)" in stepping, stepping
     assert "DistributedOptimizer.bucket." in stepping and "hvd.join()" in stepping, stepping
+
+
+def test_a_schedules_launches_are_numbered_alike_on_every_rank_whatever_ends_its_steps():
+    """A review's finding: numbered per step, a step that a poll flushed on one rank only was counted twice
+    there (the flush ended it, synchronize() opened and ended an empty one), so a departed rank's count no
+    longer matched and a healthy step could fail as needing it. Launches are numbered one by one now."""
+    seen = run_ranks(sc.launches_numbered_alike_when_one_rank_flushes, 2, timeout=120,
+                     env={"GPUCOMM_ISSUE_ORDER": "all", "GPUCOMM_INLINE_BYTES": "0"})
+    assert seen[0]["stamps"] == seen[1]["stamps"] and seen[0]["record"] == seen[1]["record"], seen
+    assert [s[2] for s in seen[0]["stamps"]] == list(range(1, len(seen[0]["stamps"]) + 1)), seen

@@ -87,8 +87,8 @@ class Controller(Upkeep, Shutdown):
         self._blocked_told: set[Key] = set()  # ... of which rank 0 has been told
         self._in_step: str | None = None  # a DistributedOptimizer step this rank's caller blocks in (its transfers)
         self._in_step_told: str | None = None  # ... as rank 0 was last told
-        # ranks that shut gpucomm down (rank 0 tells), in the order learnt: {(set id, schedule number): steps
-        # it launched whole} for each
+        # ranks that shut gpucomm down (rank 0 tells), in the order learnt: {(set id, schedule number): collectives
+        # it launched} for each
         self.departed: dict[int, dict[tuple[int, int], int]] = {}
         self._lock = threading.Lock()  # held by the thread driving progress
         self._state = threading.RLock()  # guards the fields below (taken directly: a C-level context manager)

@@ -94,13 +94,13 @@ class CoordinatorHub:
             except Exception as e:  # a protocol violation: the job cannot go on consistently
                 self.abort_all(f"rank {rank} sent a request the coordinator cannot accept: {e}")
 
-    def tell_left(self, rank: int, steps: tuple = ()) -> None:
-        """Tell every rank still here, rank 0 included, that ``rank`` shut gpucomm down, with ``steps``: how
-        many steps of each fixed schedule it launched whole (``(set id, number, steps)`` triples). A step it
+    def tell_left(self, rank: int, launched: tuple = ()) -> None:
+        """Tell every rank still here, rank 0 included, that ``rank`` shut gpucomm down, with ``launched``: how
+        many collectives of each fixed schedule it launched (``(set id, number, launches)`` triples). One it
         never launched then fails naming it, instead of a bare transport error or a timeout. Not kept as
         what a rank was last told to run (``_last_sent``: a silent rank's report names that)."""
         others = [r for r in self._workers if r not in self.left and r != rank]
-        message = ("left", rank, tuple(steps))
+        message = ("left", rank, tuple(launched))
         for r in others:
             try:
                 channel.send(self._workers[r], [message])

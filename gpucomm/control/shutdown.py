@@ -68,10 +68,10 @@ class Shutdown:
                         pass
                 self._fail(reason)
 
-    def stop(self, steps: tuple = ()) -> None:
+    def stop(self, launched: tuple = ()) -> None:
         """Stop taking requests; pending ones fail with ``ShutdownError``. Rank 0 keeps serving the
-        coordinator until ``close``. ``steps``: how many steps of each fixed schedule this rank launched
-        whole (``(set id, number, steps)``), told to the others as it leaves."""
+        coordinator until ``close``. ``launched``: how many collectives of each fixed schedule this rank
+        launched (``(set id, number, launches)``), told to the others as it leaves."""
         with self._state:
             if self._closed:
                 return
@@ -82,14 +82,14 @@ class Shutdown:
             if hub is not None:  # rank 0 submits nothing more: what needs it fails now on every rank, not
                 with self._lock:  # after the grace it keeps serving for (rank 0 may not exit for a while)
                     hub.dispatch(hub.coordinator.rank_left(0, "rank 0 has shut gpucomm down"))
-                    hub.tell_left(0, steps)
+                    hub.tell_left(0, launched)
             return
         with self._lock:  # the reader clears ``_link`` (rank 0 went away) under this lock: read it here
             self._closed = True
             link = self._link
             if link is not None:
                 try:
-                    channel.send(link, [("bye", tuple(steps))])
+                    channel.send(link, [("bye", tuple(launched))])
                 except OSError:
                     pass
 

@@ -44,8 +44,8 @@ class DataPlane:
     GPU current in the calling thread (every thread of the data plane runs it first);
     ``report(text)``: tells the control plane this rank is failing (so every rank learns it);
     ``in_step(what)``: tells it a fixed schedule's step blocks in a transfer (None: no longer);
-    ``departed()``: the ranks that shut gpucomm down, each with how many steps of each fixed schedule it
-    launched whole (``{(set id, number): steps}``), as it told rank 0 when it left."""
+    ``departed()``: the ranks that shut gpucomm down, each with how many collectives of each fixed schedule
+    it launched (``{(set id, number): launches}``), as it told rank 0 when it left."""
 
     def __init__(self, rank: int, timeout: float, *, tracer: Callable[[], Any] = lambda: None,
                  select_device: Callable[[], None] = lambda: None,
@@ -154,18 +154,19 @@ class DataPlane:
         return None
 
     def departure(self, ranks: Iterable[int], step: tuple[int, int, int] | None) -> str | None:
-        """Why fixed-schedule ``step`` ((set id, schedule number, index)) over ``ranks`` cannot complete: some
-        of them shut gpucomm down having launched fewer of that schedule's steps (what each told rank 0 as it
-        left; a step it launched whole completes, however late). The sentence naming the first of them to
-        leave (the others may have left because of it: a rank whose step failed shuts down as it exits), or
-        None; None for what is not a schedule's step."""
+        """Why fixed-schedule launch ``step`` ((set id, schedule number, index)) over ``ranks`` cannot complete:
+        some of them shut gpucomm down having launched fewer of that schedule's collectives (what each told
+        rank 0 as it left; a collective it launched completes, however late). The sentence naming the first of
+        them to leave (the others may have left because of it: a rank whose step failed shuts down as it
+        exits), or None; None for what is not a schedule's launch."""
         gone = self._departed()
         if not gone or step is None:
             return None
         key, index = step[:2], step[2]
-        order = list(gone)  # in the order this rank learnt of them
-        names = sorted((r for r in ranks if r != self.rank and r in gone and gone[r].get(key, 0) < index),
-                       key=order.index)
+        members = set(ranks)
+        # one snapshot, in the order this rank learnt of them (the control thread may add one meanwhile)
+        names = [r for r, launched in list(gone.items())
+                 if r in members and r != self.rank and launched.get(key, 0) < index]
         if not names:
             return None
         later = f" (then {'rank' if len(names) == 2 else 'ranks'} {', '.join(map(str, names[1:]))} too)" \

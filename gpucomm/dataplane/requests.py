@@ -41,7 +41,7 @@ class Request:
     index: int = -1  # CUDA: the device's ordinal (looked up once, at submission)
     per_step: bool = False  # a fixed schedule's launch: completed by its step's one done event
     set_id: int = 0  # the process set it runs on (0: every rank)
-    step: tuple[int, int, int] | None = None  # a fixed schedule's launch: (set id, schedule number, step from 1)
+    step: tuple[int, int, int] | None = None  # a fixed schedule's launch: (set id, schedule number, launch from 1)
     ranks: tuple[int, ...] | None = None  # add_process_set: the new set's ranks
 
     def describe(self) -> str:

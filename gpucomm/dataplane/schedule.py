@@ -47,7 +47,7 @@ class Schedule:
         self._epochs: list[tuple[Any, int]] | None = None  # the open step: (issue order, token) per device
         self._waiting_since: float | None = None  # a wait on this schedule's transfers blocks (first poll)
         self._told = False  # ... and the job was told (``DataPlane.in_step``)
-        self.steps_launched = 0  # steps whose every collective this rank launched (the same sequence everywhere)
+        self.launches = 0  # collectives launched so far (the same sequence on every rank: the schedule is fixed)
         plane.register(group)
 
     def open(self, device: torch.device) -> None:
@@ -84,8 +84,6 @@ class Schedule:
         work that waited for the step is issued."""
         self._executor.seal_step()
         epochs, self._epochs = self._epochs, None
-        if epochs is not None:
-            self.steps_launched += 1
         for order, token in epochs or ():
             order.close_epoch(token)
 
@@ -101,7 +99,8 @@ class Schedule:
         failure = self._plane.failure()
         if failure is not None:  # its communicators were aborted: say why, not NCCL's "invalid argument"
             raise failure
-        request.step = (self.group.id, self.number, self.steps_launched + 1)
+        self.launches += 1  # numbered per launch, not per step: where a step ends may differ between ranks (a flush)
+        request.step = (self.group.id, self.number, self.launches)
         calls = cuda_calls.calls()
         if request.device.type in calls.gpu_types:
             request.index = calls.index(request.device)
@@ -136,14 +135,14 @@ class Schedule:
         raise CollectiveError(f"internal error: {handle.request.describe()} was never issued on its fixed "
                               f"schedule; please report this as a gpucomm bug.")
 
-    def steps_record(self) -> tuple[int, int, int]:
-        """(set id, number, steps launched): what a rank that shuts down tells the others of this schedule."""
-        return self.group.id, self.number, self.steps_launched
+    def launches_record(self) -> tuple[int, int, int]:
+        """(set id, number, collectives launched): what a rank that shuts down tells the others of this schedule."""
+        return self.group.id, self.number, self.launches
 
     def departure(self, request: Request) -> str | None:
-        """Why ``request``'s step cannot complete: a member of the set shut gpucomm down before it launched
-        every collective of that step (None: none did). Exact, with no grace: a step a member launched
-        whole completes. What the waiting rank is told instead of a transport error or a timeout."""
+        """Why ``request`` cannot complete: a member of the set shut gpucomm down before it launched this
+        collective (None: none did). Exact, with no grace: a collective every member launched completes.
+        What the waiting rank is told instead of a transport error or a timeout."""
         gone = self._plane.departure(self.group.ranks, request.step)
         if gone is None:
             return None

@@ -79,6 +79,7 @@ class Job:
     _set_counter: int = 0
     _schedule_counters: dict = field(default_factory=dict)  # process set id -> schedules made on it
     _schedules: list[Schedule] = field(default_factory=list)
+    _closed_records: list[tuple[int, int, int]] = field(default_factory=list)  # closed schedules' launch counts
     _removed: list[Group] = field(default_factory=list)  # removed process sets, to release
     _join_parties: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
 
@@ -197,8 +198,8 @@ class Job:
             controller.note_in_step(what)
 
     def _departed(self) -> dict[int, dict]:
-        """The ranks that shut gpucomm down, as rank 0 told this rank (each with the steps of each fixed
-        schedule it launched whole)."""
+        """The ranks that shut gpucomm down, as rank 0 told this rank (each with the collectives of each fixed
+        schedule it launched)."""
         plane = getattr(self, "plane", None)  # (not yet made while the job is being built)
         return plane.departed if isinstance(plane, Controller) else {}
 
@@ -262,6 +263,7 @@ class Job:
         (never a finalizer: garbage collection runs at a different moment on every rank)."""
         if schedule in self._schedules:
             self._schedules.remove(schedule)
+            self._closed_records.append(schedule.launches_record())  # still told at shutdown (a peer may lag)
             schedule.close()
 
     def add_join_party(self, party: Any) -> None:
@@ -382,7 +384,7 @@ class Job:
             log.warning("gpucomm: shutting down after a failure: waiting at most %g s for the other ranks to leave "
                         "(a stalled or dead rank will not)", grace)
         if controller is not None:
-            controller.stop(tuple(s.steps_record() for s in self._schedules))
+            controller.stop((*self._closed_records, *(s.launches_record() for s in self._schedules)))
             if self.world.rank == 0:
                 controller.wait_workers_gone(grace)
         else:

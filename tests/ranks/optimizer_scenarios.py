@@ -518,3 +518,41 @@ def ran_fewer_steps(leaver: int = 1, linger: float = 4.0) -> str | None:
     except Exception:  # noqa: BLE001 - the job failed: shutdown may report it again
         pass
     return error
+
+
+def launches_numbered_alike_when_one_rank_flushes(steps: int = 3) -> dict:
+    """Each step, rank 0 polls a negotiated allreduce after its answer arrived (which finishes the open
+    DistributedOptimizer step early, a flush) while rank 1 polls at once (no flush): where each rank's steps
+    end differs, yet every launch of the schedule must carry the same number on both ranks, since a rank
+    that leaves says how many it launched and the others fail exactly the launches beyond that count."""
+    import time
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    schedule = opt._schedule
+    stamps = []
+    real = schedule.launch
+
+    def launch(request, meta=None, **kwargs):
+        handle = real(request, meta, **kwargs)
+        stamps.append(request.step)
+        return handle
+
+    schedule.launch = launch
+    for i in range(steps):
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        if hvd.rank() == 0:
+            time.sleep(0.3)
+        handle = hvd.allreduce_async(torch.ones(1), name=f"metric{i}")
+        if hvd.rank() == 0:
+            time.sleep(0.3)  # the answer has arrived: the poll finishes the step (a flush)
+        hvd.poll(handle)
+        opt.step()
+        hvd.synchronize(handle)
+    record = schedule.launches_record()
+    hvd.shutdown()
+    return {"stamps": stamps, "record": list(record)}
