@@ -84,3 +84,14 @@ def test_settings_that_cannot_mean_anything_are_refused_and_the_uncalled_form_wo
 def test_the_uncalled_powersgd_trains_with_its_defaults():
     for out in run_ranks(sc.uncalled_powersgd, 2):
         assert out["steps"] == 3 and out["kinds"] == ["PowerSGDBucket", "ViewBucket"], out
+
+
+def test_a_late_flush_leaves_the_second_phase_step_open():
+    """A second review's finding: a flush taken by a waiter before a training step ended, and run after
+    synchronize() opened PowerSGD's second-phase step, ended that step (the rest of the second phase then
+    went out outside any step; on a GPU, outside the issue order). A flush now only finishes the step the
+    hooks opened."""
+    runs = run_ranks(sc.late_flush_during_the_second_phase, 2, timeout=120)
+    for seen in runs:
+        assert seen["second_phase_steps"] >= 2 and all(seen["open_after_late_flush"]), seen
+    assert runs[0]["params"] == runs[1]["params"]

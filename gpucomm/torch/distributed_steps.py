@@ -70,6 +70,7 @@ class DistributedSteps(torch.optim.Optimizer):
         self._in_backward = False  # this step's backward is running (a flush from another thread waits)
         self._backward_cv = threading.Condition()
         self._hooked = False  # a gradient hook fired since the last synchronize
+        self._step_launched = False  # this step's launches are all made (a flush, or synchronize)
         self._prepare()
         self._bind(current_job())
 
@@ -99,7 +100,8 @@ class DistributedSteps(torch.optim.Optimizer):
                 self._powersgd.step_done()
             return False
         with self._lock:
-            self._launch_step()
+            if not self._step_launched:  # (a flush may have launched it all already)
+                self._launch_step()
         try:
             reports = self._buckets.finish(self._steps + 1)
             self._sparse.finish()
@@ -135,6 +137,7 @@ class DistributedSteps(torch.optim.Optimizer):
 
     def _reset_step(self) -> None:
         self._hooked = False
+        self._step_launched = False
         self._tracer = None
         self._backward_ended()  # also when backward raised before its final callback
         self._buckets.reset()

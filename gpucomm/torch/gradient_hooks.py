@@ -86,6 +86,7 @@ class GradientHooks:
         self._buckets.launch_rest()
         self._sparse.launch_all()
         self._schedule.end_step()
+        self._step_launched = True
 
     def _flush_step(self) -> None:
         """A caller outside backward needs the GPU's issue order while this step is open (e.g. an
@@ -95,7 +96,10 @@ class GradientHooks:
         with self._backward_cv:
             self._backward_cv.wait_for(lambda: not self._in_backward, timeout=self._schedule.timeout)
         with self._lock:
-            if self._schedule is not None and self._schedule.in_step:
+            # only this step's own launches: a flush that comes late (its caller took the list of open steps
+            # before this one ended) must not end the step synchronize() opened after it (PowerSGD's second
+            # phase), nor open an empty one
+            if self._schedule is not None and self._schedule.in_step and not self._step_launched:
                 self._launch_step()
 
     def _mark_backward(self) -> None:

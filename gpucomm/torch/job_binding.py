@@ -38,6 +38,7 @@ class JobBinding:
         layout is agreed among its ranks (a collective)."""
         self._job_ref = weakref.ref(job)
         self._hooked = False
+        self._step_launched = False
         self._set_id = set_id(self._process_set)
         group = job.group(self._set_id)
         self._size, self._ranks = group.size, group.ranks

@@ -197,3 +197,32 @@ def uncalled_powersgd(steps: int = 3) -> dict:
     out = {"steps": steps, "kinds": sorted({type(b).__name__ for b in opt._buckets.buckets})}
     hvd.shutdown()
     return out
+
+
+def late_flush_during_the_second_phase(steps: int = 3) -> dict:
+    """A flush that comes late: a waiter on another thread took the list of open steps (each step's flush)
+    before the training step ended, and calls it once synchronize() has opened PowerSGD's second-phase step.
+    Simulated here by calling the optimizer's flush right after that step opens: it must leave the step
+    open (before, it ended it, and the rest of the second phase went out outside any step) and training
+    must go on as without it."""
+    hvd.init()
+    model = make_model(3)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                   compression=hvd.Compression.powersgd(rank=1, start_iter=1, min_compression_rate=0))
+    schedule = opt._schedule
+    real = schedule.begin_step
+    seen = {"second_phase_steps": 0, "open_after_late_flush": []}
+
+    def begin_step(flush):
+        opened = not schedule.in_step
+        real(flush)
+        if opened and getattr(flush, "__func__", None) is not type(opt)._flush_step:  # the second phase's step
+            seen["second_phase_steps"] += 1
+            opt._flush_step()  # the late flush
+            seen["open_after_late_flush"].append(schedule.in_step)
+
+    schedule.begin_step = begin_step
+    params = train(model, opt, range(steps))
+    seen["params"] = params[-1].tolist()
+    hvd.shutdown()
+    return seen
