@@ -172,7 +172,10 @@ class DataPlane:
         later = f" (then {'rank' if len(names) == 2 else 'ranks'} {', '.join(map(str, names[1:]))} too)" \
             if len(names) > 1 else ""
         return (f"rank {names[0]} shut gpucomm down (hvd.shutdown(), or its script ended) while this rank still "
-                f"needed it in this collective{later}")
+                f"needed it in this collective{later}. A DistributedOptimizer step is a fixed schedule: every rank "
+                f"of its process set runs the same bucket collectives in the same order, so that rank ran fewer "
+                f"steps than this one. If the ranks' data is uneven, call hvd.join() on the ranks that finish first "
+                f"(it stands in for their missing steps); else give every rank the same number of batches")
 
     def _request_departure(self, request: Request) -> str | None:
         """(the watchdog) ``departure`` for a watched collective (None at once while no rank has left)."""

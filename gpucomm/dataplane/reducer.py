@@ -75,7 +75,6 @@ class GradientBuckets:
         # the order each gradient travels in, known before the buckets bind their views
         settings.strides.update({p: layout_of(p) for plan in plans for p in (trainable[i] for i in plan.param_indices)})
         self.buckets: list[Bucket] = (make or standard_buckets)(plans, trainable, settings)
-        self.bucket_of = {p: b for b in self.buckets for p in b.params}
         # id(p) -> (its bucket's index, its place in that bucket): what a hook looks up (a tensor's hash is
         # a Python call; an int's is not)
         self.slot_of = {id(p): (k, j) for k, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
@@ -92,6 +91,10 @@ class GradientBuckets:
     @tracer.setter
     def tracer(self, tracer: Any) -> None:
         self.settings.tracer = tracer
+
+    def holds(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is in one of the buckets."""
+        return id(p) in self.slot_of
 
     @property
     def in_flight(self) -> bool:

@@ -143,13 +143,7 @@ class Schedule:
         """Why ``request`` cannot complete: a member of the set shut gpucomm down before it launched this
         collective (None: none did). Exact, with no grace: a collective every member launched completes.
         What the waiting rank is told instead of a transport error or a timeout."""
-        gone = self._plane.departure(self.group.ranks, request.step)
-        if gone is None:
-            return None
-        return (f"{gone}. A DistributedOptimizer step is a fixed schedule: every rank of its process set runs "
-                f"the same bucket collectives in the same order, so that rank ran fewer steps than this one. If the "
-                f"ranks' data is uneven, call hvd.join() on the ranks that finish first (it stands in for their "
-                f"missing steps); else give every rank the same number of batches")
+        return self._plane.departure(self.group.ranks, request.step)
 
     def departed_failure(self, error: CollectiveError) -> None:
         """A step failed because a member of the set shut gpucomm down: this rank's job cannot go on, and

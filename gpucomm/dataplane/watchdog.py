@@ -56,8 +56,9 @@ class NcclWatchdog:
     """``health(set_id)`` returns NCCL's asynchronous error on a process set's communicators (or
     None); ``departed(request)`` says which members of a fixed schedule step's set shut gpucomm down
     before launching that step (or None): such a collective can never finish and fails at once, not at
-    the timeout (NCCL would wait for them for ever); ``fail(text)`` reports the failure (the caller aborts); ``select_device()`` runs first
-    on the watchdog's thread, which starts with the first watched collective."""
+    the timeout (NCCL would wait for them for ever); ``fail(text)`` reports the failure (the caller
+    aborts); ``select_device()`` runs first on the watchdog's thread, which starts with the first
+    watched collective."""
 
     def __init__(self, rank: int, timeout: float, events: EventPool, *, health: Callable[[int], str | None],
                  fail: Callable[[str], None], select_device: Callable[[], None] = lambda: None,
@@ -202,9 +203,7 @@ class NcclWatchdog:
         if error is not None:
             why = f"NCCL reported an error while {request.describe()} was in flight on rank {self.rank}: {error}"
         elif gone is not None:
-            why = (f"{request.describe()} cannot finish on rank {self.rank}: {gone}. Every rank of its process set "
-                   f"must run it (a DistributedOptimizer step: each rank the same number of steps; uneven data: "
-                   f"call hvd.join() on the ranks that finish first)")
+            why = f"{request.describe()} cannot finish on rank {self.rank}: {gone}"
         else:
             who = "every rank" if request.set_id == 0 else f"the members of process set {request.set_id}"
             why = (f"{request.describe()} did not finish within {self.timeout:.0f} s (GPUCOMM_TIMEOUT) on rank "

@@ -90,7 +90,7 @@ class LayoutAgreement:
                 "compression": describe() if callable(describe) else getattr(self._compression, "__name__", "user"),
                 "sparse_as_dense": self._sparse_as_dense,
                 "check_finite": self._finite.mode if self._finite is not None else None,
-                "strides": [list(buckets.stride_of(p)) for p in self._params if p in buckets.bucket_of],
+                "strides": [list(buckets.stride_of(p)) for p in self._params if buckets.holds(p)],
                 "optimizer": self._agreed_optimizer()}
         COUNTERS.layout_checks += 1
         every = allgather_object(mine, name=f"DistributedOptimizer.layout.{self._schedule.number}.{self._layouts}",

@@ -176,8 +176,8 @@ def train(sparse_as_dense: bool, steps: int, passes: int) -> tuple[nn.Module, di
             opt.step()
         seen["grad_sparse"].append((model.emb.weight.grad.is_sparse, model.extra.weight.grad.is_sparse,
                                     model.head.weight.grad.is_sparse))
-    bucketed = opt._buckets.bucket_of
-    seen["in_buckets"] = (model.emb.weight in bucketed, model.extra.weight in bucketed, model.head.weight in bucketed)
+    held = opt._buckets.holds
+    seen["in_buckets"] = (held(model.emb.weight), held(model.extra.weight), held(model.head.weight))
     return model, seen
 
 
