@@ -212,8 +212,9 @@ class Job:
     def select_device(self) -> None:
         """Make this rank's GPU current in the calling thread (no-op on a CPU rank). Every thread of
         gpucomm that touches CUDA calls this first."""
-        if self.device is not None:
-            devices.select_device(self.device.cuda_ordinal)
+        ordinal = self._gpu_of_rank()
+        if ordinal is not None:
+            devices.select_device(ordinal)
 
     def check_gpu(self, device: torch.device, what: Callable[[], str]) -> None:
         """Raise ``ValueError`` when ``device`` is a GPU other than this rank's: the job's NCCL

@@ -74,7 +74,7 @@ class BoundCopy:
         if flat.is_cuda:
             if stream is None:
                 stream = torch.cuda.current_stream(flat.device)
-            layout.table.use_on(stream)
+            layout.table.use_on(stream, *layout.companions())
         finite = layout.finite
         if finite is None:
             launch(stream)

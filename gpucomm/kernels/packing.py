@@ -136,6 +136,11 @@ class Layout:
         self.plan, self.scale, self.flat_ptr, self.flat_dtype = plan, scale, flat_ptr, flat_dtype
         self.dtype, self.staging = dtype, staging
 
+    def companions(self) -> tuple[torch.Tensor, ...]:
+        """The device tensors a launch reads beside the table (a checked layout's flags and row map)."""
+        finite = self.finite
+        return () if finite is None else (finite.flags, finite.row_tensor)
+
     def run(self, device: torch.device, stream: Any) -> None:
         """Launch on ``stream`` (None: the current stream of ``device``)."""
         launch = self.launch
@@ -143,7 +148,7 @@ class Layout:
             return  # nothing to copy
         if device.type == "cuda":
             stream = stream_for(stream, device)
-            self.table.use_on(stream)
+            self.table.use_on(stream, *self.companions())
         if self.finite is not None:
             with stream_context(stream):
                 self.finite.flags.zero_()
@@ -220,8 +225,10 @@ def new_layout(direction: str, tensors: Sequence[torch.Tensor], flat: torch.Tens
     ptrs, numels = tuple(map(_PTR, tensors)), tuple(map(_NUMEL, tensors))
     plan = RowPlan(np.fromiter(numels, dtype=np.int64, count=len(numels)), CHUNK_ELEMS)
     COUNTERS.kernel_tables_built += 1
+    # the flags and row map first: the table's ready event, recorded after them on the same stream, then
+    # covers them too for a stream that waits on it (``Table.use_on``)
+    finite = _row_flags(numels, len(plan.tensor), device, stream, flat.dtype) if checked else None
     table = _build_table(direction, spec, plan, flat.data_ptr(), flat.element_size(), ptrs, device, stream)
-    finite = _row_flags(numels, table.nrows, device, stream, flat.dtype) if checked else None
     launch = _launch.Launch(spec, table.address, table.nrows, table.grid, scale, device,
                             flags_address=finite.flags.data_ptr() if finite is not None else 0)
     return Layout(spec, total, table, launch, finite, plan=plan, scale=scale, flat_ptr=flat.data_ptr(),
@@ -260,11 +267,12 @@ def rebased_layout(base: Layout, direction: str, tensors: Sequence[torch.Tensor]
         COUNTERS.kernel_tables_rewritten += 1
         return base
     rows = plan.rebase(table.rows, column, addrs, itemsize)
-    new_table = Table(rows, table.grid, device, stream, staging=base.staging)
     finite = base.finite
-    if finite is not None:  # its own flags (a launch of the old layout may still be in flight); the same row map
+    if finite is not None:  # its own flags (a launch of the old layout may still be in flight); the same row map.
+        # Made before the table: its ready event then covers their zeroing on a stream that waits on it
         with stream_context(stream if device.type == "cuda" else None):
             finite = RowFlags(torch.zeros_like(finite.flags), finite.row_tensor, finite.count, finite.slot_dtype)
+    new_table = Table(rows, table.grid, device, stream, staging=base.staging)
     launch = _launch.Launch(base.spec, new_table.address, new_table.nrows, new_table.grid, base.scale, device,
                             flags_address=finite.flags.data_ptr() if finite is not None else 0)
     return Layout(base.spec, base.total, new_table, launch, finite, plan=plan, scale=base.scale,

@@ -162,12 +162,15 @@ class Table:
             ready.record(stream)
         slot[1] = self._ready = ready  # the slot is written again once this upload has read it
 
-    def use_on(self, stream: Any) -> None:
-        """Make ``stream`` safe to read this table: wait for the upload, keep the memory alive."""
+    def use_on(self, stream: Any, *companions: torch.Tensor) -> None:
+        """Make ``stream`` safe to read this table, and the ``companions`` made on the upload's stream
+        before it (a checked layout's flags and row map): wait for the upload, keep the memory alive."""
         if self._device_rows is None or stream.cuda_stream in self._streams:
             return
         stream.wait_event(self._ready)
         self._device_rows.record_stream(stream)
+        for tensor in companions:
+            tensor.record_stream(stream)
         self._streams.add(stream.cuda_stream)
 
 
