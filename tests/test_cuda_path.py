@@ -467,7 +467,7 @@ def test_lock_free_hook_count_is_per_thread_safe():
         for p in ps:
             p.grad = torch.ones(8)
             with lock:
-                buckets.gradient_ready(p)
+                buckets.gradient_ready(p, p.grad, buckets.slot_of[id(p)])
 
     threads = [threading.Thread(target=hooks, args=(params[i::2],)) for i in range(2)]
     for t in threads:

@@ -68,8 +68,9 @@ class Bucket:
         self.contiguous = all(p.is_contiguous() for p in params)  # each travels in its own order (``gradients``)
 
     # -- the interface ---------------------------------------------------------------------------
-    def arrived(self, p: torch.Tensor, j: int) -> None:
-        """``p`` (``params[j]``)'s gradient is final for this step (its hook fired); called only when ``early``."""
+    def arrived(self, p: torch.Tensor, j: int, g: torch.Tensor | None) -> None:
+        """``p`` (``params[j]``)'s gradient ``g`` (its ``p.grad``) is final for this step (its hook fired);
+        called only when ``early``."""
 
     def fill(self) -> list[torch.Tensor]:
         """This rank's part of the bucket's allreduce this step (gradients, training flag, finite slots)."""
@@ -218,16 +219,16 @@ class ViewBucket(Bucket):
                 return False
         return True
 
-    def arrived(self, p: torch.Tensor, j: int) -> None:
-        """(CPU, ``p``'s hook; ``p`` is ``params[j]``) ``p``'s gradient into its slot, scaled: in place
-        when it is its view already, else one scaled copy into the view (which has ``p``'s shape and
-        travel order, so the copy takes the gradient in whatever layout it has: no flat view of it is
-        made first); zeros when it has none. Synchronous: nothing is kept alive for later."""
+    def arrived(self, p: torch.Tensor, j: int, g: torch.Tensor | None) -> None:
+        """(CPU, ``p``'s hook; ``p`` is ``params[j]``, ``g`` its ``p.grad``) the gradient into its slot,
+        scaled: in place when it is its view already, else one scaled copy into the view (which has
+        ``p``'s shape and travel order, so the copy takes the gradient in whatever layout it has: no
+        flat view of it is made first); zeros when it has none. Synchronous: nothing is kept alive."""
         if self.full is None:
             self._bind_buffer()
         if not self.arrivals:  # the step's first: last step's gradients go now, if zero_grad kept them
             self.in_flight = []
-        view, g = self.views[j], p.grad
+        view = self.views[j]
         trains = p.requires_grad
         if g is view and trains:
             if self.scale != 1.0:
@@ -255,7 +256,7 @@ class ViewBucket(Bucket):
             if self.arrivals < len(self.params):  # the gradients whose hooks did not fire (zeros if they have none)
                 for j, p in enumerate(self.params):
                     if not self.arrived_now[j]:
-                        self.arrived(p, j)
+                        self.arrived(p, j, p.grad)
             self.bound = not self.copied_now
             if self.bound:
                 COUNTERS.grad_bucket_views += 1
@@ -306,7 +307,7 @@ class ViewBucket(Bucket):
             if self.bound:
                 return  # reduced where the gradients live: nothing to write
             for p, view in zip(self.params, self.views):  # each gradient becomes its slot, averaged already
-                if p.requires_grad and p.grad is not view:
+                if p.grad is not view and p.requires_grad:  # (on the CPU: one the user replaced after its hook)
                     p.grad = view
         self.bound = True
 

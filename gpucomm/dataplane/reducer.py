@@ -101,15 +101,16 @@ class GradientBuckets:
         return any(b.handle is not None for b in self.buckets)
 
     # -- a training step -----------------------------------------------------------------------
-    def gradient_ready(self, p: torch.Tensor) -> None:
-        """``p``'s gradient is final for this step (its hook fired): index work only (on the CPU the
-        gradient also goes into its slot now, spreading the bucket's copies over backward). A bucket
-        is ready to send when its last gradient arrives (DDP's order); then every complete bucket
-        whose predecessors are launched is launched."""
-        k, j = self.slot_of[id(p)]
+    def gradient_ready(self, p: torch.Tensor, g: torch.Tensor | None, slot: tuple[int, int]) -> None:
+        """``p``'s gradient ``g`` (``p.grad``, as its hook read it) is final for this step; ``slot`` is
+        ``slot_of[id(p)]`` (the hook looked it up). Index work only (on the CPU the gradient also goes
+        into its slot now, spreading the bucket's copies over backward). A bucket is ready to send when
+        its last gradient arrives (DDP's order); then every complete bucket whose predecessors are
+        launched is launched."""
+        k, j = slot
         bucket = self.buckets[k]
         if bucket.early:  # a CPU bucket takes the gradient into its slot now (``bucket_kinds.ViewBucket``)
-            bucket.arrived(p, j)
+            bucket.arrived(p, j, g)
         pending = self._pending
         pending[k] -= 1
         if k == self._next and not pending[k]:

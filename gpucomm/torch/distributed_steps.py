@@ -143,7 +143,7 @@ class DistributedSteps(torch.optim.Optimizer):
         self._buckets.reset()
         self._sparse.reset()
         self._delay = dict.fromkeys(self._delay, self._passes)
-        self._fired.clear()
+        self._step_opened = False
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's, then the new parameters are averaged as the others: they join the agreed layout at the

@@ -40,11 +40,14 @@ class GradientHooks:
                 return
             self._hooked = True  # zero_grad() is refused from now until synchronize (Horovod's guard)
             self._delay[key] = delay = delay - 1
-            if delay > 0:
-                return
-            if not self._fired:  # the step's first gradient: it opens the step on the schedule (before any
-                # launch: a bucket missing a gradient on one rank would otherwise open it later there than
+            if delay:  # still accumulating locally (backward_passes_per_step), or here once too often
+                if delay > 0:
+                    return
+                raise AssertionError(TWICE_ERROR)
+            if not self._step_opened:  # the step's first gradient: it opens the step on the schedule (before
+                # any launch: a bucket missing a gradient on one rank would otherwise open it later there than
                 # elsewhere), and the tracer is looked up once for the step
+                self._step_opened = True
                 self._schedule.begin_step(self._flush_step)
                 self._tracer = self._buckets.tracer = current_job().tracer
                 self._mark_backward()
@@ -52,19 +55,16 @@ class GradientHooks:
             if tracer is not None:  # the backward pass, as seen from its gradients (timeline)
                 now = tracer.now_us()
                 self._backward_span = (self._backward_span[0] if self._backward_span else now, now)
-            fired = self._fired
-            if delay < 0 or key in fired:
-                raise AssertionError(TWICE_ERROR)
             if self._watch is not None:
                 self._watch[p] = time.perf_counter()
-            fired.add(key)
             self._synchronized = False
             buckets = self._buckets
-            if key in buckets.slot_of:
+            slot = buckets.slot_of.get(key)
+            if slot is not None:
                 g = p.grad
                 if g is not None and g.is_sparse:
                     self._sparse.arrived(p, g)
-                buckets.gradient_ready(p)
+                buckets.gradient_ready(p, g, slot)
             # an agreed sparse parameter is reduced at synchronize(), after the buckets
 
     @contextlib.contextmanager

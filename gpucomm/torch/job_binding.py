@@ -51,7 +51,7 @@ class JobBinding:
         # Average: 1/f before the sum (packed in), f/size after (unpacked out), Horovod's predivide rule
         self._prescale = 1.0 / self._predivide if self._op == Average else 1.0
         self._postscale = self._predivide / self._size if self._op == Average else 1.0
-        self._fired: set[int] = set()  # the ids of the parameters whose hooks fired this step
+        self._step_opened = False  # a gradient of this step was handed over (the step is open on the schedule)
         self._backward_span: tuple[float, float] | None = None  # first and last gradient of this step (timeline)
         self._tracer: Any = None  # the timeline's tracer, looked up once per step (at its first gradient)
         self._schedule = job.new_schedule(self._set_id) if self._reducing else None

@@ -89,7 +89,8 @@ class SharedSteps:
         """Average every ``passes`` backward passes (gradients accumulate locally in between)."""
         check_passes(passes)
         self._passes = passes
-        self._delay = dict.fromkeys(self._delay, passes)
+        # a gradient handed over this step (at 0) stays handed over: a second one is still refused
+        self._delay = {key: delay if delay <= 0 else passes for key, delay in self._delay.items()}
 
     def step(self, closure: Any = None) -> Any:
         if self._should_synchronize:

@@ -248,6 +248,18 @@ def misuse_errors() -> None:
     opt.step()
     sched.step()
     assert abs(opt.param_groups[0]["lr"] - 0.05) < 1e-12
+    # backward_passes_per_step raised in the middle of a step: the gradients handed over before it stay
+    # handed over (a second backward's would otherwise be dropped silently)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(half(x, r, n)), half(y, r, n)).backward()
+    opt.set_backward_passes_per_step(2)
+    try:
+        nn.functional.mse_loss(model(half(x, r, n)), half(y, r, n)).backward()
+        raise AssertionError("a gradient handed over before the change must not be taken again")
+    except AssertionError as e:
+        assert str(e) == TWICE_ERROR, e
+    opt.set_backward_passes_per_step(1)
+    opt.step()
     hvd.shutdown()
 
 
