@@ -546,3 +546,34 @@ def test_no_step_wait_is_reported_on_the_cuda_path():
     message in a healthy step, then a false stall warning)."""
     for seen in run_ranks(sc.no_step_wait_reported_on_the_cuda_path, 2):
         assert seen["reported"] == 0, seen
+
+
+def test_an_unpinned_rank_takes_the_gpu_of_the_first_tensor_handed_in(monkeypatch):
+    """Where no GPU was pinned (NVML saw none) and CUDA was not yet in use at hvd.init() (Horovod's
+    pattern: ``hvd.init()`` then ``torch.cuda.set_device(hvd.local_rank())``), the rank's GPU was whatever
+    device was current on the thread that made the first communicator: gpucomm's background thread, GPU 0
+    on every rank. The first CUDA tensor or parameter handed in (on the caller's thread) now names it:
+    communicators are made there and gpucomm's threads select it; a tensor on another GPU is refused."""
+    from gpucomm.bootstrap import devices
+    from gpucomm.job.state import Job
+
+    selected: list[int] = []
+    monkeypatch.setattr(devices, "select_device", selected.append)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # a background thread's device
+
+    class Unpinned:  # the parts of a job that say which GPU is this rank's
+        device = None  # nothing pinned
+        _seen_gpu = None  # CUDA not in use when the job was built
+        _gpu_index = None
+        check_gpu, _gpu_of_rank, _cuda_device, select_device = (Job.check_gpu, Job._gpu_of_rank, Job._cuda_device,
+                                                                Job.select_device)
+
+    job = Unpinned()
+    job.select_device()
+    assert selected == []  # nothing known yet: nothing selected
+    job.check_gpu(torch.device("cuda", 1), lambda: "hvd.allreduce('first')")
+    assert job._cuda_device() == torch.device("cuda", 1)  # where its communicators are made
+    job.select_device()
+    assert selected == [1]
+    with pytest.raises(ValueError, match=r"tensors are on cuda:0, but this rank's GPU is cuda:1"):
+        job.check_gpu(torch.device("cuda", 0), lambda: "hvd.allreduce('second')")

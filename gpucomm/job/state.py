@@ -94,9 +94,10 @@ class Job:
         self._coordinator = None
         self._negotiated = size > 1
         # without a pinned GPU (no NVML): the device current here, on the thread building the job
-        self._builder_device = (torch.cuda.current_device()
-                                if self.device is None and torch.cuda.is_available() and torch.cuda.is_initialized()
-                                else None)
+        # (or, when none is, the GPU of the first CUDA tensor or parameter handed in: ``check_gpu``)
+        self._seen_gpu = (torch.cuda.current_device()
+                          if self.device is None and torch.cuda.is_available() and torch.cuda.is_initialized()
+                          else None)
         self._gpu_index: int | None = None  # this rank's GPU as the data plane numbers it (``check_gpu``)
         self._execute = self.data.executor(self.group)
         if size == 1:
@@ -220,17 +221,20 @@ class Job:
         """Raise ``ValueError`` when ``device`` is a GPU other than this rank's: the job's NCCL
         communicators live on this rank's GPU, and NCCL refuses memory of another one ("invalid
         argument", on a background thread, after the other ranks have started). ``what()`` names the
-        op or parameter."""
+        op or parameter. Where this rank's GPU is not known yet (none pinned, none current when the job
+        was built), the first GPU handed in (a tensor of the first CUDA op, a parameter of the first
+        optimizer) is taken as it: gpucomm's threads select it and its communicators are made there."""
         calls = cuda_calls.calls()
         if not calls.is_gpu(device):
             return
+        index = calls.index(device)
         mine = self._gpu_index
         if mine is None:
             mine = self._gpu_of_rank()
-            if mine is None:  # no GPU pinned or seen at init: the calling thread's would be a guess
-                return
+            if mine is None:  # nothing pinned or seen: the caller's tensor names it (a background thread's
+                # current device would be GPU 0 on every rank)
+                self._seen_gpu = mine = index
             self._gpu_index = mine
-        index = calls.index(device)
         if index == mine:
             return
         pinned = (f" (gpucomm pinned local rank {self.world.local_rank} to the GPU at PCI bus id "
@@ -348,20 +352,19 @@ class Job:
     # -- backends --------------------------------------------------------------------------------
     def _cuda_device(self) -> torch.device:
         """This rank's GPU: the pinned one, else (NVML saw none, yet CUDA works) the device that was
-        current on the thread that built the job, never the calling thread's (GPU 0 on a new thread)."""
-        if self.device is not None:
-            return torch.device("cuda", self.device.cuda_ordinal)
-        if self._builder_device is None:
-            self._builder_device = torch.cuda.current_device()
-        return torch.device("cuda", self._builder_device)
+        current on the thread that built the job, or the GPU of the first CUDA tensor handed in
+        (``check_gpu``, before any communicator is made); only failing both, the calling thread's."""
+        ordinal = self._gpu_of_rank()
+        if ordinal is None:
+            ordinal = self._seen_gpu = torch.cuda.current_device()
+        return torch.device("cuda", ordinal)
 
     def _gpu_of_rank(self) -> int | None:
-        """This rank's GPU where it is known without asking the calling thread: the pinned one, or the
-        one current on the thread that built the job; None when neither is (``_cuda_device`` then takes
-        the first caller's, which ``check_gpu`` must not)."""
+        """This rank's GPU where it is known without asking the calling thread: the pinned one, the one
+        current on the thread that built the job, or the first one handed in (``check_gpu``); else None."""
         if self.device is not None:
             return self.device.cuda_ordinal
-        return self._builder_device
+        return self._seen_gpu
 
     def _zeros_device(self) -> torch.device:
         return torch.device("cuda", self.join_device) if self.join_device >= 0 else self._cuda_device()
