@@ -567,6 +567,10 @@ def test_an_unpinned_rank_takes_the_gpu_of_the_first_tensor_handed_in(monkeypatc
         _gpu_index = None
         check_gpu, _gpu_of_rank, _cuda_device, select_device = (Job.check_gpu, Job._gpu_of_rank, Job._cuda_device,
                                                                 Job.select_device)
+        _adopt_gpu, adopt_caller_gpu = Job._adopt_gpu, Job.adopt_caller_gpu
+
+        def __init__(self) -> None:
+            self._gpu_lock = threading.Lock()
 
     job = Unpinned()
     job.select_device()
@@ -577,3 +581,31 @@ def test_an_unpinned_rank_takes_the_gpu_of_the_first_tensor_handed_in(monkeypatc
     assert selected == [1]
     with pytest.raises(ValueError, match=r"tensors are on cuda:0, but this rank's GPU is cuda:1"):
         job.check_gpu(torch.device("cuda", 0), lambda: "hvd.allreduce('second')")
+
+
+def test_an_unpinned_rank_joining_first_takes_its_callers_gpu(monkeypatch):
+    """``hvd.join()`` on a rank that handed gpucomm no CUDA tensor yet: its stand-ins make their zeros on
+    gpucomm's threads, whose current device is GPU 0; the caller's current device (set by the script, as
+    Horovod's pattern does) is taken as the rank's GPU first. A GPU known already is kept."""
+    from gpucomm.job.state import Job
+
+    current = {"device": 1}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current["device"])
+
+    class Unpinned:
+        device = None
+        _seen_gpu = None
+        _gpu_of_rank, _cuda_device, _adopt_gpu, adopt_caller_gpu = (Job._gpu_of_rank, Job._cuda_device,
+                                                                    Job._adopt_gpu, Job.adopt_caller_gpu)
+
+        def __init__(self) -> None:
+            self._gpu_lock = threading.Lock()
+
+    job = Unpinned()
+    job.adopt_caller_gpu()  # the user's thread, on GPU 1
+    current["device"] = 0  # a background thread of gpucomm's
+    assert job._cuda_device() == torch.device("cuda", 1)
+    job.adopt_caller_gpu()
+    assert job._seen_gpu == 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -95,6 +96,7 @@ class Job:
         self._negotiated = size > 1
         # without a pinned GPU (no NVML): the device current here, on the thread building the job
         # (or, when none is, the GPU of the first CUDA tensor or parameter handed in: ``check_gpu``)
+        self._gpu_lock = threading.Lock()
         self._seen_gpu = (torch.cuda.current_device()
                           if self.device is None and torch.cuda.is_available() and torch.cuda.is_initialized()
                           else None)
@@ -230,11 +232,9 @@ class Job:
         index = calls.index(device)
         mine = self._gpu_index
         if mine is None:
-            mine = self._gpu_of_rank()
-            if mine is None:  # nothing pinned or seen: the caller's tensor names it (a background thread's
-                # current device would be GPU 0 on every rank)
-                self._seen_gpu = mine = index
-            self._gpu_index = mine
+            # nothing pinned or seen: the caller's tensor names it (a background thread's current device
+            # would be GPU 0 on every rank)
+            mine = self._gpu_index = self._adopt_gpu(index)
         if index == mine:
             return
         pinned = (f" (gpucomm pinned local rank {self.world.local_rank} to the GPU at PCI bus id "
@@ -356,8 +356,24 @@ class Job:
         (``check_gpu``, before any communicator is made); only failing both, the calling thread's."""
         ordinal = self._gpu_of_rank()
         if ordinal is None:
-            ordinal = self._seen_gpu = torch.cuda.current_device()
+            ordinal = self._adopt_gpu(torch.cuda.current_device())
         return torch.device("cuda", ordinal)
+
+    def _adopt_gpu(self, ordinal: int) -> int:
+        """This rank's GPU: the one known already, else ``ordinal`` from now on (the first to ask wins,
+        whichever thread it is on, so that every caller sees the same one)."""
+        with self._gpu_lock:
+            known = self._gpu_of_rank()
+            if known is None:
+                known = self._seen_gpu = ordinal
+            return known
+
+    def adopt_caller_gpu(self) -> None:
+        """Where this rank's GPU is not known yet and the calling thread uses CUDA, take its current
+        device as the rank's (call on the user's thread before work that goes to gpucomm's threads,
+        whose own current device would be GPU 0)."""
+        if self._gpu_of_rank() is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            self._adopt_gpu(torch.cuda.current_device())
 
     def _gpu_of_rank(self) -> int | None:
         """This rank's GPU where it is known without asking the calling thread: the pinned one, the one

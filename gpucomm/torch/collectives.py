@@ -189,6 +189,8 @@ def join(device: int = -1) -> int:
         if torch.cuda.is_available():  # the stand-ins' zeros meet the job's NCCL communicators there
             job.check_gpu(torch.device("cuda", device), lambda: f"hvd.join(device={device})")
         job.join_device = device
+    else:  # the stand-ins make their zeros on gpucomm's threads: the rank's GPU is known before they start
+        job.adopt_caller_gpu()
     # the join leaves for the coordinator before the stand-ins start: a rank still training can only
     # finish a step with this rank's zeros after its join was sent, so "joined last" is that rank
     joined = submit_request(job, Request("join", "join", [], set_id=0), Send.NOW)

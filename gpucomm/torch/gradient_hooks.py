@@ -47,10 +47,10 @@ class GradientHooks:
             if not self._step_opened:  # the step's first gradient: it opens the step on the schedule (before
                 # any launch: a bucket missing a gradient on one rank would otherwise open it later there than
                 # elsewhere), and the tracer is looked up once for the step
-                self._step_opened = True
                 self._schedule.begin_step(self._flush_step)
                 self._tracer = self._buckets.tracer = current_job().tracer
                 self._mark_backward()
+                self._step_opened = True  # (not before: a failed opening is tried again by the next hook)
             tracer = self._tracer
             if tracer is not None:  # the backward pass, as seen from its gradients (timeline)
                 now = tracer.now_us()

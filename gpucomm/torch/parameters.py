@@ -88,9 +88,14 @@ class SharedSteps:
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Average every ``passes`` backward passes (gradients accumulate locally in between)."""
         check_passes(passes)
+        if getattr(self, "_step_opened", False):  # (DistributedOptimizer, ZeRO: Adasum has no such step)
+            raise ValueError(
+                f"set_backward_passes_per_step({passes}) was called after this step's gradients were handed over "
+                f"for averaging (backward() ran its last pass of the step): the count would start again for "
+                f"gradients already sent, and the next backward's would be dropped. Call it before backward() or "
+                f"after optimizer.step() (or synchronize()).")
         self._passes = passes
-        # a gradient handed over this step (at 0) stays handed over: a second one is still refused
-        self._delay = {key: delay if delay <= 0 else passes for key, delay in self._delay.items()}
+        self._delay = dict.fromkeys(self._delay, passes)
 
     def step(self, closure: Any = None) -> Any:
         if self._should_synchronize:
