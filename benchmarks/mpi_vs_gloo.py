@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_stats import fmt, ratio, spread, write_json  # noqa: E402
 
 from gpucomm.backends.base import BackendOp  # noqa: E402
+from gpucomm.backends.gloo import GLOO_REDUCES_BF16  # noqa: E402
 from gpucomm.backends.mpi import mpi_world  # noqa: E402
 
 KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
@@ -71,8 +72,10 @@ def bus_factor(kind: str, p: int) -> float:
 class Bench:
     """The three implementations of each collective on one set of buffers."""
 
-    def __init__(self, kind: str, nbytes: int, backend, raw, MPI, pg, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, kind: str, nbytes: int, backend, raw, MPI, pg, gloo_has: dict[str, bool],
+                 dtype: torch.dtype = torch.float32) -> None:
         p, rank = backend.size, backend.rank
+        self.gloo_has = gloo_has
         n = nbytes // torch.tensor([], dtype=dtype).element_size()
         n -= n % p
         self.kind, self.p, self.n = kind, p, n
@@ -120,7 +123,10 @@ class Bench:
         if k == "allreduce":
             dist.all_reduce(self.a, group=pg)
         elif k == "allgather":
-            dist.all_gather_into_tensor(self.b, self.part, group=pg)
+            if self.gloo_has["allgather"]:
+                dist.all_gather_into_tensor(self.b, self.part, group=pg)
+            else:  # torch 2.1's Gloo has no flat allgather: into the equal views of the output, as a user writes it
+                dist.all_gather(list(self.b.chunk(self.p)), self.part, group=pg)
         elif k == "broadcast":
             dist.broadcast(self.a, 0, group=pg)
         elif k == "alltoall":
@@ -168,15 +174,19 @@ def main() -> None:
                               timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=p, timeout=datetime.timedelta(seconds=TIMEOUT))
     pg = dist.group.WORLD
+    gloo_has = gloo_collectives(pg, p)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     cases = [(kind, size, torch.float32) for size in sizes for kind in KINDS]
     cases.append(("allreduce", max(sizes), torch.bfloat16))
     times: dict[tuple, dict[str, list[float]]] = {}
     for kind, size, dtype in cases:
-        bench = Bench(kind, size, backend, raw, MPI, pg, dtype)
+        bench = Bench(kind, size, backend, raw, MPI, pg, gloo_has, dtype)
         impls = dict.fromkeys(IMPLS)
         if dtype == torch.bfloat16:
             impls = {"gpucomm-mpi": None, "mpi4py-via-float32": None, "gloo": None}
+        if (kind == "reducescatter" and not gloo_has["reducescatter"]) or (dtype == torch.bfloat16
+                                                                           and not GLOO_REDUCES_BF16):
+            del impls["gloo"]  # this torch's Gloo cannot (torch 2.1: no reduce-scatter, no bfloat16 sums): n/a
         samples: dict[str, list[float]] = {i: [] for i in impls}
         for r in range(args.warmup + args.rounds):
             for impl in impls:
@@ -193,6 +203,23 @@ def main() -> None:
     raw.Free()
 
 
+def gloo_collectives(pg, p: int) -> dict[str, bool]:
+    """Which flat collectives this torch's Gloo has (torch 2.1's has neither): each is tried once on every rank at
+    the same point (it fails before sending anything, alike everywhere). Without a flat allgather the anchor
+    gathers into views of its output, as a user of that torch writes it; without a reduce-scatter it has none."""
+    has = {}
+    for kind, call in (("allgather", lambda: dist.all_gather_into_tensor(torch.zeros(p), torch.zeros(1), group=pg)),
+                       ("reducescatter", lambda: dist.reduce_scatter_tensor(torch.zeros(1), torch.zeros(p), group=pg))):
+        try:
+            call()
+            has[kind] = True
+        except RuntimeError as e:  # "no support for _allgather_base", "does not support _reduce_scatter_base"
+            if "_base" not in str(e):
+                raise
+            has[kind] = False
+    return has
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -207,7 +234,7 @@ def report(args: argparse.Namespace, times: dict, p: int, hosts: list[str], MPI)
         mpi_impl = "gpucomm-mpi"
         result = {"kind": kind, "bytes": size, "dtype": dtype, "ranks": p,
                   "seconds": {impl: spread(v) for impl, v in samples.items()},
-                  "bus_gb_s": bw, "ratio_bw_gpucomm_mpi_over_gloo": ratio(bw[mpi_impl], bw["gloo"]),
+                  "bus_gb_s": bw, "ratio_bw_gpucomm_mpi_over_gloo": ratio(bw[mpi_impl], bw.get("gloo")),
                   "ratio_time_gpucomm_mpi_over_raw_mpi4py": ratio(med[mpi_impl], med.get("mpi4py"))}
         results.append(result)
         rows.append((kind, label(size), dtype, med, bw, result["ratio_bw_gpucomm_mpi_over_gloo"]))

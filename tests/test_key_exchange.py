@@ -35,7 +35,10 @@ SNOOP = textwrap.dedent("""
 
     hvd.init()
     secret = jobs.current().client.secret
-    if hvd.rank() == 1:  # read every key gpucomm wrote into torchrun's store, as any local process could
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    if hvd.rank() == 1 and not agent_store:
+        print("NO AGENT STORE", flush=True)
+    if hvd.rank() == 1 and agent_store:  # read every key gpucomm wrote into torchrun's store, as any local process could
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=datetime.timedelta(seconds=30))
         prefix = f"gpucomm/{os.environ['TORCHELASTIC_RUN_ID']}/r{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
@@ -58,8 +61,11 @@ def test_torchrun_store_never_holds_the_secret_and_rank0_binds_one_address(tmp_p
     script = write_script(tmp_path, "snoop.py", SNOOP)
     r = run(_torchrun() + ["--standalone", "--nproc-per-node", "2", str(script)], timeout=180, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "SNOOPED 3 keys; no secret" in r.stdout and "LISTENING ON" in r.stdout, r.stdout
-    assert r.leftovers == []
+    assert "LISTENING ON" in r.stdout and r.leftovers == [], r.stdout
+    if "NO AGENT STORE" in r.stdout:
+        pytest.skip("this torch's torchrun (2.1) keeps no store of its own: rank 0 serves it and closes it once every "
+                    "rank has read the rendezvous, so nothing is left to snoop afterwards")
+    assert "SNOOPED 3 keys; no secret" in r.stdout, r.stdout
 
 
 def test_launcher_store_binds_the_interface_it_was_given(tmp_path):

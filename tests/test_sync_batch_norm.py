@@ -76,8 +76,11 @@ def check_ranks(case: tuple, shards: tuple, per_rank: list[dict]) -> None:
 @pytest.mark.parametrize("size", [1, 2, 3])
 def test_ranks_match_one_process_on_the_concatenated_batch(size):
     results = run_ranks(sc.matches_full_batch, size, timeout=180)
+    left_out = results[0]["left_out"]  # only what plain torch cannot run here (float16 on CPU before torch 2.2)
+    assert all(not sc.torch_runs(case, "cpu") for case in sc.CASES if case[0] in left_out), left_out
     for case in sc.CASES:
-        check_ranks(case, sc.SHARDS[size], [r["cases"][case[0]] for r in results])
+        if case[0] not in left_out:
+            check_ranks(case, sc.SHARDS[size], [r["cases"][case[0]] for r in results])
     if size == 3:  # SyncBatchNorm(process_set={0, 2}): rank 1 takes no part
         assert "pair" not in results[1]
         check_ranks(sc.CASES[1], ([4, 1], [0, 3], [2, 2]), [results[0]["pair"], results[2]["pair"]])

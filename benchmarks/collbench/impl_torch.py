@@ -26,10 +26,28 @@ class TorchImpl(Impl):
         # all_gather_single / reduce_scatter_single replace the *_tensor names in recent torch.
         self._gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        self._has_scatter = True
+        if self.backend == "gloo":  # torch 2.1's Gloo has neither flat collective (tried once, alike on every rank:
+            # it fails before anything is sent): it gathers into views of the output, and reduce-scatters not at all
+            p = dist.get_world_size()
+            try:
+                self._gather(torch.zeros(p), torch.zeros(1))
+            except RuntimeError as e:  # "no support for _allgather_base in Gloo process group"
+                if "_base" not in str(e):
+                    raise
+                self._gather = all_gather_into_views
+            try:
+                self._scatter(torch.zeros(1), torch.zeros(p))
+            except RuntimeError as e:  # "Backend gloo does not support _reduce_scatter_base"
+                if "_base" not in str(e):
+                    raise
+                self._has_scatter = False
 
     def unsupported(self, coll: str, dtype: torch.dtype, op: str) -> str | None:
         if self.backend == "gloo" and op == "avg" and not dtype.is_floating_point:
             return "Gloo's ReduceOp.AVG cannot write an integer result"
+        if coll == "reducescatter" and not self._has_scatter:
+            return "this torch's Gloo has no reduce-scatter (torch 2.1)"
         return None
 
     def api(self, coll: str) -> str:
@@ -59,3 +77,9 @@ class TorchImpl(Impl):
     def close(self) -> None:
         dist.destroy_process_group()
         self._store = None
+
+
+def all_gather_into_views(recv: torch.Tensor, send: torch.Tensor) -> None:
+    """``all_gather_into_tensor`` as a user of torch 2.1 writes it on Gloo (which has no flat allgather
+    there): ``all_gather`` into the equal views of ``recv``, one per rank."""
+    dist.all_gather(list(recv.chunk(dist.get_world_size())), send)

@@ -56,6 +56,7 @@ _GLOO_OPS = {
 # float32 copy (every bfloat16 is a float32; the float32 result is rounded to bfloat16 once, at the end).
 GLOO_REDUCES_BF16 = torch_at_least(2, 2)
 _flat_allgather = True  # Gloo's allgather into one tensor (torch >= 2.2); set False once torch says it has none
+_gloo_reduce_scatter = True  # Gloo's reduce-scatter (torch >= 2.2); set False once torch says it has none
 # Gloo has no kernels for these; data movement sends their bytes instead.
 # (torch.uint16/32/64 exist from torch 2.3 on; CI's oldest-torch step runs 2.1)
 _BYTE_MOVED = {getattr(torch, name) for name in ("bool", "int16", "uint16", "uint32", "uint64", "complex64",
@@ -409,13 +410,27 @@ class GlooBackend:
                                                   [c * k for c in send_counts], dist.AllToAllOptions()))
 
     def reducescatter(self, send: torch.Tensor, recv: torch.Tensor, *, op: BackendOp, stream: int | None = None) -> GlooWork:
-        opts = dist.ReduceScatterOptions()
-        opts.reduceOp = _GLOO_OPS[op]
-        if recv.dtype == torch.bfloat16 and not GLOO_REDUCES_BF16:
-            wide, wide_send = torch.empty(recv.shape, dtype=torch.float32), send.float()
-            return WidenedWork(self._in_flight.add(self.pg._reduce_scatter_base(wide, wide_send, opts)), wide, recv,
-                               wide_send)
-        return self._issued(self.pg._reduce_scatter_base(recv, send, opts))
+        """``send`` (flat, ``size`` equal slots) reduced across the group, this rank's slot into ``recv``."""
+        global _gloo_reduce_scatter
+        if _gloo_reduce_scatter:
+            opts = dist.ReduceScatterOptions()
+            opts.reduceOp = _GLOO_OPS[op]
+            try:
+                if recv.dtype == torch.bfloat16 and not GLOO_REDUCES_BF16:
+                    wide, wide_send = torch.empty(recv.shape, dtype=torch.float32), send.float()
+                    return WidenedWork(self._in_flight.add(self.pg._reduce_scatter_base(wide, wide_send, opts)), wide,
+                                       recv, wide_send)
+                return self._issued(self.pg._reduce_scatter_base(recv, send, opts))
+            except RuntimeError as e:  # torch 2.1: "Backend gloo does not support _reduce_scatter_base", raised
+                if "_reduce_scatter_base" not in str(e):  # before anything is sent, alike on every rank
+                    raise
+                _gloo_reduce_scatter = False
+        # no reduce-scatter in this torch's Gloo: an allreduce of a private copy (float32 for a bfloat16 one that
+        # Gloo cannot reduce), this rank's slot copied into ``recv`` once it has landed
+        whole = send.float() if recv.dtype == torch.bfloat16 and not GLOO_REDUCES_BF16 else send.clone()
+        n = recv.numel()
+        work = self.pg.allreduce([whole], self._allreduce_opts[op])
+        return WidenedWork(self._in_flight.add(work), whole.narrow(0, self.rank * n, n), recv, whole)
 
     def barrier(self) -> GlooWork:
         return self._issued(self.pg.barrier(dist.BarrierOptions()))

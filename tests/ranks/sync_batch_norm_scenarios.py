@@ -49,6 +49,17 @@ def params(case: tuple) -> tuple[torch.Tensor, torch.Tensor]:
                                                                                       dtype=torch.float64)
 
 
+def torch_runs(case: tuple, device: str) -> bool:
+    """Whether this torch's own BatchNorm runs the case's dtypes on ``device`` (torch 2.1 has no CPU kernel for
+    float16 input): a case that plain torch cannot run is left out, and the test says which."""
+    *_, mdtype, xdtype = case
+    try:
+        torch.nn.BatchNorm1d(1).to(device=device, dtype=mdtype)(torch.ones(2, 1, device=device, dtype=xdtype))
+    except RuntimeError:
+        return False
+    return True
+
+
 def shard(t: torch.Tensor, counts: list[int], index: int) -> torch.Tensor:
     start = sum(counts[:index])
     return t[start:start + counts[index]]
@@ -128,7 +139,8 @@ def matches_full_batch(device: str = "cpu", case_names: list[str] | None = None)
         device = f"cuda:{torch.cuda.current_device()}"
     rank = hvd.rank()
     cases = [c for c in CASES if case_names is None or c[0] in case_names]
-    results = {"cases": {c[0]: run_case(c, SHARDS[size], rank, device) for c in cases}}
+    results = {"cases": {c[0]: run_case(c, SHARDS[size], rank, device) for c in cases if torch_runs(c, device)},
+               "left_out": [c[0] for c in cases if not torch_runs(c, device)]}
     if size == 3 and rank in pair.ranks:
         results["pair"] = run_case(CASES[1], ([4, 1], [0, 3], [2, 2]), pair.rank(), device, process_set=pair)
     net = model(hvd.SyncBatchNorm).to(device)
