@@ -45,6 +45,7 @@ import argparse
 import contextlib
 import copy
 import gc
+import inspect
 import math
 import os
 import statistics
@@ -194,8 +195,7 @@ def compression_part(name: str, args: argparse.Namespace, counter: WireCounter, 
         # DDP's powerSGD_hook issues each bucket's P and Q allreduces from future callbacks, so with several
         # buckets the ranks can issue them in different orders: on Gloo that aborts ("Received data size doesn't
         # match expected size"), seen here. Its anchor therefore runs DDP with one bucket (no overlap).
-        one_bucket = {"bucket_cap_mb_list": [math.ceil(model_bytes(base) / 2**20) + 1]} if label.startswith("powersgd") \
-            else {}
+        one_bucket = one_bucket_args(base) if label.startswith("powersgd") else {}
         ddp = DDP(theirs, gradient_as_bucket_view=True, **one_bucket)
         hook(ddp)
         runners = [Runner(f"gpucomm {label}", mine, opt, gpucomm_bytes),
@@ -207,6 +207,20 @@ def compression_part(name: str, args: argparse.Namespace, counter: WireCounter, 
         del runners, opt, ddp, mine, theirs
         gc.collect()
     return results
+
+
+def one_bucket_args(model: nn.Module) -> dict[str, Any]:
+    """DDP's arguments that put all of ``model``'s gradients in one bucket: ``bucket_cap_mb_list`` where this torch's
+    DDP has it; else none are needed while the model fits DDP's first bucket (1 MiB), and beyond that this torch
+    cannot (SystemExit saying so)."""
+    mb = math.ceil(model_bytes(model) / 2**20) + 1
+    if "bucket_cap_mb_list" in inspect.signature(DDP.__init__).parameters:
+        return {"bucket_cap_mb_list": [mb]}
+    if model_bytes(model) <= 1 << 20:
+        return {}
+    raise SystemExit(f"compression_memory: DDP's PowerSGD anchor needs all gradients in one bucket, and this torch's DDP "
+                     f"(torch {torch.__version__}, no bucket_cap_mb_list) caps its first bucket at 1 MiB while the model "
+                     f"holds {model_bytes(model) / 2**20:.1f} MiB. Use a newer torch, or a model under 1 MiB.")
 
 
 def model_bytes(model: nn.Module) -> int:

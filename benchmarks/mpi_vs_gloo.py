@@ -31,6 +31,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_stats import fmt, ratio, spread, write_json  # noqa: E402
+from torch_group import all_gather_into, gloo_collectives  # noqa: E402
 
 from gpucomm.backends.base import BackendOp  # noqa: E402
 from gpucomm.backends.gloo import GLOO_REDUCES_BF16  # noqa: E402
@@ -123,10 +124,7 @@ class Bench:
         if k == "allreduce":
             dist.all_reduce(self.a, group=pg)
         elif k == "allgather":
-            if self.gloo_has["allgather"]:
-                dist.all_gather_into_tensor(self.b, self.part, group=pg)
-            else:  # torch 2.1's Gloo has no flat allgather: into the equal views of the output, as a user writes it
-                dist.all_gather(list(self.b.chunk(self.p)), self.part, group=pg)
+            all_gather_into(self.b, self.part, self.gloo_has["allgather"], group=pg)
         elif k == "broadcast":
             dist.broadcast(self.a, 0, group=pg)
         elif k == "alltoall":
@@ -174,7 +172,7 @@ def main() -> None:
                               timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=p, timeout=datetime.timedelta(seconds=TIMEOUT))
     pg = dist.group.WORLD
-    gloo_has = gloo_collectives(pg, p)
+    gloo_has = gloo_collectives(pg)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     cases = [(kind, size, torch.float32) for size in sizes for kind in KINDS]
     cases.append(("allreduce", max(sizes), torch.bfloat16))
@@ -201,23 +199,6 @@ def main() -> None:
     dist.destroy_process_group()
     backend.close()
     raw.Free()
-
-
-def gloo_collectives(pg, p: int) -> dict[str, bool]:
-    """Which flat collectives this torch's Gloo has (torch 2.1's has neither): each is tried once on every rank at
-    the same point (it fails before sending anything, alike everywhere). Without a flat allgather the anchor
-    gathers into views of its output, as a user of that torch writes it; without a reduce-scatter it has none."""
-    has = {}
-    for kind, call in (("allgather", lambda: dist.all_gather_into_tensor(torch.zeros(p), torch.zeros(1), group=pg)),
-                       ("reducescatter", lambda: dist.reduce_scatter_tensor(torch.zeros(1), torch.zeros(p), group=pg))):
-        try:
-            call()
-            has[kind] = True
-        except RuntimeError as e:  # "no support for _allgather_base", "does not support _reduce_scatter_base"
-            if "_base" not in str(e):
-                raise
-            has[kind] = False
-    return has
 
 
 def _free_port() -> int:

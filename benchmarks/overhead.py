@@ -31,7 +31,7 @@ import gpucomm.torch as hvd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, also when imported by path
 from bench_stats import fmt, median, percentile, ratio, write_json  # noqa: E402
-from torch_group import init_torch_group  # noqa: E402
+from torch_group import all_gather_into, gloo_collectives, init_torch_group  # noqa: E402
 
 FULL = {"iters": 400, "rounds": 7, "warmup": 50}
 QUICK = {"iters": 20, "rounds": 2, "warmup": 5}
@@ -76,21 +76,24 @@ def gpucomm_forms(x: torch.Tensor) -> dict[str, Callable[[], Any]]:
     }
 
 
-def torch_forms(x: torch.Tensor) -> dict[str, Callable[[], Any]]:
+def torch_forms(x: torch.Tensor, flat: bool = True) -> dict[str, Callable[[], Any]]:
+    """``flat``: this torch has ``all_gather_into_tensor`` for the group (torch 2.1's Gloo has not)."""
     out = torch.empty(x.numel() * dist.get_world_size(), dtype=x.dtype, device=x.device)
     return {
         "allreduce": lambda: dist.all_reduce(x.clone()),  # not in place: like hvd.allreduce, a new tensor
         "allreduce_": lambda: dist.all_reduce(x),
         "allreduce_async": lambda: dist.all_reduce(x, async_op=True).wait(),
         "broadcast": lambda: dist.broadcast(x, 0),
-        "allgather": lambda: dist.all_gather_into_tensor(out, x),
+        "allgather": lambda: all_gather_into(out, x, flat),
     }
 
 
-def raw_gloo_forms(x: torch.Tensor) -> dict[str, Callable[[], Any]]:
-    """The default group's ProcessGroupGloo, called without torch.distributed's Python wrapper."""
+def raw_gloo_forms(x: torch.Tensor, flat: bool = True) -> dict[str, Callable[[], Any]]:
+    """The default group's ProcessGroupGloo, called without torch.distributed's Python wrapper (``flat``: it has
+    a flat allgather; torch 2.1's gathers into one view of the output per rank)."""
     pg = dist.distributed_c10d._get_default_group()
     out = torch.empty(x.numel() * pg.size(), dtype=x.dtype, device=x.device)
+    views = list(out.chunk(pg.size()))
     sum_opts = dist.AllreduceOptions()
     bc_opts = dist.BroadcastOptions()
     return {
@@ -98,7 +101,7 @@ def raw_gloo_forms(x: torch.Tensor) -> dict[str, Callable[[], Any]]:
         "allreduce_": lambda: pg.allreduce([x], sum_opts).wait(),
         "allreduce_async": lambda: pg.allreduce([x], sum_opts).wait(),
         "broadcast": lambda: pg.broadcast([x], bc_opts).wait(),
-        "allgather": lambda: pg._allgather_base(out, x).wait(),
+        "allgather": (lambda: pg._allgather_base(out, x).wait()) if flat else (lambda: pg.allgather([views], [x]).wait()),
     }
 
 
@@ -221,9 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(hvd.local_rank() if not os.environ.get("GPUCOMM_SINGLE_GPU_TEST") else 0)
     store = init_torch_group("nccl" if cuda else "gloo")
     x = torch.zeros(max(1, args.bytes // 4), dtype=torch.float32, device=args.device)  # sums stay finite
+    flat = cuda or gloo_collectives()["allgather"]
     impls = {"gpucomm": gpucomm_forms(x),
-             ("raw_nccl" if cuda else "raw_gloo"): raw_nccl_forms(x) if cuda else raw_gloo_forms(x),
-             "torch.distributed": torch_forms(x)}
+             ("raw_nccl" if cuda else "raw_gloo"): raw_nccl_forms(x) if cuda else raw_gloo_forms(x, flat),
+             "torch.distributed": torch_forms(x, flat)}
     before = hvd.stats()
     results = measure(impls, args)
     after = hvd.stats()

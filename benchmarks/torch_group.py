@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import os
 
+import torch
 import torch.distributed as dist
 
 import gpucomm.torch as hvd
@@ -23,3 +24,32 @@ def init_torch_group(backend: str, timeout_s: float = 300.0) -> dist.TCPStore:
     dist.init_process_group(backend, store=store, rank=hvd.rank(), world_size=hvd.size(),
                             timeout=datetime.timedelta(seconds=timeout_s))
     return store
+
+
+def gloo_collectives(group=None) -> dict[str, bool]:
+    """Which flat collectives this torch's Gloo has (torch 2.1's has neither ``all_gather_into_tensor`` nor
+    ``reduce_scatter_tensor``): each is tried once, at the same point on every rank of ``group`` (it fails
+    before anything is sent, alike everywhere). An anchor without the first gathers into views of its output
+    (``all_gather_into``), as a user of that torch writes it; one without the second has no reduce-scatter."""
+    p = dist.get_world_size(group)
+    has = {}
+    for kind, call in (("allgather", lambda: dist.all_gather_into_tensor(torch.zeros(p), torch.zeros(1), group=group)),
+                       ("reducescatter", lambda: dist.reduce_scatter_tensor(torch.zeros(1), torch.zeros(p),
+                                                                            group=group))):
+        try:
+            call()
+            has[kind] = True
+        except RuntimeError as e:  # "no support for _allgather_base", "does not support _reduce_scatter_base"
+            if "_base" not in str(e):
+                raise
+            has[kind] = False
+    return has
+
+
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, flat: bool, group=None) -> None:
+    """``all_gather_into_tensor(out, x)``, or (``flat`` False: a Gloo without it) ``all_gather`` into the equal
+    views of ``out``, one per rank."""
+    if flat:
+        dist.all_gather_into_tensor(out, x, group=group)
+    else:
+        dist.all_gather(list(out.chunk(dist.get_world_size(group))), x, group=group)

@@ -266,6 +266,13 @@ def check_collectives(r: Run, doc: dict) -> None:
     n = r.case.ranks
     tables = parse_tables(r.rank0())
     assert set(tables) == {(c, i) for c in COLLECTIVES for i in ("gpucomm", "torch")}
+    # torch 2.1's Gloo has no reduce-scatter: the anchor's table says so and has no row
+    (torch_rs,) = [t for t in doc["tables"] if (t["collective"], t["impl"]) == ("reducescatter", "torch")]
+    anchor_rs = not torch_rs["skipped"]
+    if not anchor_rs:
+        assert torch_rs["rows"] == 0 and "has no reduce-scatter" in torch_rs["skipped"][0], torch_rs
+        assert tables.pop(("reducescatter", "torch"))["rows"] == []
+        doc = {**doc, "tables": [t for t in doc["tables"] if t is not torch_rs]}
     for (coll, impl), t in tables.items():
         assert len(t["rows"]) == 5, (coll, impl, t["rows"])  # --quick: 8 B .. 64 KiB by 8x
         for row in t["rows"]:
@@ -290,7 +297,8 @@ def check_collectives(r: Run, doc: dict) -> None:
     assert any(line.startswith("# gpucomm counters moved by its timed calls (every table, rank 0): ")
                for line in lines)
     assert doc["env"]["ranks"] == n and doc["env"]["device"] == "cpu" and "nccl" in doc["env"]["not_measured"]
-    assert len(doc["tables"]) == 10 and all(t["out_of_bounds"] == 0 and t["rows"] == 5 for t in doc["tables"])
+    assert len(doc["tables"]) == (10 if anchor_rs else 9)
+    assert all(t["out_of_bounds"] == 0 and t["rows"] == 5 for t in doc["tables"])
     assert all(t["avg_algbw"] >= 0 and t["avg_busbw"] >= 0 for t in doc["tables"])
     for x in doc["results"]:
         for res in (x["out_of_place"], x["in_place"]):  # {} where the place does not apply

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from torch_group import init_torch_group
+from torch_group import all_gather_into, gloo_collectives, init_torch_group
 
 from .impl_base import Impl
 
@@ -27,21 +27,12 @@ class TorchImpl(Impl):
         self._gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self._has_scatter = True
-        if self.backend == "gloo":  # torch 2.1's Gloo has neither flat collective (tried once, alike on every rank:
-            # it fails before anything is sent): it gathers into views of the output, and reduce-scatters not at all
-            p = dist.get_world_size()
-            try:
-                self._gather(torch.zeros(p), torch.zeros(1))
-            except RuntimeError as e:  # "no support for _allgather_base in Gloo process group"
-                if "_base" not in str(e):
-                    raise
+        if self.backend == "gloo":  # torch 2.1's Gloo has neither flat collective: it gathers into views of the
+            # output, and reduce-scatters not at all
+            has = gloo_collectives()
+            if not has["allgather"]:
                 self._gather = all_gather_into_views
-            try:
-                self._scatter(torch.zeros(1), torch.zeros(p))
-            except RuntimeError as e:  # "Backend gloo does not support _reduce_scatter_base"
-                if "_base" not in str(e):
-                    raise
-                self._has_scatter = False
+            self._has_scatter = has["reducescatter"]
 
     def unsupported(self, coll: str, dtype: torch.dtype, op: str) -> str | None:
         if self.backend == "gloo" and op == "avg" and not dtype.is_floating_point:
@@ -80,6 +71,5 @@ class TorchImpl(Impl):
 
 
 def all_gather_into_views(recv: torch.Tensor, send: torch.Tensor) -> None:
-    """``all_gather_into_tensor`` as a user of torch 2.1 writes it on Gloo (which has no flat allgather
-    there): ``all_gather`` into the equal views of ``recv``, one per rank."""
-    dist.all_gather(list(recv.chunk(dist.get_world_size())), send)
+    """``all_gather_into_tensor`` as a user of torch 2.1 writes it on Gloo (which has no flat allgather there)."""
+    all_gather_into(recv, send, flat=False)
