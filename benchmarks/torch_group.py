@@ -26,6 +26,11 @@ def init_torch_group(backend: str, timeout_s: float = 300.0) -> dist.TCPStore:
     return store
 
 
+# all_gather_single / reduce_scatter_single replace the *_tensor names (deprecated, with a FutureWarning) in recent torch
+FLAT_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+FLAT_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def gloo_collectives(group=None) -> dict[str, bool]:
     """Which flat collectives this torch's Gloo has (torch 2.1's has neither ``all_gather_into_tensor`` nor
     ``reduce_scatter_tensor``): each is tried once, at the same point on every rank of ``group`` (it fails
@@ -33,9 +38,8 @@ def gloo_collectives(group=None) -> dict[str, bool]:
     (``all_gather_into``), as a user of that torch writes it; one without the second has no reduce-scatter."""
     p = dist.get_world_size(group)
     has = {}
-    for kind, call in (("allgather", lambda: dist.all_gather_into_tensor(torch.zeros(p), torch.zeros(1), group=group)),
-                       ("reducescatter", lambda: dist.reduce_scatter_tensor(torch.zeros(1), torch.zeros(p),
-                                                                            group=group))):
+    for kind, call in (("allgather", lambda: FLAT_GATHER(torch.zeros(p), torch.zeros(1), group=group)),
+                       ("reducescatter", lambda: FLAT_SCATTER(torch.zeros(1), torch.zeros(p), group=group))):
         try:
             call()
             has[kind] = True
@@ -50,6 +54,6 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, flat: bool, group=None) 
     """``all_gather_into_tensor(out, x)``, or (``flat`` False: a Gloo without it) ``all_gather`` into the equal
     views of ``out``, one per rank."""
     if flat:
-        dist.all_gather_into_tensor(out, x, group=group)
+        FLAT_GATHER(out, x, group=group)
     else:
         dist.all_gather(list(out.chunk(dist.get_world_size(group))), x, group=group)

@@ -428,6 +428,9 @@ class GlooBackend:
         # no reduce-scatter in this torch's Gloo: an allreduce of a private copy (float32 for a bfloat16 one that
         # Gloo cannot reduce), this rank's slot copied into ``recv`` once it has landed
         whole = send.float() if recv.dtype == torch.bfloat16 and not GLOO_REDUCES_BF16 else send.clone()
+        if op == BackendOp.AVG and whole.is_floating_point():  # that Gloo's allreduce has no AVG either: each
+            whole.div_(self.size)  # input divided first, then summed
+            op = BackendOp.SUM
         n = recv.numel()
         work = self.pg.allreduce([whole], self._allreduce_opts[op])
         return WidenedWork(self._in_flight.add(work), whole.narrow(0, self.rank * n, n), recv, whole)
