@@ -555,24 +555,12 @@ def test_an_unpinned_rank_takes_the_gpu_of_the_first_tensor_handed_in(monkeypatc
     on every rank. The first CUDA tensor or parameter handed in (on the caller's thread) now names it:
     communicators are made there and gpucomm's threads select it; a tensor on another GPU is refused."""
     from gpucomm.bootstrap import devices
-    from gpucomm.job.state import Job
 
     selected: list[int] = []
     monkeypatch.setattr(devices, "select_device", selected.append)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # a background thread's device
 
-    class Unpinned:  # the parts of a job that say which GPU is this rank's
-        device = None  # nothing pinned
-        _seen_gpu = None  # CUDA not in use when the job was built
-        _gpu_index = None
-        check_gpu, _gpu_of_rank, _cuda_device, select_device = (Job.check_gpu, Job._gpu_of_rank, Job._cuda_device,
-                                                                Job.select_device)
-        _adopt_gpu, adopt_caller_gpu = Job._adopt_gpu, Job.adopt_caller_gpu
-
-        def __init__(self) -> None:
-            self._gpu_lock = threading.Lock()
-
-    job = Unpinned()
+    job = _unpinned_job()
     job.select_device()
     assert selected == []  # nothing known yet: nothing selected
     job.check_gpu(torch.device("cuda", 1), lambda: "hvd.allreduce('first')")
@@ -587,25 +575,33 @@ def test_an_unpinned_rank_joining_first_takes_its_callers_gpu(monkeypatch):
     """``hvd.join()`` on a rank that handed gpucomm no CUDA tensor yet: its stand-ins make their zeros on
     gpucomm's threads, whose current device is GPU 0; the caller's current device (set by the script, as
     Horovod's pattern does) is taken as the rank's GPU first. A GPU known already is kept."""
-    from gpucomm.job.state import Job
-
     current = {"device": 1}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current["device"])
 
-    class Unpinned:
-        device = None
-        _seen_gpu = None
-        _gpu_of_rank, _cuda_device, _adopt_gpu, adopt_caller_gpu = (Job._gpu_of_rank, Job._cuda_device,
-                                                                    Job._adopt_gpu, Job.adopt_caller_gpu)
-
-        def __init__(self) -> None:
-            self._gpu_lock = threading.Lock()
-
-    job = Unpinned()
+    job = _unpinned_job()
     job.adopt_caller_gpu()  # the user's thread, on GPU 1
     current["device"] = 0  # a background thread of gpucomm's
     assert job._cuda_device() == torch.device("cuda", 1)
     job.adopt_caller_gpu()
     assert job._seen_gpu == 1
+
+
+def _unpinned_job():
+    """The parts of a job that say which GPU is this rank's, for a job with none pinned (no NVML) and CUDA
+    not in use when it was built."""
+    from gpucomm.job.state import Job
+
+    class Unpinned:
+        device = None  # nothing pinned
+        _seen_gpu = None  # CUDA not in use when the job was built
+        _gpu_index = None
+        check_gpu, _gpu_of_rank, _cuda_device, select_device = (Job.check_gpu, Job._gpu_of_rank, Job._cuda_device,
+                                                                Job.select_device)
+        _adopt_gpu, adopt_caller_gpu = Job._adopt_gpu, Job.adopt_caller_gpu
+
+        def __init__(self) -> None:
+            self._gpu_lock = threading.Lock()
+
+    return Unpinned()

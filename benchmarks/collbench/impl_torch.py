@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from torch_group import all_gather_into, gloo_collectives, init_torch_group
+from torch_group import FLAT_GATHER, FLAT_SCATTER, all_gather_into, gloo_collectives, init_torch_group
 
 from .impl_base import Impl
 
@@ -23,9 +23,7 @@ class TorchImpl(Impl):
         self._store = init_torch_group(self.backend)
         self._ops = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
                      "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG}
-        # all_gather_single / reduce_scatter_single replace the *_tensor names in recent torch.
-        self._gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self._scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        self._gather, self._scatter = FLAT_GATHER, FLAT_SCATTER  # torch's newest names for them
         self._has_scatter = True
         if self.backend == "gloo":  # torch 2.1's Gloo has neither flat collective: it gathers into views of the
             # output, and reduce-scatters not at all

@@ -94,12 +94,11 @@ class Job:
             self.groups[set_id] = self.data.register(self._group(set_id, ranks))
         self._coordinator = None
         self._negotiated = size > 1
-        # without a pinned GPU (no NVML): the device current here, on the thread building the job
-        # (or, when none is, the GPU of the first CUDA tensor or parameter handed in: ``check_gpu``)
+        # without a pinned GPU (no NVML): the device current here, on the thread building the job (or, when
+        # none is, the GPU of the first CUDA tensor or parameter handed in: ``check_gpu``)
         self._gpu_lock = threading.Lock()
-        self._seen_gpu = (torch.cuda.current_device()
-                          if self.device is None and torch.cuda.is_available() and torch.cuda.is_initialized()
-                          else None)
+        self._seen_gpu: int | None = None
+        self.adopt_caller_gpu()
         self._gpu_index: int | None = None  # this rank's GPU as the data plane numbers it (``check_gpu``)
         self._execute = self.data.executor(self.group)
         if size == 1:
