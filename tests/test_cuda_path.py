@@ -605,3 +605,62 @@ def _unpinned_job():
             self._gpu_lock = threading.Lock()
 
     return Unpinned()
+
+
+def test_a_done_event_is_watched_as_the_newest_launch_it_covers(cuda):
+    """A review's finding: a waiter for an early launch records one done event covering every launch so
+    far, but the watchdog was handed the waiter's own request, so a rank that left after that launch and
+    before the newest one was checked against too low a launch number and not named (only the timeout
+    ended the wait). The event is watched as the newest launch it covers."""
+    from gpucomm.dataplane.completion import StreamCompletion
+    from gpucomm.dataplane.events import EventPool
+
+    watched = []
+    completion = StreamCompletion(EventPool(), lambda event, index, request, stream: (watched.append(request),
+                                                                                      lambda: None)[1], 0, 11)
+    first = completion.launched(_Request("bucket.0"))
+    completion.launched(_Request("bucket.1"))
+    first.wait(7)  # the caller waits for bucket 0: the event covers both launches
+    assert [r.name for r in watched] == ["bucket.1"]
+
+
+def test_the_control_thread_selects_a_gpu_adopted_after_it_started():
+    """A review's finding: the control thread selected the rank's GPU once, at start; on a rank with none
+    pinned the GPU is adopted later (the first CUDA tensor handed in), and the thread, which issues agreed
+    collectives and join stand-ins, stayed on GPU 0. It asks again before each round of work until the
+    GPU is known; a failing selection fails the job once."""
+    from gpucomm.control.controller import Controller
+
+    class Thread:  # the parts of a controller its selection uses
+        rank = 1
+        _select_gpu = Controller._select_gpu
+
+        def __init__(self, answer) -> None:
+            self._select_device, self.failed = answer, []
+
+        def _fail(self, text: str) -> None:
+            self.failed.append(text)
+
+    assert Thread(lambda: False)._select_gpu() is False  # not known yet: asked again later
+    assert Thread(lambda: True)._select_gpu() is True
+    assert Thread(lambda: None)._select_gpu() is True  # nothing to select (a CPU job's default)
+
+    def broken():
+        raise RuntimeError("no such device")
+
+    thread = Thread(broken)
+    assert thread._select_gpu() is True and len(thread.failed) == 1 and "no such device" in thread.failed[0]
+
+
+def test_a_gpu_nobody_chose_is_not_taken_as_the_scripts(monkeypatch):
+    """A review's finding: gpucomm's own GPU probing may start CUDA (its current device then reads 0), so a
+    job built after it took "CUDA in use" for the script's choice of GPU 0 on every rank. The script's
+    choice is read before any of gpucomm's CUDA work, and only where the script had started CUDA."""
+    from gpucomm.bootstrap import devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert devices.device_in_use() is None
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert devices.device_in_use() == 3

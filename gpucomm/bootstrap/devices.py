@@ -20,7 +20,7 @@ from ..settings import CPU_AFFINITY, SINGLE_GPU_TEST
 __all__ = [
     "DevicePinningError", "GpuInfo", "PinnedDevice", "normalize_bus_id", "nvml_gpus",
     "visible_gpus", "select_gpu", "check_unique_assignment", "pin_local_gpu",
-    "cuda_bus_ids", "cuda_ordinal_for_bus_id", "select_device", "bind_cpu_affinity", "single_gpu_test_enabled",
+    "cuda_bus_ids", "cuda_ordinal_for_bus_id", "device_in_use", "select_device", "bind_cpu_affinity", "single_gpu_test_enabled",
     "apply_single_gpu_test_env",
 ]
 
@@ -254,6 +254,17 @@ def _as_cuda_sees(gpus: list[GpuInfo], cuda_ids: list[str], *, listed: bool) -> 
     by_bus = {_parse_bus_id(g.pci_bus_id)[:3]: g for g in gpus}
     seen = [by_bus[key] for key in (_parse_bus_id(b)[:3] for b in cuda_ids) if key in by_bus]
     return seen if listed else sorted(seen, key=lambda g: _parse_bus_id(g.pci_bus_id))
+
+
+def device_in_use() -> int | None:
+    """The calling thread's current CUDA device if this process has started CUDA already (the script
+    chose a GPU before ``hvd.init()``), else None. Starts nothing: read it before anything of gpucomm's
+    may start CUDA (the GPU probing of ``pin_local_gpu`` does), or a device 0 nobody chose looks chosen."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
 
 def select_device(ordinal: int) -> None:

@@ -57,7 +57,8 @@ class Controller(Upkeep, Shutdown):
     """Submits requests to the coordinator and hands its answers to the data plane (``run``); one
     per initialized job. ``standins`` takes part with zeros once this rank joined; ``on_fail``
     learns the job failed (the data plane then aborts its communicators); ``select_device`` makes
-    this rank's GPU current on the control thread before anything else runs there. Its time-based
+    this rank's GPU current on the control thread before anything else runs there (it returns False
+    while the rank's GPU is not known, and is asked again before each round of work until it is). Its time-based
     checks (``upkeep.Upkeep``) and its shutdown (``shutdown.Shutdown``) live in base classes of their own."""
 
     def __init__(self, rank: int, size: int, run: Run, config: ControlConfig, *,
@@ -66,7 +67,7 @@ class Controller(Upkeep, Shutdown):
                  standins: StandIns,
                  tracer: Callable[[], Any] = lambda: None,
                  on_fail: Callable[[CollectiveError], None] = lambda error: None,
-                 select_device: Callable[[], None] = lambda: None) -> None:
+                 select_device: Callable[[], bool | None] = lambda: None) -> None:
         self.rank, self.size, self.config = rank, size, config
         self.timeout = config.timeout
         self._run_agreed = run
@@ -411,12 +412,19 @@ class Controller(Upkeep, Shutdown):
 
     # ------------------------------------------------------------------ background thread
 
-    def _background(self) -> None:
+    def _select_gpu(self) -> bool:
+        """(the control thread) Select this rank's GPU before any CUDA work here (answers it issues,
+        stand-ins); False while it is not known yet (a rank with none pinned adopts it from the first CUDA
+        tensor handed in: this thread would be on GPU 0 otherwise)."""
         try:
-            self._select_device()  # before any CUDA work on this thread (answers it issues, stand-ins)
+            return self._select_device() is not False
         except Exception as e:  # noqa: BLE001 - without its GPU this thread must not touch CUDA at all
             log.exception("gpucomm control thread could not select this rank's GPU")
             self._fail(f"the gpucomm control thread of rank {self.rank} could not select this rank's GPU: {e}")
+            return True
+
+    def _background(self) -> None:
+        selected = self._select_gpu()
         while not self._closed:
             if self._waiting or time.monotonic() - self._wait_ended < HANDBACK:
                 # a caller drives progress; it may wait again at once (a loop of synchronous ops), so
@@ -446,6 +454,8 @@ class Controller(Upkeep, Shutdown):
                 if self._closed:
                     return
                 try:
+                    if not selected:
+                        selected = self._select_gpu()
                     if due:
                         self._flush()
                     self._receive(0.0)

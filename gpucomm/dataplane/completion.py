@@ -48,45 +48,42 @@ class StreamCompletion:
         """A collective (``request``) was just launched on the stream: how its waiter completes it."""
         with self._lock:
             self._launched += 1
-            self._last = request
-            return Covered(self, self._launched, request)
+            self._last = request  # what the watchdog names, and checks departures against
+            return Covered(self, self._launched)
 
-    @property
-    def last_request(self) -> Any:
-        """The request launched last (what the watchdog names for a sealed step)."""
-        return self._last
-
-    def _cover(self, seq: int, request: Any) -> Any:
+    def _cover(self, seq: int) -> Any:
         """(holding the lock) A done event recorded after launch ``seq``: the newest one when it
-        covers ``seq``, else a new one covering every launch so far."""
+        covers ``seq``, else a new one covering every launch so far, watched as the newest launch
+        (whose step number a departure is checked against: a rank that left after ``seq`` but before
+        it is named, not left to the timeout)."""
         if self._event is None or self._covers < seq:
             event = self._events.record(self.stream, self.index)
-            release = self._watch(event, self.index, request, self.stream)
+            release = self._watch(event, self.index, self._last, self.stream)
             if self._release is not None:
                 self._release()  # no wait is enqueued on the replaced event from now on
             self._event, self._covers, self._release = event, self._launched, release
             self._waited = set()
         return self._event
 
-    def wait(self, seq: int, stream: int, request: Any) -> None:
+    def wait(self, seq: int, stream: int) -> None:
         """Make ``stream`` wait for launch ``seq`` (and, at no extra cost, every launch before it)."""
         with self._lock:  # enqueued under the lock: another waiter may replace (and release) the event
-            event = self._cover(seq, request)
+            event = self._cover(seq)
             if stream not in self._waited:
                 self._waited.add(stream)
                 cuda_calls.calls().wait(stream, event, self.index)
 
-    def done(self, seq: int, request: Any) -> bool:
+    def done(self, seq: int) -> bool:
         """True once launch ``seq`` has completed (records its covering event if none yet)."""
         with self._lock:
-            return cuda_calls.calls().query(self._cover(seq, request))
+            return cuda_calls.calls().query(self._cover(seq))
 
-    def seal(self, request: Any) -> None:
+    def seal(self) -> None:
         """The step's launches are all issued: cover them now, so that the watchdog watches the step
         from here (not only from the first wait), with the event its waits will use."""
         with self._lock:
             if self._launched > self._covers:
-                self._cover(self._launched, request)
+                self._cover(self._launched)
 
     def close(self) -> None:
         """The schedule ends: the last event goes back to the watchdog's retirement."""
@@ -100,13 +97,13 @@ class StreamCompletion:
 class Covered:
     """One launch's completion: ``wait(stream)`` makes ``stream`` wait for it, ``done()`` asks."""
 
-    __slots__ = ("_completion", "seq", "request")
+    __slots__ = ("_completion", "seq")
 
-    def __init__(self, completion: StreamCompletion, seq: int, request: Any) -> None:
-        self._completion, self.seq, self.request = completion, seq, request
+    def __init__(self, completion: StreamCompletion, seq: int) -> None:
+        self._completion, self.seq = completion, seq
 
     def wait(self, stream: int) -> None:
-        self._completion.wait(self.seq, stream, self.request)
+        self._completion.wait(self.seq, stream)
 
     def done(self) -> bool:
-        return self._completion.done(self.seq, self.request)
+        return self._completion.done(self.seq)

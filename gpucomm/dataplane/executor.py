@@ -236,7 +236,7 @@ class Executor:
         """A fixed schedule's launches so far get their done event now (one per stream), watched from
         here: at the end of backward, and again when the step ends if more were launched since."""
         for completion in list(self._completions.values()):
-            completion.seal(completion.last_request)
+            completion.seal()
 
     def close(self) -> None:
         """Hand the last done events back (the executor's schedule or job ends)."""

@@ -64,6 +64,7 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None,
     listener = None
     try:
         single_gpu = devices.single_gpu_test_enabled(env)
+        in_use = devices.device_in_use()  # the script's choice, before pinning may start CUDA itself
         pinned = _pin_gpu(client, server, prefix, world, record, single_gpu, start_timeout)
         steps.done(f"device chosen: {pinned or 'CPU'}")
         choice = _record_cpu_operations(transport, client, server, prefix, world, record, start_timeout)
@@ -96,7 +97,7 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None,
     try:
         job = Job(world, client, server, prefix, timeout, cpu, pinned, hosts, cross_rank, cross_size, control,
                   links, static_sets, dynamic_sets, elastic_round,
-                  new_workers_joined=joined is not None and joined.new_workers)
+                  new_workers_joined=joined is not None and joined.new_workers, caller_gpu=in_use)
     except BaseException:
         if listener is not None:
             listener.close()

@@ -71,6 +71,7 @@ class Job:
     dynamic_sets: bool = False
     elastic_round: int = 0  # the launcher's round this job is (elastic mode), else 0
     new_workers_joined: bool = False  # the round (or one since this worker's last) added workers without the state
+    caller_gpu: int | None = None  # the GPU current where hvd.init() was called, if the script had started CUDA
     plane: Controller | OneRankPlane = field(init=False)
     data: DataPlane = field(init=False)  # the data plane: communicators, CUDA events, watchdog, issue orders
     groups: dict[int, Group] = field(init=False)
@@ -94,11 +95,10 @@ class Job:
             self.groups[set_id] = self.data.register(self._group(set_id, ranks))
         self._coordinator = None
         self._negotiated = size > 1
-        # without a pinned GPU (no NVML): the device current here, on the thread building the job (or, when
-        # none is, the GPU of the first CUDA tensor or parameter handed in: ``check_gpu``)
+        # without a pinned GPU (no NVML): the device the script had current at hvd.init() (or, when it had
+        # none, the GPU of the first CUDA tensor or parameter handed in: ``check_gpu``)
         self._gpu_lock = threading.Lock()
-        self._seen_gpu: int | None = None
-        self.adopt_caller_gpu()
+        self._seen_gpu: int | None = self.caller_gpu if self.device is None else None
         self._gpu_index: int | None = None  # this rank's GPU as the data plane numbers it (``check_gpu``)
         self._execute = self.data.executor(self.group)
         if size == 1:
@@ -211,12 +211,15 @@ class Job:
         if controller is not None:
             controller.report_failure(text)
 
-    def select_device(self) -> None:
-        """Make this rank's GPU current in the calling thread (no-op on a CPU rank). Every thread of
-        gpucomm that touches CUDA calls this first."""
+    def select_device(self) -> bool:
+        """Make this rank's GPU current in the calling thread; False where it is not known (yet: a rank
+        with none pinned adopts one later, ``check_gpu``). Every thread of gpucomm that touches CUDA
+        calls this first; one that lives on asks again until it is True."""
         ordinal = self._gpu_of_rank()
-        if ordinal is not None:
-            devices.select_device(ordinal)
+        if ordinal is None:
+            return False
+        devices.select_device(ordinal)
+        return True
 
     def check_gpu(self, device: torch.device, what: Callable[[], str]) -> None:
         """Raise ``ValueError`` when ``device`` is a GPU other than this rank's: the job's NCCL

@@ -268,10 +268,10 @@ def rebased_layout(base: Layout, direction: str, tensors: Sequence[torch.Tensor]
         return base
     rows = plan.rebase(table.rows, column, addrs, itemsize)
     finite = base.finite
-    if finite is not None:  # its own flags (a launch of the old layout may still be in flight); the same row map.
-        # Made before the table: its ready event then covers their zeroing on a stream that waits on it
-        with stream_context(stream if device.type == "cuda" else None):
-            finite = RowFlags(torch.zeros_like(finite.flags), finite.row_tensor, finite.count, finite.slot_dtype)
+    if finite is not None:  # its own flags (a launch of the old layout may still be in flight) and row map, both
+        # made on ``stream`` before the table: its ready event covers them for a stream that waits on it, and
+        # ``use_on`` keeps them alive there (the old row map was uploaded on the old stream, ordered with nothing)
+        finite = _row_flags(plan.numels, len(plan.tensor), device, stream, finite.slot_dtype)
     new_table = Table(rows, table.grid, device, stream, staging=base.staging)
     launch = _launch.Launch(base.spec, new_table.address, new_table.nrows, new_table.grid, base.scale, device,
                             flags_address=finite.flags.data_ptr() if finite is not None else 0)

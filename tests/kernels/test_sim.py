@@ -597,3 +597,27 @@ def test_bucket_copy_checked_kernels_and_torch_fallback_agree(src, wire, monkeyp
         results[kernels_on] = (flat, float(out))
     assert results[True][1] == results[False][1] == 4.0
     assert_same_bits(results[True][0], results[False][0])
+
+
+def test_a_checked_layout_rebased_onto_a_table_of_its_own_gets_its_own_row_map(monkeypatch):
+    """A review's finding: a rebase that cannot write over its table (another stream read it) made a new table
+    but kept the old layout's row map, uploaded on the old stream: a stream waiting on the new table's ready
+    event was not ordered after that upload, nor kept it alive. The new layout now has its own flags and row
+    map, made on its stream before its table (and so covered by its ready event), equal to the old ones."""
+    from gpucomm.kernels.bound import BoundCopy
+
+    copy = BoundCopy("pack", 1.0, checked=True)
+    flat, out = torch.zeros(2 * CHUNK + 7), torch.full((1,), -1.0)
+    srcs = [torch.randn(n) for n in (CHUNK + 4, 3, CHUNK)]
+    copy(srcs, flat, check_out=out)  # binds the layout (checked in full)
+    base = copy._layout
+    monkeypatch.setattr(table.Table, "rewritable", lambda self, stream: False)  # as if read on another stream
+    fresh = [t.clone() for t in srcs]
+    fresh[1][0] = float("inf")
+    copy(fresh, flat, check_out=out)
+    rebased = copy._layout
+    assert rebased is not base and rebased.table is not base.table
+    assert rebased.finite.row_tensor is not base.finite.row_tensor and rebased.finite.flags is not base.finite.flags
+    assert torch.equal(rebased.finite.row_tensor, base.finite.row_tensor)
+    assert float(out) == 2.0 and torch.equal(flat.view(torch.int32), torch.cat(fresh).view(torch.int32))
+    assert not rebased.finite.flags.any()  # the finisher cleared them for the next pack
