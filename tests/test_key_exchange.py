@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import datetime
+import json
 import textwrap
+import threading
 
 import pytest
 
+from gpucomm.bootstrap.arrival import torch_store_rendezvous
 from gpucomm.bootstrap.key_exchange import KeyPair, SealError, seal, unseal
+from gpucomm.bootstrap.placement import Placement
+from gpucomm.bootstrap.world import World
 from gpucomm.backends.base import torch_at_least
-from tests.harness import PYTHON, ROOT, launcher_cmd, run, write_script
+from gpucomm.errors import GpucommError
+from tests.harness import PYTHON, ROOT, free_port, launcher_cmd, run, write_script
 from tests.test_launchers import _torchrun
 
 
@@ -100,3 +107,56 @@ def test_a_secret_on_some_ranks_only_is_an_error_not_a_hang(tmp_path):
     assert "RANK 1 ERROR rank 1 has GPUCOMM_SECRET set and rank 0 does not" in r.stdout, r.stdout + r.stderr
     assert "RANK 0 ERROR rank 1 has GPUCOMM_SECRET set and rank 0 does not" in r.stdout, r.stdout + r.stderr
     assert r.leftovers == []
+
+
+def test_rank0_serving_torchruns_store_keeps_it_until_the_others_have_read_the_mismatch(monkeypatch):
+    """torch 2.1's torchrun leaves its store to rank 0's process. Rank 0, finding a secret on rank 1 only, must
+    keep serving the store until rank 1 has read why; it used to raise at once, and rank 1, whose read raced the
+    store's end, failed with "Connection reset by peer" instead (seen in CI)."""
+    import torch.distributed as dist
+
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    port = free_port()
+    rank0 = World(Placement("here", 0, 2, 0, 2, 0, 1), "torchrun", "127.0.0.1", port, False, True, None, "random",
+                  "job")
+    raised: list[BaseException] = []
+
+    def serve():
+        try:
+            torch_store_rendezvous(rank0, 0, 30.0)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            raised.append(e)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=30))
+    base = "gpucomm/job/r0/g0"
+    store.set(f"{base}/public/1", "env")  # what a rank with GPUCOMM_SECRET set publishes instead of a key
+    store.wait([f"{base}/rendezvous"], datetime.timedelta(seconds=30))
+    thread.join(1.0)
+    assert thread.is_alive() and not raised, raised  # still serving: rank 1 has not read the rendezvous yet
+    assert json.loads(store.get(f"{base}/rendezvous")) == {"error": "rank 1 has GPUCOMM_SECRET set"}
+    store.set(f"{base}/read/1", "1")
+    thread.join(30.0)
+    assert not thread.is_alive()
+    assert len(raised) == 1 and isinstance(raised[0], GpucommError), raised
+    assert "rank 1 has GPUCOMM_SECRET set and rank 0 does not" in str(raised[0])
+
+
+def test_a_rank_that_cannot_read_torchruns_store_says_why(monkeypatch):
+    """Rank 0 never publishes (it failed, or never started): rank 1's read ends after the start timeout with an
+    error that names the store and where rank 0's own error is, not torch's bare store error."""
+    import torch.distributed as dist
+
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    port = free_port()
+    served = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=datetime.timedelta(seconds=30),
+                           wait_for_workers=False)
+    rank1 = World(Placement("here", 1, 2, 1, 2, 0, 1), "torchrun", "127.0.0.1", port, False, True, None, "random",
+                  "job")
+    with pytest.raises(GpucommError, match="rank 1 could not read the job's rendezvous from torchrun's store") as e:
+        torch_store_rendezvous(rank1, 0, 1.0)
+    assert "GPUCOMM_START_TIMEOUT" in str(e.value) and "--tee 3" in str(e.value)
+    del served

@@ -71,6 +71,11 @@ def torch_store_rendezvous(world: World, gen: int, start_timeout: float):
                 if theirs == _FROM_ENV:
                     store.set(f"{base}/rendezvous", json.dumps({"error": f"rank {r} has GPUCOMM_SECRET set"}))
                     server.close()
+                    if not agent_store:  # the store dies with this process: let the others read the error first
+                        try:
+                            _wait_until_read(store, base, world.size, start_timeout)
+                        except RuntimeError:  # a rank that never came: the error below says what went wrong
+                            pass
                     raise GpucommError(_secret_mismatch(f"rank {r} has GPUCOMM_SECRET set and rank 0 does not"))
                 store.set(f"{base}/sealed/{r}", seal(secret, mine.shared_key(theirs, _context(base, r))))
         store.set(f"{base}/rendezvous", json.dumps(info))
@@ -78,8 +83,7 @@ def torch_store_rendezvous(world: World, gen: int, start_timeout: float):
             # an older torchrun (seen: torch 2.1) leaves the store to rank 0 (TORCHELASTIC_USE_AGENT_STORE=False):
             # it lives in this process and ends with ``store``, so wait until every rank has read it
             try:
-                store.wait([f"{base}/read/{r}" for r in range(1, world.size)],
-                           datetime.timedelta(seconds=start_timeout))
+                _wait_until_read(store, base, world.size, start_timeout)
             except RuntimeError as e:
                 server.close()
                 raise GpucommError(f"rank 0 serves torchrun's store (this torch's torchrun does not), and not every "
@@ -88,11 +92,29 @@ def torch_store_rendezvous(world: World, gen: int, start_timeout: float):
         return server, host, server.port, secret
     try:
         return _read_torch_store_rendezvous(world, store, base)
+    except GpucommError:
+        raise
+    except RuntimeError as e:  # torch's store errors: the store went away, or rank 0 never published
+        where = "rank 0's process" if not agent_store else "torchrun's agent"
+        raise GpucommError(
+            f"rank {world.rank} could not read the job's rendezvous from torchrun's store at "
+            f"{world.rendezvous_addr}:{world.rendezvous_port} ({e}). That store is served by {where}; likely "
+            f"causes: rank 0 failed or ended before this rank read it, or did not start within {start_timeout:g} s "
+            f"(GPUCOMM_START_TIMEOUT). Rank 0's error, if it failed, is in {_RANK0_OUTPUT['torchrun']}.") from None
     finally:
         try:
             store.set(f"{base}/read/{world.rank}", "1")  # rank 0 may stop serving the store now
         except RuntimeError:  # the store is gone: the read above has already said why
             pass
+
+
+def _wait_until_read(store, base: str, size: int, timeout: float) -> None:
+    """Rank 0, serving torchrun's store itself (torch 2.1's torchrun): block until every other rank
+    has read the rendezvous key, so that the store does not end with this process before they have.
+    Raises ``RuntimeError`` (torch's) after ``timeout`` seconds."""
+    import datetime
+
+    store.wait([f"{base}/read/{r}" for r in range(1, size)], datetime.timedelta(seconds=timeout))
 
 
 def _read_torch_store_rendezvous(world: World, store, base: str):
