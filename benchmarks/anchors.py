@@ -81,7 +81,7 @@ def reducer_line(record: Mapping[str, Any]) -> str | None:
 COUNTERS = ("collectives", "bytes", "control_rounds", "negotiated", "cache_hits", "inline_reductions", "inline_moves",
             "gloo_collectives", "mpi_collectives", "schedule_steps", "issue_deferred", "kernel_fallbacks",
             "cuda_events_created", "grad_bucket_views", "grad_bucket_packs",
-            "grad_bucket_unpacks", "cuda_event_records", "cuda_stream_waits", "cuda_event_queries", "sync_fast_ops",
+            "grad_bucket_unpacks", "grad_steps_by_order", "grad_order_changes", "cuda_event_records", "cuda_stream_waits", "cuda_event_queries", "sync_fast_ops",
             "local_ops")
 REDUCER_EVIDENCE = ("schedule_steps", "collectives", "grad_bucket_views", "grad_bucket_packs", "local_ops")
 

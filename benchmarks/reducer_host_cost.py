@@ -1,5 +1,6 @@
 """The reducer's own host cost per training step: gpucomm's DistributedOptimizer beside DDP at its defaults,
-DDP at its best and no communication at all, on a model whose backward costs almost nothing, so that what
+DDP at its best and no communication at all (and gpucomm with a Python hook per gradient, as before its hooks
+by arrival order: ``GPUCOMM_HOOKS_BY_ARRIVAL_ORDER=0``), on a model whose backward costs almost nothing, so that what
 each variant adds over the floor is its per-parameter and per-bucket host work (hooks, bucket launches, the
 step's waits and writes) and not the model's compute or the bytes moved.
 
@@ -68,6 +69,19 @@ class ParamBank(torch.nn.Module):
         return x * torch.stack([p.sum() for p in self.params._parameters.values()]).sum()
 
 
+PER_GRADIENT = "gpucomm-hook-per-grad"  # gpucomm with a Python hook per gradient (GPUCOMM_HOOKS_BY_ARRIVAL_ORDER=0)
+
+
+def per_gradient_hooks(hvd: Any, opt: torch.optim.Optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """gpucomm's DistributedOptimizer keeping a Python hook per gradient (as before hooks by arrival order):
+    the same reducer, so the difference to the ``gpucomm`` row is what those hooks cost."""
+    os.environ["GPUCOMM_HOOKS_BY_ARRIVAL_ORDER"] = "0"
+    try:
+        return hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    finally:
+        del os.environ["GPUCOMM_HOOKS_BY_ARRIVAL_ORDER"]
+
+
 def resnet50_sizes(scale: int) -> list[int]:
     """ResNet-50's parameter sizes in its order, each divided by ``scale`` (at least 1 element)."""
     import models  # noqa: PLC0415 - examples/models.py: torchvision's ResNet-50 or the examples' own
@@ -90,15 +104,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     sizes = resnet50_sizes(args.scale)
     base = ParamBank(sizes)
-    names = [anchors.GPUCOMM, *anchors.ANCHORS]
+    names = [anchors.GPUCOMM, PER_GRADIENT, *anchors.ANCHORS]
     models = dict(zip(names, copies(base, len(names), device)))
     steps: dict[str, Any] = {}
     for name, model in models.items():
         if name in anchors.DDP_KINDS:
             model = build_ddp(model, name, device)
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-        if name == anchors.GPUCOMM:
-            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        if name in (anchors.GPUCOMM, PER_GRADIENT):
+            opt = per_gradient_hooks(hvd, opt, model) if name == PER_GRADIENT else \
+                hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
         x = torch.ones(1, device=device)
 
         def step(model=model, opt=opt, x=x) -> None:
@@ -135,11 +150,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                           "added_wall_ms": (w - floor_wall) * 1e3, "added_cpu_ms": (c - floor_cpu) * 1e3}
     share = {kind: ratio(variants[anchors.GPUCOMM]["added_wall_ms"], variants[kind]["added_wall_ms"])
              for kind in anchors.DDP_KINDS}
+    share_per_gradient = {kind: ratio(variants[PER_GRADIENT]["added_wall_ms"], variants[kind]["added_wall_ms"])
+                          for kind in anchors.DDP_KINDS}
     reducer = anchors.reducer_record(ranks, args.one_rank_reducer == "on", counts)
     doc = {"schema": SCHEMA, "tool": "reducer_host_cost", "ranks": ranks, "device": str(device),
            "torch": torch.__version__, "parameters": len(sizes), "elements": sum(sizes), "scale": args.scale,
            "rounds": args.rounds, "steps_per_round": args.steps_per_round, "warmup": args.warmup,
            "round_orders": orders, "variants": variants, "gpucomm_added_over_ddp_added": share,
+           "per_gradient_hooks_added_over_ddp_added": share_per_gradient,
            "target_added_ratio": anchors.TARGET_ADDED_RATIO, "reducer": reducer,
            "counters_per_step": {k: v / (args.rounds * args.steps_per_round) for k, v in counts.items() if v}}
     if hvd.rank() == 0:
@@ -152,7 +170,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{v['label']:24s} {v['wall_ms']:9.3f} {v['cpu_ms']:9.3f} {v['added_wall_ms']:11.3f} "
                   f"{v['added_cpu_ms']:10.3f}")
         print("gpucomm's added wall time / DDP's: " + ", ".join(f"{k} {fmt(share[k], '.2f')}" for k in anchors.DDP_KINDS)
-              + f" (issue 35's target against ddp-best: <= {anchors.TARGET_ADDED_RATIO})")
+              + f" (issue 35's target against ddp-best: <= {anchors.TARGET_ADDED_RATIO}); with a hook per gradient: "
+              + ", ".join(f"{k} {fmt(share_per_gradient[k], '.2f')}" for k in anchors.DDP_KINDS))
         line = anchors.reducer_line(reducer)
         if line:
             print(line)

@@ -37,6 +37,8 @@ class Counters:
     grad_bucket_views: int = 0  # gradient buckets launched with every gradient already in the buffer (no copy)
     grad_bucket_packs: int = 0  # gradient buckets packed into their fusion buffer at launch (a copy)
     grad_bucket_unpacks: int = 0  # gradient buckets unpacked out of their fusion buffer (a copy)
+    grad_steps_by_order: int = 0  # optimizer steps launched by one Python hook per bucket (its last gradient's in a recorded order)
+    grad_order_changes: int = 0  # ... steps in which that order did not hold (launched at synchronize; the order is recorded again)
     sync_fast_ops: int = 0  # synchronous CUDA ops launched on the caller's own stream (no comm stream, no event round trip)
     local_ops: int = 0  # collectives of a one-rank job computed in place or as a copy (no backend call)
     warmup_steps: int = 0  # zero-filled passes of an optimizer's layout at a collective point (NCCL connects lazily)

@@ -268,6 +268,11 @@ ZERO_GRAD_KEEPS_VIEWS = flag("GPUCOMM_ZERO_GRAD_KEEPS_VIEWS", default="off",
                              help="Let zero_grad(set_to_none=True) zero the gradients that live in their buckets "
                                   "instead of freeing them: backward then accumulates into the buckets and no "
                                   "bucket packs (on a GPU: no copy kernel and no table per bucket and step).")
+HOOKS_BY_ARRIVAL_ORDER = flag("GPUCOMM_HOOKS_BY_ARRIVAL_ORDER", default="on",
+                              help="Once a step's gradients came in an order, give a Python hook only to each "
+                                   "bucket's last one (the others' hooks are C calls, counted when it comes); "
+                                   "a step in another order is launched at synchronize and the order recorded "
+                                   "again (off: a Python hook per gradient).")
 ONE_RANK_REDUCER = flag("GPUCOMM_ONE_RANK_REDUCER", default="off",
                         help="Run DistributedOptimizer's full schedule in a one-rank job too, to measure the "
                              "reducer's own cost.")
@@ -367,7 +372,8 @@ __all__ = ["DEFAULT_LIVENESS_S", "DEFAULT_TIMEOUT_S", "MAX_SECONDS", "MAX_SPIN_U
            "flag", "integer", "number", "seconds", "settings_problems", "text", "START_TIMEOUT", "TIMEOUT",
            "CYCLE_TIME_MS", "CACHE_CAPACITY", "STALL_CHECK_SECONDS", "STALL_SHUTDOWN_SECONDS", "STALL_CHECK_DISABLE",
            "INLINE_BYTES", "LIVENESS_TIMEOUT", "SPIN_US", "DEADLOCK_CHECK", "STORE_MAX_BYTES", "FUSION_THRESHOLD",
-           "FUSION_FIRST_BUCKET", "FUSION_BY_READINESS", "FUSION_KERNELS", "GRADIENT_VIEWS", "ZERO_GRAD_KEEPS_VIEWS", "ONE_RANK_REDUCER",
+           "FUSION_FIRST_BUCKET", "FUSION_BY_READINESS", "FUSION_KERNELS", "GRADIENT_VIEWS", "ZERO_GRAD_KEEPS_VIEWS", "HOOKS_BY_ARRIVAL_ORDER",
+           "ONE_RANK_REDUCER",
            "CHECK_FINITE", "AUTOTUNE", "AUTOTUNE_LOG", "AUTOTUNE_WARMUP_SAMPLES", "AUTOTUNE_STEPS_PER_SAMPLE",
            "TIMELINE", "TIMELINE_MARK_CYCLES", "LOG_LEVEL", "LOG_TIMESTAMP", "CPU_AFFINITY", "SINGLE_GPU_TEST", "GLOO_IFACE",
            "CPU_OPERATIONS", "ISSUE_ORDER", "KERNEL_LAUNCH", "NUMBA_COMPAT", "DYNAMIC_PROCESS_SETS",

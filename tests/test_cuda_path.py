@@ -67,23 +67,28 @@ def test_a_synchronous_op_runs_on_the_callers_stream_with_no_event_round_trip():
         assert asynchronous["cuda_event_records"] == 40 and asynchronous["cuda_stream_waits"] == 40, asynchronous
 
 
-@pytest.mark.parametrize("views,set_to_none,keep", [("1", True, "0"), ("1", False, "0"), ("0", True, "0"),
-                                                    ("1", True, "1")])
-def test_a_training_step_on_the_cuda_path(views, set_to_none, keep):
+@pytest.mark.parametrize("views,set_to_none,keep,order", [("1", True, "0", "1"), ("1", False, "0", "1"),
+                                                          ("0", True, "0", "1"), ("1", True, "1", "1"),
+                                                          ("1", True, "0", "0")])
+def test_a_training_step_on_the_cuda_path(views, set_to_none, keep, order):
     """Gradients end up living in the buckets: nothing is ever unpacked; with
     ``zero_grad(set_to_none=False)`` they are zeroed in place and nothing is packed either; with the
     default each bucket packs the fresh gradients once, unless GPUCOMM_ZERO_GRAD_KEEPS_VIEWS=1 makes
     the default zero them in place too. Every step makes one ready event per bucket and one done
     event, one comm-stream wait per bucket and one wait of the caller's stream. With
     GPUCOMM_GRADIENT_VIEWS=0 every step packs and unpacks each bucket once (the fusion kernels on a
-    GPU) and completes the same way."""
-    env = {**SMALL_BUCKETS, "GPUCOMM_ZERO_GRAD_KEEPS_VIEWS": keep}
+    GPU) and completes the same way. From the second step on, only each bucket's last gradient has a
+    Python hook (the others' are C calls), unless GPUCOMM_HOOKS_BY_ARRIVAL_ORDER=0."""
+    env = {**SMALL_BUCKETS, "GPUCOMM_ZERO_GRAD_KEEPS_VIEWS": keep, "GPUCOMM_HOOKS_BY_ARRIVAL_ORDER": order}
     in_place = views == "1" and (not set_to_none or keep == "1")
     for rank, seen in enumerate(run_ranks(sc.training_steps, 2, args=(6, views, set_to_none), env=env)):
         buckets = seen["buckets"]
         assert buckets > 1 and seen["diff"] <= 1e-5, (rank, seen)
         assert seen["kinds"] == (["ViewBucket"] if views == "1" else ["FusedBucket"]), seen["kinds"]
-        for step in seen["per_step"][1:]:  # the first binds the views
+        # the first step binds the views and records the order of the gradients; then, by that order
+        assert [step["grad_steps_by_order"] for step in seen["per_step"]] == [0] + [int(order)] * 5, seen
+        assert all(step["grad_order_changes"] == 0 for step in seen["per_step"]), seen
+        for step in seen["per_step"][1:]:
             assert step["control_rounds"] == 0 and step["collectives"] == buckets, (rank, step)
             assert step["cuda_event_records"] == buckets + 1, (rank, step)
             assert step["cuda_stream_waits"] == buckets + 1, (rank, step)
@@ -98,6 +103,8 @@ def test_a_training_step_on_the_cuda_path(views, set_to_none, keep):
         if views == "1":
             assert seen["grads_are_views"], rank  # after the last step's reduction
         assert seen["watched_after_backward"] >= 1, seen  # the watchdog sees the step before step() waits
+        # one Python hook per gradient, or (by order) per bucket
+        assert seen["by_order"] == (order == "1") and seen["hooks"] == (buckets if order == "1" else seen["params"])
         assert seen["hooks"] > 0 and seen["hook_calls"] <= MAX_CALLS_PER_HOOK, seen
         # the hook itself (before its bucket's index work): a few calls of gpucomm's; and neither it nor a
         # bucket launch calls another library's Python (a parameter used as a dict key calls torch's

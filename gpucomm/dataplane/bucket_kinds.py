@@ -244,6 +244,27 @@ class ViewBucket(Bucket):
         self.arrived_now[j] = True
         self.arrivals += 1
 
+    def _copy_all_in(self) -> bool:
+        """(CPU, at launch, no gradient taken yet: hooks by arrival order leave them all to the launch)
+        Every gradient into its slot in one ``_foreach_copy_`` when each is a dense tensor of its own
+        (not its view already, not missing) and no scale applies; False (nothing done) otherwise."""
+        if self.scale != 1.0 or _FOREACH_COPY is None:
+            return False
+        views = self.views
+        grads = [p.grad for p in self.params]
+        for g, view in zip(grads, views):
+            if g is None or g is view or g.is_sparse:
+                return False
+        if not all(p.requires_grad for p in self.params):
+            return False
+        self.in_flight = []
+        _FOREACH_COPY(views, grads)
+        n = len(views)
+        self.arrived_now = [True] * n
+        self.arrivals = n
+        self.copied_now = True
+        return True
+
     def fill(self) -> list[torch.Tensor]:
         # no grad-mode context needed: neither the buffer nor a gradient requires grad
         if self.full is None:
@@ -254,9 +275,10 @@ class ViewBucket(Bucket):
         checked = False  # the finite check's slot written by the pack itself
         if self.early:
             if self.arrivals < len(self.params):  # the gradients whose hooks did not fire (zeros if they have none)
-                for j, p in enumerate(self.params):
-                    if not self.arrived_now[j]:
-                        self.arrived(p, j, p.grad)
+                if self.arrivals or not self._copy_all_in():
+                    for j, p in enumerate(self.params):
+                        if not self.arrived_now[j]:
+                            self.arrived(p, j, p.grad)
             self.bound = not self.copied_now
             if self.bound:
                 COUNTERS.grad_bucket_views += 1
@@ -440,6 +462,7 @@ class CompressedBucket(Bucket):
 
 
 VIEW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)  # one dispatch for a bucket's copies (torch >= 2.1)
 
 
 def bucket_kind(plan: fusion.Bucket, wire: torch.dtype | None, settings: BucketSettings) -> type[Bucket]:

@@ -1,6 +1,7 @@
 """The reducer: a DistributedOptimizer's gradient buckets on their fixed schedule.
 
-A gradient hook does index work only (``gradient_ready``: one count down); when a bucket is
+A gradient hook does index work only (``gradient_ready``: one count down; or, hooked by arrival
+order, a C call that notes the arrival, and one Python hook per bucket: ``last_arrived``); when a bucket is
 complete and every earlier bucket has been launched, the bucket's allreduce is launched on the
 optimizer's own ``Schedule``, strictly in bucket order: its gradients are already in its fusion
 buffer when they live there (``bucket_kinds.ViewBucket``), else packed in one pass (scaled, and
@@ -81,6 +82,13 @@ class GradientBuckets:
         self._sizes = [len(b.params) for b in self.buckets]
         self._pending = list(self._sizes)  # gradients each bucket still waits for this step
         self._next = 0
+        # Arrival order (the optimizer's choice, ``by_order``): only the gradient that came last to each bucket
+        # in a recorded step has a Python hook (``last_arrived``); the others' hooks are their bucket's
+        # ``arrivals.append`` (a C call: no Python frame), counted when that last one comes.
+        self.arrivals: list[list[torch.Tensor]] = [[] for _ in self.buckets]
+        self.by_order = False
+        self._last: list[int | None] = [None] * len(self.buckets)  # (per-gradient hooks) who completed each bucket
+        self._fired = [0] * len(self.buckets)  # (by order) how often each bucket's last hook fired this step
         self._in_backward = False
         self._pending_checks: list[tuple[int, list[int], Any]] = []  # finite slots on their way to the host
 
@@ -113,8 +121,10 @@ class GradientBuckets:
             bucket.arrived(p, j, g)
         pending = self._pending
         pending[k] -= 1
-        if k == self._next and not pending[k]:
-            self.launch_ready()
+        if not pending[k]:
+            self._last[k] = j
+            if k == self._next:
+                self.launch_ready()
 
     def launch_ready(self) -> None:
         """Launch every complete bucket whose predecessors are launched (hooks call this)."""
@@ -122,6 +132,58 @@ class GradientBuckets:
         while self._next < len(buckets) and not pending[self._next]:
             self._launch(buckets[self._next])
             self._next += 1
+
+    # -- hooks by arrival order ------------------------------------------------------------------
+    def arrival_order(self) -> list[int] | None:
+        """(after a step of per-gradient hooks, before ``reset``) Which parameter's gradient completed each
+        bucket (its index in the bucket), or None when some bucket was not completed by its hooks (a
+        gradient that did not come: an unused parameter, ``no_sync``, a hook run by hand)."""
+        last = self._last
+        return None if None in last else list(last)
+
+    def last_arrived(self, k: int) -> bool:
+        """(by order: the hook of bucket ``k``'s last gradient in the recorded order) Launch, in bucket
+        order, every bucket whose last gradient has come and whose other gradients all have
+        (``arrivals``); a bucket whose others have not (the order changed) waits for ``launch_rest``.
+        False when this hook fired twice in the step."""
+        fired = self._fired
+        fired[k] += 1
+        if fired[k] > 1:
+            return False
+        buckets, arrivals, sizes = self.buckets, self.arrivals, self._sizes
+        while self._next < len(buckets):
+            n = self._next
+            if not fired[n] or len(arrivals[n]) != sizes[n] - 1:
+                break
+            self._launch(buckets[n])
+            self._next = n + 1
+        return True
+
+    def arrival_verdict(self) -> str:
+        """(by order, before ``launch_rest``) ``"kept"``: every bucket was launched by its last hook with
+        each of its other gradients come once; ``"changed"``: some bucket was not (the order of
+        backward changed, or a gradient did not come); ``"twice"``: some gradient came twice this
+        step (backward ran twice, as ``backward_passes_per_step`` forbids); ``"raised"``: a last hook
+        fired twice, and said so then."""
+        if any(fired > 1 for fired in self._fired):
+            return "raised"
+        for k, got in enumerate(self.arrivals):
+            if len(got) > self._sizes[k] - 1 or len(set(map(id, got))) != len(got):
+                return "twice"
+        return "kept" if self._next == len(self.buckets) else "changed"
+
+    def arrivals_pending(self) -> bool:
+        """(by order) Some gradient came since the step's reset (what a per-gradient hook's flag says)."""
+        return any(self.arrivals) or any(self._fired)
+
+    def mark_arrivals(self) -> list[int]:
+        """How many arrivals each bucket holds now (``no_sync`` drops those after its mark)."""
+        return [len(got) for got in self.arrivals]
+
+    def drop_arrivals_since(self, marks: list[int]) -> None:
+        """Forget the arrivals after ``marks`` (gradients accumulated locally inside ``no_sync``)."""
+        for got, mark in zip(self.arrivals, marks):
+            del got[mark:]
 
     def launch_rest(self) -> None:
         """Launch the buckets still waiting for gradients (missing ones count as zeros)."""
@@ -214,6 +276,12 @@ class GradientBuckets:
             bucket.reset()
         self._pending[:] = self._sizes
         self._next = 0
+        n = len(self.buckets)
+        self._last = [None] * n
+        if self.by_order:
+            for got in self.arrivals:
+                got.clear()
+            self._fired = [0] * n
         self.end_backward()
 
     def release(self) -> None:

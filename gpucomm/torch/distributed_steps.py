@@ -63,6 +63,7 @@ class DistributedSteps(torch.optim.Optimizer):
         self._should_synchronize = True
         self._local_only = False
         self._hooks: dict[torch.Tensor, Any] = {}
+        self._by_order = False  # hooked by arrival order (``gradient_hooks``): one Python hook per bucket
         self._lock = threading.Lock()  # hooks of CPU and CUDA parameters run on different autograd threads
         self._job_ref: Any = None
         self._schedule: Any = None
@@ -86,6 +87,7 @@ class DistributedSteps(torch.optim.Optimizer):
         order, and write the averaged gradients into ``p.grad``."""
         if self._reduce_step():
             self._settle_step()
+            self._settle_hooks()
 
     def _reduce_step(self) -> bool:
         """The reduction part of ``synchronize``: False for a one-rank job (nothing to reduce)."""
@@ -105,8 +107,13 @@ class DistributedSteps(torch.optim.Optimizer):
         try:
             reports = self._buckets.finish(self._steps + 1)
             self._sparse.finish()
+            order = None if self._by_order else self._buckets.arrival_order()
+            self._recorded_order = (self._buckets, order) if order is not None else None
         finally:
+            verdict = self._order_verdict
             self._reset_step()
+        if verdict is not None:
+            self._order_held(verdict)
         COUNTERS.schedule_steps += 1
         self._steps += 1
         if self._powersgd is not None:
@@ -144,6 +151,7 @@ class DistributedSteps(torch.optim.Optimizer):
         self._sparse.reset()
         self._delay = dict.fromkeys(self._delay, self._passes)
         self._step_opened = False
+        self._order_verdict = None
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's, then the new parameters are averaged as the others: they join the agreed layout at the
@@ -182,7 +190,8 @@ class DistributedSteps(torch.optim.Optimizer):
         buffer again with no copy at all (DDP's ``gradient_as_bucket_view``). With
         ``GPUCOMM_ZERO_GRAD_KEEPS_VIEWS=1`` the default does the same for those gradients: they stay
         their views, zeroed, instead of becoming None."""
-        if self._hooked or self._buckets.in_flight or self._sparse.in_flight:
+        if self._hooked or self._buckets.in_flight or self._sparse.in_flight or \
+                (self._by_order and self._buckets.arrivals_pending()):
             raise AssertionError(ZERO_GRAD_ERROR)
         self._settle_parameters()
         kept = self._buckets.zero_views(set_to_none)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..settings import AUTOTUNE, FUSION_BY_READINESS, ONE_RANK_REDUCER
+from ..settings import AUTOTUNE, FUSION_BY_READINESS, HOOKS_BY_ARRIVAL_ORDER, ONE_RANK_REDUCER
 from . import finite_check
 from .autotune import Autotuner, AutotuneSettings
 from .collectives import barrier
@@ -62,6 +62,12 @@ class JobBinding:
             for hook in self._hooks.values():
                 hook.remove()
             self._hooks.clear()
+            self._by_order = False
+        # hooks by arrival order (``gradient_hooks``): allowed, and how often the order failed to hold
+        self._order_allowed = HOOKS_BY_ARRIVAL_ORDER.read(None, True)
+        self._order_changes = 0
+        self._recorded_order: tuple[Any, list[int]] | None = None
+        self._order_verdict: str | None = None
         self._sparse = SparseGradients(self._params, self._parameter_names, self._op, self._process_set,
                                        self._sparse_as_dense,
                                        f"DistributedOptimizer.sparse.{getattr(self._schedule, 'number', 0)}",

@@ -88,12 +88,15 @@ class SharedSteps:
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Average every ``passes`` backward passes (gradients accumulate locally in between)."""
         check_passes(passes)
-        if getattr(self, "_step_opened", False):  # (DistributedOptimizer, ZeRO: Adasum has no such step)
+        by_order = getattr(self, "_by_order", False)  # (DistributedOptimizer hooked by arrival order)
+        if getattr(self, "_step_opened", False) or (by_order and self._buckets.arrivals_pending()):
             raise ValueError(
                 f"set_backward_passes_per_step({passes}) was called after this step's gradients were handed over "
                 f"for averaging (backward() ran its last pass of the step): the count would start again for "
                 f"gradients already sent, and the next backward's would be dropped. Call it before backward() or "
                 f"after optimizer.step() (or synchronize()).")
+        if by_order and passes != 1:  # hooks by arrival order count one pass: every gradient's own hook again
+            self._hook_every_gradient()
         self._passes = passes
         self._delay = dict.fromkeys(self._delay, passes)
 

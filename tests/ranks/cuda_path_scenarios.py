@@ -130,6 +130,7 @@ class _Calls:
         self.calls: dict[str, int] = {}
         self.entries: dict[str, int] = {}
         self.foreign: dict[str, int] = {}
+        self.total = 0  # every Python call while profiling (the scoped and wrapped ones' and all others)
         self._stack: list[str] = []
         self._scopes: dict[Any, str] = {}  # code object -> name: calls inside a frame running it count for it
         self._frames: list[Any] = []  # the scoped frames open now (innermost last)
@@ -162,6 +163,7 @@ class _Calls:
             return
         if event != "call":
             return
+        self.total += 1
         code = frame.f_code
         if self._stack and code.co_name != "counted":
             self.calls[self._stack[-1]] += 1
@@ -195,8 +197,10 @@ def training_steps(steps: int = 6, views: str = "1", set_to_none: bool = True) -
             for s in range(steps):
                 last = s == steps - 1
                 if last:  # the last step: Python calls of each hook and of each bucket launch
-                    counting.scope(type(opt)._hook, "hook")
-                    counting.wrap(opt._buckets, "gradient_ready")
+                    by_order = opt._by_order  # hooked by arrival order: a Python hook per bucket only
+                    counting.scope(type(opt)._last_hook if by_order else type(opt)._hook, "hook")
+                    ready = "last_arrived" if by_order else "gradient_ready"
+                    counting.wrap(opt._buckets, ready)
                     counting.wrap(opt._buckets, "_launch")
                 before = hvd.stats()
                 x, y = batch(s)
@@ -218,17 +222,20 @@ def training_steps(steps: int = 6, views: str = "1", set_to_none: bool = True) -
                 d = _delta(before, hvd.stats())
                 per_step.append({k: d[k] for k in ("grad_bucket_views", "grad_bucket_packs", "grad_bucket_unpacks",
                                                    "cuda_event_records", "cuda_stream_waits", "cuda_events_created",
-                                                   "collectives", "control_rounds")})
+                                                   "collectives", "control_rounds", "grad_steps_by_order",
+                                                   "grad_order_changes")})
                 _reference_step(ref, ref_opt, x, y, n)
             grads_are_views = all(p.grad is v for b in opt._buckets.buckets for p, v in zip(b.params, b.views)) \
                 if kinds == ["ViewBucket"] else None
             diff = max_rel_diff(model, ref)
             result = {"kinds": kinds, "buckets": len(opt._buckets.buckets), "per_step": per_step, "diff": diff,
-                      "hook_calls": counting.per_entry("gradient_ready"), "hooks": counting.entries["gradient_ready"],
+                      "hook_calls": counting.per_entry(ready), "hooks": counting.entries[ready],
                       "hook_own_calls": counting.per_entry("hook"), "hook_entries": counting.entries["hook"],
                       "foreign_calls": dict(counting.foreign),
                       "launch_calls": counting.per_entry("_launch"), "launches": counting.entries["_launch"],
-                      "grads_are_views": grads_are_views, "watched_after_backward": watched}
+                      "grads_are_views": grads_are_views, "watched_after_backward": watched,
+                      "by_order": by_order, "backward_calls": counting.total,
+                      "params": sum(len(b.params) for b in opt._buckets.buckets)}
             hvd.shutdown()
             result["stand_in_calls"] = dict(stand_in.calls)
             return result

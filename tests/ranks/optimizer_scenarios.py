@@ -179,20 +179,26 @@ def accumulation_matches_full_batch(kind: str, steps: int = 3) -> float:
     return diff
 
 
+def no_sync_step(model: nn.Module, opt: torch.optim.Optimizer, s: int, r: int, n: int) -> None:
+    """Step ``s`` on this rank's half of the batch: a quarter accumulated inside ``no_sync`` (nothing
+    launched), the other after it, then the step."""
+    x, y = batch(s)
+    xs, ys = half(x, r, n), half(y, r, n)
+    opt.zero_grad()
+    with opt.no_sync():
+        nn.functional.mse_loss(model(half(xs, 0, 2)), half(ys, 0, 2)).div(2).backward()
+        assert all(b.handle is None for b in opt._buckets.buckets)
+    nn.functional.mse_loss(model(half(xs, 1, 2)), half(ys, 1, 2)).div(2).backward()
+    opt.step()
+
+
 def no_sync_matches_full_batch(steps: int = 3) -> float:
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     model = make_model()
     opt = hvd.DistributedOptimizer(make_opt("sgd", model.parameters()), named_parameters=model.named_parameters())
     for s in range(steps):
-        x, y = batch(s)
-        xs, ys = half(x, r, n), half(y, r, n)
-        opt.zero_grad()
-        with opt.no_sync():
-            nn.functional.mse_loss(model(half(xs, 0, 2)), half(ys, 0, 2)).div(2).backward()
-            assert all(b.handle is None for b in opt._buckets.buckets)
-        nn.functional.mse_loss(model(half(xs, 1, 2)), half(ys, 1, 2)).div(2).backward()
-        opt.step()
+        no_sync_step(model, opt, s, r, n)
     diff = max_rel_diff(model, reference("sgd", steps))
     hvd.shutdown()
     return diff

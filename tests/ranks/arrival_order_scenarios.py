@@ -1,0 +1,177 @@
+"""Rank-side bodies of the hooks-by-arrival-order tests (importable by spawned ranks).
+
+A model whose backward order can be swapped (``Swap``: ``a(x) + b(x)`` or ``b(x) + a(x)``; autograd hands
+the gradients of the branch created last over first), all in one bucket, so that the bucket's last
+gradient in the recorded order can come before the others.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import gpucomm.torch as hvd
+from gpucomm.torch.parameters import TWICE_ERROR, ZERO_GRAD_ERROR
+from tests.ranks.optimizer_scenarios import IN, OUT, batch, half, max_rel_diff, no_sync_step
+
+HIDDEN = 8
+
+
+class Swap(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.head = nn.Linear(IN, HIDDEN), nn.Linear(IN, HIDDEN), nn.Linear(HIDDEN, OUT)
+        self.swap = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(x) + self.a(x) if self.swap else self.a(x) + self.b(x)
+        return self.head(torch.tanh(h))
+
+
+def _step(model: Swap, opt: torch.optim.Optimizer, s: int, rank: int, size: int, set_to_none: bool = True) -> None:
+    x, y = batch(s)
+    opt.zero_grad(set_to_none=set_to_none)
+    nn.functional.mse_loss(model(half(x, rank, size)), half(y, rank, size)).backward()
+    opt.step()
+
+
+def _reference(swaps: list[bool]) -> Swap:
+    model = Swap()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for s, swap in enumerate(swaps):
+        model.swap = swap
+        _step(model, opt, s, 0, 1)
+    return model
+
+
+def _counts() -> tuple[int, int]:
+    stats = hvd.stats()
+    return stats["grad_steps_by_order"], stats["grad_order_changes"]
+
+
+def order_changes_match_full_batch(set_to_none: bool) -> dict:
+    """Steps in one order, then in the other, then back: a step whose order changed is launched at
+    synchronize (complete), the order is recorded again, and the result matches the full batch."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    model = Swap()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    assert len(opt._buckets.buckets) == 1, "the test wants one bucket (GPUCOMM_FUSION_THRESHOLD)"
+    swaps = [False, False, False, True, True, True, False, False]
+    per_step, hooked = [], []
+    for s, swap in enumerate(swaps):
+        model.swap = swap
+        before = _counts()
+        _step(model, opt, s, r, n, set_to_none)
+        after = _counts()
+        per_step.append((after[0] - before[0], after[1] - before[1]))
+        hooked.append(opt._by_order)
+    diff = max_rel_diff(model, _reference(swaps))
+    hvd.shutdown()
+    return {"per_step": per_step, "hooked": hooked, "diff": diff}
+
+
+def _by_order(steps: int = 2) -> tuple[Swap, torch.optim.Optimizer, int, int]:
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    model = Swap()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    for s in range(steps):
+        _step(model, opt, s, r, n)
+    assert opt._by_order, "hooked by arrival order after a recorded step"
+    return model, opt, r, n
+
+
+def twice_by_order() -> dict:
+    """Gradients that come twice in a step, by arrival order: through a last hook (raised in backward, as
+    Horovod's), or only through the others' C hooks (raised at synchronize); then back to per-gradient
+    hooks, and training goes on."""
+    model, opt, r, n = _by_order()
+    x, y = batch(5)
+    seen = {}
+    loss = nn.functional.mse_loss(model(half(x, r, n)), half(y, r, n))
+    loss.backward(retain_graph=True)
+    try:
+        loss.backward()
+        seen["last_hook"] = None
+    except AssertionError as e:  # autograd hands a hook's AssertionError back as it is
+        seen["last_hook"] = str(e)
+    opt.synchronize()  # said once already: not again
+    seen["after_last_hook"] = opt._by_order
+    with opt.skip_synchronize():
+        opt.step()
+    for s in range(6, 8):
+        _step(model, opt, s, r, n)
+    seen["again"] = opt._by_order
+    # the head's gradients twice (the head comes first in backward: none of its parameters is the bucket's last)
+    opt.zero_grad()
+    h = torch.tanh(model.a(half(x, r, n)) + model.b(half(x, r, n)))
+    nn.functional.mse_loss(model.head(h), half(y, r, n)).backward()
+    model.head(h.detach()).sum().backward()
+    try:
+        opt.synchronize()
+        seen["c_hooks"] = None
+    except AssertionError as e:
+        seen["c_hooks"] = str(e)
+    seen["after_c_hooks"] = opt._by_order
+    hvd.shutdown()
+    seen["twice"] = TWICE_ERROR
+    return seen
+
+
+def zero_grad_after_partial_backward() -> dict:
+    """By arrival order, a backward that reached only gradients with C hooks still refuses ``zero_grad``
+    before the step (Horovod's guard), and a ``no_sync`` pass does not count."""
+    model, opt, r, n = _by_order()
+    x, y = batch(5)
+    seen = {}
+    opt.zero_grad()
+    with opt.no_sync():
+        model.head(torch.ones(2, HIDDEN)).sum().backward()  # the head only: no bucket's last gradient
+    opt.zero_grad()  # allowed: only no_sync's local accumulation happened
+    model.head(torch.ones(2, HIDDEN)).sum().backward()
+    try:
+        opt.zero_grad()
+        seen["refused"] = None
+    except AssertionError as e:
+        seen["refused"] = str(e)
+    opt.step()
+    hvd.shutdown()
+    seen["expected"] = ZERO_GRAD_ERROR
+    return seen
+
+
+def no_sync_and_passes_by_order(steps: int = 5) -> dict:
+    """``no_sync`` passes by arrival order average the accumulated sum (against the full batch); then
+    ``set_backward_passes_per_step(2)`` goes back to per-gradient hooks and two passes make a step."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    model = Swap()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    ref = Swap()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    hooked = []
+    for s in range(steps):
+        no_sync_step(model, opt, s, r, n)
+        hooked.append(opt._by_order)
+        _step(ref, ref_opt, s, 0, 1)
+    seen = {"hooked": hooked, "diff": max_rel_diff(model, ref)}
+    opt.set_backward_passes_per_step(2)
+    seen["after_passes"] = opt._by_order
+    for s in range(steps, steps + 2):
+        x, y = batch(s)
+        opt.zero_grad()
+        for part in range(2):
+            nn.functional.mse_loss(model(half(half(x, r, n), part, 2)), half(half(y, r, n), part, 2)).div(2).backward()
+        opt.step()
+        _step(ref, ref_opt, s, 0, 1)
+    seen["diff_passes"] = max_rel_diff(model, ref)
+    seen["by_order_steps"] = hvd.stats()["grad_steps_by_order"]
+    hvd.shutdown()
+    return seen
+
+
