@@ -29,12 +29,12 @@ def test_gradients_that_come_twice_raise_as_horovods_do():
         assert seen["last_hook"] == seen["twice"], seen  # in backward, as with a hook per gradient
         assert seen["after_last_hook"] is False and seen["again"] is True, seen
         assert seen["c_hooks"] == seen["twice"], seen  # at synchronize: the C hooks cannot raise
-        assert seen["after_c_hooks"] is False, seen
+        assert seen["after_c_hooks"] is False and seen["steps"] == 7, seen  # 7 synchronizes, each counted, raised or not
 
 
-def test_zero_grad_is_refused_after_a_backward_that_reached_no_last_hook():
+def test_a_backward_that_reached_no_last_hook_opens_the_step_and_refuses_zero_grad():
     for seen in run_ranks(sc.zero_grad_after_partial_backward, 2, env=ONE_BUCKET):
-        assert seen["refused"] == seen["expected"], seen
+        assert seen["refused"] == seen["expected"] and seen["opened"] is True, seen
 
 
 def test_no_sync_and_more_passes_per_step_by_arrival_order():

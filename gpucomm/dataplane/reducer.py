@@ -88,6 +88,7 @@ class GradientBuckets:
         self.arrivals: list[list[torch.Tensor]] = [[] for _ in self.buckets]
         self.by_order = False
         self._last: list[int | None] = [None] * len(self.buckets)  # (per-gradient hooks) who completed each bucket
+        self._first: list[int | None] = [None] * len(self.buckets)  # ... and who came first to it
         self._fired = [0] * len(self.buckets)  # (by order) how often each bucket's last hook fired this step
         self._in_backward = False
         self._pending_checks: list[tuple[int, list[int], Any]] = []  # finite slots on their way to the host
@@ -121,6 +122,8 @@ class GradientBuckets:
             bucket.arrived(p, j, g)
         pending = self._pending
         pending[k] -= 1
+        if pending[k] == self._sizes[k] - 1:
+            self._first[k] = j
         if not pending[k]:
             self._last[k] = j
             if k == self._next:
@@ -134,12 +137,13 @@ class GradientBuckets:
             self._next += 1
 
     # -- hooks by arrival order ------------------------------------------------------------------
-    def arrival_order(self) -> list[int] | None:
-        """(after a step of per-gradient hooks, before ``reset``) Which parameter's gradient completed each
-        bucket (its index in the bucket), or None when some bucket was not completed by its hooks (a
-        gradient that did not come: an unused parameter, ``no_sync``, a hook run by hand)."""
+    def arrival_order(self) -> tuple[list[int], list[int]] | None:
+        """(after a step of per-gradient hooks, before ``reset``) Which parameter's gradient came first to
+        each bucket and which completed it (their indices in the bucket), or None when some bucket was not
+        completed by its hooks (a gradient that did not come: an unused parameter, ``no_sync``, a hook run
+        by hand)."""
         last = self._last
-        return None if None in last else list(last)
+        return None if None in last else (list(self._first), list(last))
 
     def last_arrived(self, k: int) -> bool:
         """(by order: the hook of bucket ``k``'s last gradient in the recorded order) Launch, in bucket
@@ -278,6 +282,7 @@ class GradientBuckets:
         self._next = 0
         n = len(self.buckets)
         self._last = [None] * n
+        self._first = [None] * n
         if self.by_order:
             for got in self.arrivals:
                 got.clear()

@@ -64,6 +64,7 @@ class DistributedSteps(torch.optim.Optimizer):
         self._local_only = False
         self._hooks: dict[torch.Tensor, Any] = {}
         self._by_order = False  # hooked by arrival order (``gradient_hooks``): one Python hook per bucket
+        self._step_verdict: str | None = None  # what the last step by arrival order found (``_settle_hooks``)
         self._lock = threading.Lock()  # hooks of CPU and CUDA parameters run on different autograd threads
         self._job_ref: Any = None
         self._schedule: Any = None
@@ -110,10 +111,8 @@ class DistributedSteps(torch.optim.Optimizer):
             order = None if self._by_order else self._buckets.arrival_order()
             self._recorded_order = (self._buckets, order) if order is not None else None
         finally:
-            verdict = self._order_verdict
+            self._step_verdict = self._order_verdict  # (by arrival order) judged at the end of synchronize
             self._reset_step()
-        if verdict is not None:
-            self._order_held(verdict)
         COUNTERS.schedule_steps += 1
         self._steps += 1
         if self._powersgd is not None:
@@ -191,7 +190,7 @@ class DistributedSteps(torch.optim.Optimizer):
         ``GPUCOMM_ZERO_GRAD_KEEPS_VIEWS=1`` the default does the same for those gradients: they stay
         their views, zeroed, instead of becoming None."""
         if self._hooked or self._buckets.in_flight or self._sparse.in_flight or \
-                (self._by_order and self._buckets.arrivals_pending()):
+                (self._by_order and not self._local_only and self._buckets.arrivals_pending()):
             raise AssertionError(ZERO_GRAD_ERROR)
         self._settle_parameters()
         kept = self._buckets.zero_views(set_to_none)
@@ -211,7 +210,8 @@ class DistributedSteps(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if self._buckets.in_flight or self._sparse.in_flight:
+        if self._buckets.in_flight or self._sparse.in_flight or self._step_opened or \
+                (self._by_order and self._buckets.arrivals_pending()):  # (a step open with nothing launched yet too)
             try:
                 self.synchronize()  # finish what is in flight; the gradients are discarded by the caller's next step
             except CollectiveError:

@@ -86,8 +86,9 @@ class GradientHooks:
     # -- hooks by arrival order ------------------------------------------------------------------
     # A hook per gradient costs about 2.5 us of Python per parameter and step (ResNet-50: 161 of them).
     # Once a step's gradients all came through their hooks, each bucket's last one in that order keeps a
-    # Python hook (``_last_hook``) and the others' hooks become their bucket's ``arrivals.append``, a C
-    # call: the last one launches its bucket when the others have all come. A step in which they had
+    # Python hook (``_last_hook``), its first one a hook that opens the step (``_first_hook``), and the
+    # others' hooks become their bucket's ``arrivals.append``, a C call: the last one launches its bucket
+    # when the others have all come. A step in which they had
     # not (backward's order changed, a gradient did not come) is launched at synchronize, complete, and
     # the next step records the order again; a gradient that came twice raises as Horovod's does.
     MAX_ORDER_CHANGES = 3  # after this many steps out of order, every gradient keeps its own hook
@@ -114,6 +115,21 @@ class GradientHooks:
             if not self._buckets.last_arrived(k):
                 raise AssertionError(TWICE_ERROR)
 
+    def _first_hook(self, append, p: torch.Tensor) -> None:
+        """(by arrival order) The hook of a bucket's first gradient in the recorded order: noted as the
+        others are, and it opens the step, as a hook per gradient did at the step's first gradient (a
+        negotiated collective issued before ``step()`` is then placed after the step's buckets on every
+        rank that reached one, also where backward reached no bucket's last gradient)."""
+        append(p)
+        if self._step_opened or self._local_only:
+            return
+        if not self._hooked and self._job_ref() is not active_job():
+            return  # a re-formed job: the bucket's last hook rebinds (and the step opens then)
+        with self._lock:
+            self._hooked = True
+            if not self._step_opened:
+                self._open_step()
+
     def _order_eligible(self) -> bool:
         """Whether this optimizer may hook by arrival order: a plain one (not ZeRO's, PowerSGD's or a
         subclass's), one backward per step, no step being watched (the first re-cut, autotune), not
@@ -126,18 +142,23 @@ class GradientHooks:
     def _settle_hooks(self) -> None:
         """(the end of ``synchronize``, after any new layout) Hook by the order just recorded, when the
         step's gradients all came through their hooks and the layout is still the one they came to."""
+        verdict, self._step_verdict = self._step_verdict, None
+        if verdict is not None:  # last, after the step's bookkeeping: a raise leaves nothing half done
+            self._order_held(verdict)
         recorded, self._recorded_order = self._recorded_order, None
         if self._by_order or recorded is None or recorded[0] is not self._buckets or not self._order_eligible():
             return
         buckets = self._buckets
         if not all(p.requires_grad and p in self._hooks for b in buckets.buckets for p in b.params):
             return  # (a parameter frozen after the layout: the next layout records anew)
-        for k, (bucket, last) in enumerate(zip(buckets.buckets, recorded[1])):
+        firsts, lasts = recorded[1]
+        for k, (bucket, first, last) in enumerate(zip(buckets.buckets, firsts, lasts)):
             append = buckets.arrivals[k].append
             for j, p in enumerate(bucket.params):
                 self._hooks.pop(p).remove()
-                self._hooks[p] = p.register_post_accumulate_grad_hook(
-                    functools.partial(self._last_hook, k) if j == last else append)
+                hook = (functools.partial(self._last_hook, k) if j == last else
+                        functools.partial(self._first_hook, append) if j == first else append)
+                self._hooks[p] = p.register_post_accumulate_grad_hook(hook)
         buckets.by_order = self._by_order = True
 
     def _order_held(self, verdict: str) -> None:

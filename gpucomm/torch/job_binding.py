@@ -66,7 +66,7 @@ class JobBinding:
         # hooks by arrival order (``gradient_hooks``): allowed, and how often the order failed to hold
         self._order_allowed = HOOKS_BY_ARRIVAL_ORDER.read(None, True)
         self._order_changes = 0
-        self._recorded_order: tuple[Any, list[int]] | None = None
+        self._recorded_order: tuple[Any, tuple[list[int], list[int]]] | None = None
         self._order_verdict: str | None = None
         self._sparse = SparseGradients(self._params, self._parameter_names, self._op, self._process_set,
                                        self._sparse_as_dense,

@@ -117,14 +117,19 @@ def twice_by_order() -> dict:
     except AssertionError as e:
         seen["c_hooks"] = str(e)
     seen["after_c_hooks"] = opt._by_order
+    with opt.skip_synchronize():
+        opt.step()
+    _step(model, opt, 9, r, n)  # and training goes on
+    seen["steps"] = opt._steps
     hvd.shutdown()
     seen["twice"] = TWICE_ERROR
     return seen
 
 
 def zero_grad_after_partial_backward() -> dict:
-    """By arrival order, a backward that reached only gradients with C hooks still refuses ``zero_grad``
-    before the step (Horovod's guard), and a ``no_sync`` pass does not count."""
+    """By arrival order, a backward that reached no bucket's last gradient opens the step (through the
+    bucket's first) and still refuses ``zero_grad`` before the step (Horovod's guard); a ``no_sync``
+    pass does not count."""
     model, opt, r, n = _by_order()
     x, y = batch(5)
     seen = {}
@@ -133,6 +138,7 @@ def zero_grad_after_partial_backward() -> dict:
         model.head(torch.ones(2, HIDDEN)).sum().backward()  # the head only: no bucket's last gradient
     opt.zero_grad()  # allowed: only no_sync's local accumulation happened
     model.head(torch.ones(2, HIDDEN)).sum().backward()
+    seen["opened"] = opt._step_opened  # by the bucket's first gradient: a negotiated op now waits for the step
     try:
         opt.zero_grad()
         seen["refused"] = None
