@@ -75,11 +75,15 @@ PER_GRADIENT = "gpucomm-hook-per-grad"  # gpucomm with a Python hook per gradien
 def per_gradient_hooks(hvd: Any, opt: torch.optim.Optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
     """gpucomm's DistributedOptimizer keeping a Python hook per gradient (as before hooks by arrival order):
     the same reducer, so the difference to the ``gpucomm`` row is what those hooks cost."""
+    caller = os.environ.get("GPUCOMM_HOOKS_BY_ARRIVAL_ORDER")
     os.environ["GPUCOMM_HOOKS_BY_ARRIVAL_ORDER"] = "0"
     try:
         return hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
-    finally:
-        del os.environ["GPUCOMM_HOOKS_BY_ARRIVAL_ORDER"]
+    finally:  # the caller's own setting (it decides the gpucomm row) as it was
+        if caller is None:
+            del os.environ["GPUCOMM_HOOKS_BY_ARRIVAL_ORDER"]
+        else:
+            os.environ["GPUCOMM_HOOKS_BY_ARRIVAL_ORDER"] = caller
 
 
 def resnet50_sizes(scale: int) -> list[int]:

@@ -248,7 +248,7 @@ class ViewBucket(Bucket):
         """(CPU, at launch, no gradient taken yet: hooks by arrival order leave them all to the launch)
         Every gradient into its slot in one ``_foreach_copy_`` when each is a dense tensor of its own
         (not its view already, not missing) and no scale applies; False (nothing done) otherwise."""
-        if self.scale != 1.0 or _FOREACH_COPY is None:
+        if self.scale != 1.0:
             return False
         views = self.views
         grads = [p.grad for p in self.params]
@@ -258,7 +258,7 @@ class ViewBucket(Bucket):
         if not all(p.requires_grad for p in self.params):
             return False
         self.in_flight = []
-        _FOREACH_COPY(views, grads)
+        torch._foreach_copy_(views, grads)  # (in every torch claimed: 2.1 has it)
         n = len(views)
         self.arrived_now = [True] * n
         self.arrivals = n
@@ -462,7 +462,6 @@ class CompressedBucket(Bucket):
 
 
 VIEW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)  # one dispatch for a bucket's copies (torch >= 2.1)
 
 
 def bucket_kind(plan: fusion.Bucket, wire: torch.dtype | None, settings: BucketSettings) -> type[Bucket]:

@@ -189,8 +189,7 @@ class DistributedSteps(torch.optim.Optimizer):
         buffer again with no copy at all (DDP's ``gradient_as_bucket_view``). With
         ``GPUCOMM_ZERO_GRAD_KEEPS_VIEWS=1`` the default does the same for those gradients: they stay
         their views, zeroed, instead of becoming None."""
-        if self._hooked or self._buckets.in_flight or self._sparse.in_flight or \
-                (self._by_order and not self._local_only and self._buckets.arrivals_pending()):
+        if self._gradients_came() or self._buckets.in_flight or self._sparse.in_flight:
             raise AssertionError(ZERO_GRAD_ERROR)
         self._settle_parameters()
         kept = self._buckets.zero_views(set_to_none)
@@ -210,8 +209,7 @@ class DistributedSteps(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if self._buckets.in_flight or self._sparse.in_flight or self._step_opened or \
-                (self._by_order and self._buckets.arrivals_pending()):  # (a step open with nothing launched yet too)
+        if self._buckets.in_flight or self._sparse.in_flight or self._step_opened or self._gradients_came():
             try:
                 self.synchronize()  # finish what is in flight; the gradients are discarded by the caller's next step
             except CollectiveError:

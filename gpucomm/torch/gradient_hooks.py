@@ -179,6 +179,11 @@ class GradientHooks:
             log.info("gpucomm: %s's gradients came in a different order in %d steps; every gradient keeps a hook "
                      "of its own from now on (a Python call each per step).", self._kind, self._order_changes)
 
+    def _gradients_came(self) -> bool:
+        """Some gradient of this step was handed over: a per-gradient or Python hook fired, or (by arrival
+        order) a C hook noted one outside ``no_sync``."""
+        return self._hooked or (self._by_order and not self._local_only and self._buckets.arrivals_pending())
+
     def _hook_every_gradient(self) -> None:
         """(between steps) Leave hooks by arrival order: every gradient's own hook again."""
         for bucket in self._buckets.buckets:

@@ -63,10 +63,7 @@ class LayoutAgreement:
             if self._layouts > 1:  # a new layout, agreed at a collective point: NCCL connects for it here
                 buckets.warm_up()
             if self._by_order:  # hooked for the old buckets' arrival order: every gradient's own hook again
-                for hook in self._hooks.values():
-                    hook.remove()
-                self._hooks.clear()
-                self._by_order = False
+                self._hook_every_gradient()
             hooked = set(trainable)
             for p in list(self._hooks):
                 if p not in hooked:

@@ -89,7 +89,7 @@ class SharedSteps:
         """Average every ``passes`` backward passes (gradients accumulate locally in between)."""
         check_passes(passes)
         by_order = getattr(self, "_by_order", False)  # (DistributedOptimizer hooked by arrival order)
-        if getattr(self, "_step_opened", False) or (by_order and self._buckets.arrivals_pending()):
+        if getattr(self, "_step_opened", False) or (by_order and self._gradients_came()):
             raise ValueError(
                 f"set_backward_passes_per_step({passes}) was called after this step's gradients were handed over "
                 f"for averaging (backward() ran its last pass of the step): the count would start again for "
