@@ -665,9 +665,11 @@ def test_a_gpu_nobody_chose_is_not_taken_as_the_scripts(monkeypatch):
     choice is read before any of gpucomm's CUDA work, and only where the script had started CUDA."""
     from gpucomm.bootstrap import devices
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    probed = []  # a second review's finding: is_available() runs cuInit, which fixes CUDA's device order
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: probed.append(1) or True)  # before pinning sets it
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     assert devices.device_in_use() is None
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert devices.device_in_use() == 3
+    assert not probed, "device_in_use() must start nothing, not even the driver"

@@ -259,12 +259,14 @@ def _as_cuda_sees(gpus: list[GpuInfo], cuda_ids: list[str], *, listed: bool) -> 
 def device_in_use() -> int | None:
     """The calling thread's current CUDA device if this process has started CUDA already (the script
     chose a GPU before ``hvd.init()``), else None. Starts nothing: read it before anything of gpucomm's
-    may start CUDA (the GPU probing of ``pin_local_gpu`` does), or a device 0 nobody chose looks chosen."""
+    may start CUDA (the GPU probing of ``pin_local_gpu`` does), or a device 0 nobody chose looks chosen.
+    Not even the driver: ``torch.cuda.is_available()`` runs ``cuInit``, which reads ``CUDA_DEVICE_ORDER``
+    once, before ``pin_local_gpu`` sets it to bus order; ``is_initialized()`` reads a flag."""
     try:
         import torch
     except ImportError:
         return None
-    return torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
 
 def select_device(ordinal: int) -> None:
