@@ -576,11 +576,14 @@ def check_powersgd_accuracy(r: Run, doc: dict) -> None:
 
 def check_reducer_host_cost(r: Run, doc: dict) -> None:
     assert doc["tool"] == "reducer_host_cost" and doc["ranks"] == r.case.ranks and doc["parameters"] == 161
-    assert list(doc["variants"]) == VARIANTS and [sorted(o) for o in doc["round_orders"]] == [sorted(VARIANTS)] * 4
+    # gpucomm as users get it, then the same reducer with a Python hook per gradient, beside the anchors
+    variants = ["gpucomm", "gpucomm-hook-per-grad", "ddp-default", "ddp-best", "no-comm"]
+    assert list(doc["variants"]) == variants and [sorted(o) for o in doc["round_orders"]] == [sorted(variants)] * 4
     for name, v in doc["variants"].items():
         assert v["wall_ms"] > 0 and v["cpu_ms"] >= 0 and v["label"] == name, (name, v)
     assert doc["variants"]["no-comm"]["added_wall_ms"] == 0.0
-    assert set(doc["gpucomm_added_over_ddp_added"]) == {"ddp-default", "ddp-best"}
+    assert set(doc["gpucomm_added_over_ddp_added"]) == set(doc["per_gradient_hooks_added_over_ddp_added"]) \
+        == {"ddp-default", "ddp-best"}
     assert doc["reducer"]["applies"] is False  # two ranks: the reducer always runs
     # every step reduced every bucket through the schedule, with no control message
     per_step = doc["counters_per_step"]
