@@ -43,3 +43,13 @@ def test_no_sync_and_more_passes_per_step_by_arrival_order():
         # (each pass a quarter of the batch: the sums round differently from the full batch's)
         assert seen["after_passes"] is False and seen["diff_passes"] <= 1e-4, seen
         assert seen["by_order_steps"] >= 4, seen
+
+
+def test_a_negotiated_op_after_a_backward_of_middle_gradients_only_waits_for_the_step():
+    env = {**ONE_BUCKET, "GPUCOMM_ISSUE_ORDER": "all", "GPUCOMM_TIMEOUT": "20"}
+    opened = []
+    for seen in run_ranks(sc.negotiated_op_after_middle_gradients_only, 2, env=env):
+        assert seen["sum"] == [3.0] * 3 and seen["opened"] is True and seen["steps"] == 4, seen
+        assert seen["deferred"] == 1, seen  # issued after the step's bucket (on a GPU: NCCL's order on every rank)
+        opened.append(seen["opened_by_backward"])
+    assert opened == [True, False]  # rank 1's C hooks opened nothing: its allreduce's submission did

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -66,6 +67,10 @@ class DataPlane:
         if order_cpu is None:
             order_cpu = ISSUE_ORDER.read(None, "cuda") == "all"
         self.orders_cpu = order_cpu
+        # schedule -> its step's opener (weakly: a bound method of the optimizer), run before this rank submits
+        # a negotiated collective; ``step_openers`` counts them (read on every submission: 0 almost always)
+        self._step_openers: dict[Any, weakref.WeakMethod] = {}
+        self.step_openers = 0
         self.watchdog = NcclWatchdog(rank, timeout, self.events, health=self._health, fail=self._watchdog_failed,
                                      select_device=select_device, departed=self._request_departure)
 
@@ -90,6 +95,26 @@ class DataPlane:
                     if self._failure is not None:
                         order.fail(self._failure)
         return order
+
+    def set_step_opener(self, schedule: Any, opener: Callable[[], None] | None) -> None:
+        """``opener()`` (a bound method, held weakly; None: no more) runs before this rank submits a
+        negotiated collective: it opens ``schedule``'s step where gradients of it have come though
+        nothing opened it yet (``Schedule.open_before_negotiated``)."""
+        with self._lock:
+            if opener is None:
+                self._step_openers.pop(schedule, None)
+            else:
+                self._step_openers[schedule] = weakref.WeakMethod(opener)
+            self.step_openers = len(self._step_openers)
+
+    def open_steps(self) -> None:
+        """(before this rank submits a negotiated collective, on the submitting thread) Run the step
+        openers: a step whose gradients came is opened first, so the collective is placed after it
+        here as on the ranks whose backward opened it."""
+        for ref in list(self._step_openers.values()):
+            opener = ref()
+            if opener is not None:
+                opener()
 
     def submitted(self, handle: Handle) -> None:
         """This rank submitted ``handle`` for negotiation (its device's next epoch waits for its agreement)."""

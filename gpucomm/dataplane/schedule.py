@@ -79,6 +79,13 @@ class Schedule:
             raise
         self._epochs = epochs
 
+    def open_before_negotiated(self, opener: Callable[[], None] | None) -> None:
+        """While set, ``opener()`` (a bound method of the step's owner) runs before this rank submits a
+        negotiated collective. Its owner opens the step there when gradients of it have come yet nothing
+        opened it (hooks by arrival order: most gradients' hooks are C calls, which open nothing), so
+        the collective is placed after the step's collectives, as on a rank whose backward opened it."""
+        self._plane.set_step_opener(self, opener)
+
     def end_step(self) -> None:
         """Close the step: its launches' done event is recorded (watched from now), and negotiated
         work that waited for the step is issued."""
@@ -194,6 +201,7 @@ class Schedule:
 
     def close(self) -> None:
         """Release the schedule's communicators (a collective point: every member calls it)."""
+        self._plane.set_step_opener(self, None)
         self.end_step()
         self._executor.close()
         self._plane.release(self.group)

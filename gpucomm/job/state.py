@@ -153,6 +153,8 @@ class Job:
         its request leaves). CUDA requests record a ready event on the caller's stream, looked up
         once here."""
         gpu = cuda_calls.is_gpu(request.device)
+        if self.data.step_openers and self._negotiated and (gpu or self.data.orders_cpu) and request.tensors:
+            self.data.open_steps()  # before it leaves: its answer may come (and be issued) at once
         if gpu and self._negotiated:
             calls = cuda_calls.calls()
             request.index = calls.index(request.device)

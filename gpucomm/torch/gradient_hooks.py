@@ -88,7 +88,8 @@ class GradientHooks:
     # Once a step's gradients all came through their hooks, each bucket's last one in that order keeps a
     # Python hook (``_last_hook``), its first one a hook that opens the step (``_first_hook``), and the
     # others' hooks become their bucket's ``arrivals.append``, a C call: the last one launches its bucket
-    # when the others have all come. A step in which they had
+    # when the others have all come (a step that only C hooks reached opens when this rank next submits a
+    # negotiated collective: ``_open_before_negotiated``). A step in which they had
     # not (backward's order changed, a gradient did not come) is launched at synchronize, complete, and
     # the next step records the order again; a gradient that came twice raises as Horovod's does.
     MAX_ORDER_CHANGES = 3  # after this many steps out of order, every gradient keeps its own hook
@@ -130,6 +131,21 @@ class GradientHooks:
             if not self._step_opened:
                 self._open_step()
 
+    def _open_before_negotiated(self) -> None:
+        """(by arrival order; the data plane calls it before this rank submits a negotiated collective, on
+        the submitting thread) Open the step when some gradient of it came through a C hook and no hook
+        opened it (a backward that reached only gradients between a bucket's first and last, e.g. a
+        branch some ranks skip): the collective is then placed after the step's buckets, as on a rank
+        whose backward opened the step (a hook per gradient opened it at any gradient)."""
+        if self._step_opened or self._step_launched or self._local_only or not self._by_order:
+            return
+        if not self._buckets.arrivals_pending() or self._job_ref() is not active_job():
+            return
+        with self._lock:
+            if not (self._step_opened or self._step_launched):
+                self._hooked = True
+                self._open_step()
+
     def _order_eligible(self) -> bool:
         """Whether this optimizer may hook by arrival order: a plain one (not ZeRO's, PowerSGD's or a
         subclass's), one backward per step, no step being watched (the first re-cut, autotune), not
@@ -160,6 +176,7 @@ class GradientHooks:
                         functools.partial(self._first_hook, append) if j == first else append)
                 self._hooks[p] = p.register_post_accumulate_grad_hook(hook)
         buckets.by_order = self._by_order = True
+        self._schedule.open_before_negotiated(self._open_before_negotiated)
 
     def _order_held(self, verdict: str) -> None:
         """(after a step by arrival order; ``verdict``: ``GradientBuckets.arrival_verdict``) Count it; out
@@ -194,6 +211,8 @@ class GradientHooks:
                 if p.requires_grad:  # (one frozen since is left to the new layout agreed at this step's end)
                     self._hooks[p] = p.register_post_accumulate_grad_hook(self._hook)
         self._buckets.by_order = self._by_order = False
+        if self._schedule is not None:
+            self._schedule.open_before_negotiated(None)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -181,3 +181,29 @@ def no_sync_and_passes_by_order(steps: int = 5) -> dict:
     return seen
 
 
+
+
+def negotiated_op_after_middle_gradients_only() -> dict:
+    """By arrival order, rank 1's backward reaches only gradients in the middle of the bucket's recorded
+    order (C hooks: no Python hook opens the step), rank 0's the whole model; both then submit a negotiated
+    allreduce before ``step()``. Rank 1's submission opens its step first, so the allreduce is placed
+    after the step's bucket on both ranks (run with GPUCOMM_ISSUE_ORDER=all: the CUDA rule on CPU tensors).
+    Before, rank 1 issued it ahead of the bucket and rank 0 after: on NCCL, a deadlock."""
+    model, opt, r, n = _by_order()
+    x, y = batch(5)
+    opt.zero_grad()
+    if r == 0:
+        nn.functional.mse_loss(model(half(x, r, n)), half(y, r, n)).backward()
+    else:  # b's gradients only: neither the bucket's first (the head's) nor its last (a's)
+        model.b(half(x, r, n)).sum().backward()
+    seen = {"opened_by_backward": opt._step_opened}
+    deferred = hvd.stats()["issue_deferred"]
+    total = hvd.allreduce(torch.full((3,), float(r + 1)), op=hvd.Sum, name="after_backward")
+    seen["opened"] = opt._step_opened
+    seen["deferred"] = hvd.stats()["issue_deferred"] - deferred  # it waited for the step's end
+    opt.step()
+    seen["sum"] = total.tolist()
+    _step(model, opt, 6, r, n)  # and training goes on
+    seen["steps"] = opt._steps
+    hvd.shutdown()
+    return seen
