@@ -6,6 +6,7 @@ import datetime
 import json
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -160,3 +161,90 @@ def test_a_rank_that_cannot_read_torchruns_store_says_why(monkeypatch):
         torch_store_rendezvous(rank1, 0, 1.0)
     assert "GPUCOMM_START_TIMEOUT" in str(e.value) and "--tee 3" in str(e.value)
     del served
+
+
+class _Stranger:
+    """Another process's listener on a port: accepts each connection and closes it at once, as a
+    server of another protocol would, until ``release()``."""
+
+    def __init__(self, port: int):
+        import socket
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", port))
+        self.sock.listen(16)
+        self.sock.settimeout(0.05)
+        self.accepted = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self):
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.accepted += 1
+            conn.close()
+
+    def release(self):
+        self._stop.set()
+        self._thread.join(5.0)
+        self.sock.close()
+
+
+def _torchrun_world(rank: int, port: int) -> World:
+    return World(Placement("here", rank, 2, rank, 2, 0, 1), "torchrun", "127.0.0.1", port, False, True, None,
+                 "random", "job")
+
+
+def test_rank0_waits_for_torchruns_port_that_another_process_took(monkeypatch):
+    """torch < 2.4's torchrun picks MASTER_PORT free, closes it and leaves it to rank 0, so another process can bind
+    it first (seen in CI: a neighbouring test's server took it, rank 0 failed on "Address already in use" and rank 1,
+    connected to that stranger, on "Connection reset by peer"). Rank 0 now waits for the port and rank 1 retries,
+    within the start timeout, and the job meets once the stranger lets go."""
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    port = free_port()
+    stranger = _Stranger(port)
+    results: dict[int, object] = {}
+
+    def meet(rank):
+        try:
+            results[rank] = torch_store_rendezvous(_torchrun_world(rank, port), 0, 60.0)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            results[rank] = e
+
+    threads = [threading.Thread(target=meet, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while stranger.accepted == 0 and time.monotonic() < deadline:  # rank 1 has found the stranger
+        time.sleep(0.05)
+    time.sleep(1.0)
+    assert not results, results  # both still trying, not failed
+    stranger.release()
+    for t in threads:
+        t.join(60.0)
+    assert stranger.accepted >= 1
+    assert not isinstance(results[0], BaseException), results[0]
+    assert not isinstance(results[1], BaseException), results[1]
+    server, host, port0, secret0 = results[0]
+    _, host1, port1, secret1 = results[1]
+    try:
+        assert (host1, port1, secret1) == (host, port0, secret0)
+    finally:
+        server.close()
+
+
+def test_rank0_names_the_race_when_torchruns_port_stays_taken(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    port = free_port()
+    stranger = _Stranger(port)
+    try:
+        with pytest.raises(GpucommError, match=f"another process held port {port} for the whole 1 s") as e:
+            torch_store_rendezvous(_torchrun_world(0, port), 0, 1.0)
+    finally:
+        stranger.release()
+    assert "torch >= 2.4" in str(e.value) and "--master-port" in str(e.value)

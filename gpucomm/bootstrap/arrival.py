@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -47,14 +48,8 @@ def torch_store_rendezvous(world: World, gen: int, start_timeout: float):
     torchrun's own TCPStore at MASTER_ADDR:MASTER_PORT. That store is unauthenticated, so the job
     secret is never put there: ranks share ``GPUCOMM_SECRET`` from their environment, or rank 0
     hands a fresh one to each rank sealed under a Diffie-Hellman key (``key_exchange.py``)."""
-    import datetime
-
-    import torch.distributed as dist
-
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    store = dist.TCPStore(world.rendezvous_addr, world.rendezvous_port, world.size,
-                          is_master=(world.rank == 0 and not agent_store),
-                          timeout=datetime.timedelta(seconds=start_timeout), wait_for_workers=False)
+    store = _open_torch_store(world, agent_store, start_timeout)
     # a restarted torchrun keeps its run id and store: the restart count keeps attempts apart
     base = f"gpucomm/{world.run_id}/r{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/g{gen}"
     server = None
@@ -95,17 +90,71 @@ def torch_store_rendezvous(world: World, gen: int, start_timeout: float):
     except GpucommError:
         raise
     except RuntimeError as e:  # torch's store errors: the store went away, or rank 0 never published
-        where = "rank 0's process" if not agent_store else "torchrun's agent"
-        raise GpucommError(
-            f"rank {world.rank} could not read the job's rendezvous from torchrun's store at "
-            f"{world.rendezvous_addr}:{world.rendezvous_port} ({e}). That store is served by {where}; likely "
-            f"causes: rank 0 failed or ended before this rank read it, or did not start within {start_timeout:g} s "
-            f"(GPUCOMM_START_TIMEOUT). Rank 0's error, if it failed, is in {_RANK0_OUTPUT['torchrun']}.") from None
+        raise GpucommError(_unreadable(world, agent_store, start_timeout, e)) from None
     finally:
         try:
             store.set(f"{base}/read/{world.rank}", "1")  # rank 0 may stop serving the store now
         except RuntimeError:  # the store is gone: the read above has already said why
             pass
+
+
+def _open_torch_store(world: World, agent_store: bool, start_timeout: float):
+    """torchrun's TCPStore at MASTER_ADDR:MASTER_PORT: served by rank 0's process when torchrun's
+    agent keeps none (torch < 2.4), otherwise by the agent. An older torchrun picks MASTER_PORT free,
+    closes it and hands it over, so another process can take it before rank 0 binds it: rank 0
+    waits for it to come free and the others, meanwhile finding nothing or a stranger there, retry,
+    all within ``start_timeout``; then the error names the port's holder's race and its fixes."""
+    import datetime
+
+    import torch.distributed as dist
+
+    serve = world.rank == 0 and not agent_store
+    deadline = time.monotonic() + start_timeout
+    while True:
+        left = math.ceil(max(deadline - time.monotonic(), 1.0))  # torch 2.1 truncates a timeout to whole seconds
+        try:
+            store = dist.TCPStore(world.rendezvous_addr, world.rendezvous_port, world.size, is_master=serve,
+                                  timeout=datetime.timedelta(seconds=left), wait_for_workers=False)
+            if not serve:  # one round trip: torch 2.1's client connects without one, so a stranger shows here
+                store.num_keys()
+            return store
+        except (RuntimeError, TimeoutError) as e:  # torch's store errors (Dist*Error derive from RuntimeError)
+            if serve and not _address_in_use(str(e)):
+                raise
+            if time.monotonic() + STORE_RETRY_S >= deadline:
+                if serve:
+                    raise GpucommError(_port_taken(world, start_timeout)) from None
+                raise GpucommError(_unreadable(world, agent_store, start_timeout, e)) from None
+            time.sleep(STORE_RETRY_S)
+
+
+STORE_RETRY_S = 0.25  # a rank retrying torchrun's store: often enough to start within a second of it coming free
+
+
+def _unreadable(world: World, agent_store: bool, start_timeout: float, error: Exception) -> str:
+    where = "rank 0's process" if not agent_store else "torchrun's agent"
+    return (f"rank {world.rank} could not read the job's rendezvous from torchrun's store at "
+            f"{world.rendezvous_addr}:{world.rendezvous_port} ({error}). That store is served by {where}; likely "
+            f"causes: rank 0 failed or ended before this rank read it, or did not start within {start_timeout:g} s "
+            f"(GPUCOMM_START_TIMEOUT). Rank 0's error, if it failed, is in {_RANK0_OUTPUT['torchrun']}.")
+
+
+def _address_in_use(message: str) -> bool:
+    """torch's bind failure, worded "Address already in use (errno: 98)" by torch 2.1 and "code: -98, name:
+    EADDRINUSE, message: address already in use" by later ones."""
+    return "address already in use" in message.lower() or "EADDRINUSE" in message
+
+
+def _port_taken(world: World, start_timeout: float) -> str:
+    where = f"{world.rendezvous_addr}:{world.rendezvous_port}"
+    return (f"rank 0 must serve torchrun's store at {where} (this torch's torchrun keeps no store of its own: "
+            f"TORCHELASTIC_USE_AGENT_STORE is not true), and another process held port {world.rendezvous_port} "
+            f"for the whole {start_timeout:g} s start timeout. Cause: this torchrun (torch < 2.4 with --standalone "
+            f"or --rdzv-backend c10d) picks MASTER_PORT free, closes it and hands it to rank 0, and another process "
+            f"bound it in between. Fix: use torch >= 2.4, whose torchrun serves the store itself; or give torchrun "
+            f"a port it serves itself from the start (static rendezvous: drop --standalone and --rdzv-backend, pass "
+            f"--master-addr <rank 0's host> --master-port <a port no other job uses>, and --node-rank on several "
+            f"nodes); GPUCOMM_START_TIMEOUT makes rank 0 wait longer for the port.")
 
 
 def _wait_until_read(store, base: str, size: int, timeout: float) -> None:
