@@ -470,3 +470,35 @@ def test_the_device_search_for_a_non_finite_gradient_runs_on_every_torch_claimed
     assert float(out) == 3.0  # 1 + position 2: the first bad piece
     first_bad_on_device(pieces, index, 4, out, 2)
     assert float(out) == 2.0  # capped at the limit
+
+
+def test_a_dropped_optimizers_step_opener_stops_being_run_and_counted():
+    """A by-order optimizer registers a step opener (held weakly); one dropped without close() leaves a
+    dead entry, which the next negotiated submission's ``open_steps`` drops, so submissions go back
+    to reading one 0."""
+    import gc
+
+    from gpucomm.dataplane.plane import DataPlane
+
+    plane = DataPlane(0, 5.0)
+    calls = []
+
+    class Optimizer:
+        def open_before_negotiated(self):
+            calls.append(self)
+
+    kept, dropped = Optimizer(), Optimizer()
+    schedule_a, schedule_b = object(), object()
+    plane.set_step_opener(schedule_a, kept.open_before_negotiated)
+    plane.set_step_opener(schedule_b, dropped.open_before_negotiated)
+    assert plane.step_openers == 2
+    plane.open_steps()
+    assert calls == [kept, dropped]
+    calls.clear()
+    del dropped
+    gc.collect()
+    plane.open_steps()
+    assert calls == [kept] and plane.step_openers == 1
+    plane.set_step_opener(schedule_a, None)
+    assert plane.step_openers == 0
+    plane.close(failed=False)

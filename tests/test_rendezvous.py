@@ -41,8 +41,10 @@ def test_set_get_add_check_delete_num_keys(server):
 
 def test_get_blocks_until_another_client_sets(server):
     a, b = client_for(server), client_for(server)
-    threading.Timer(0.2, lambda: b.set("late", b"v")).start()
+    later = threading.Timer(0.2, lambda: b.set("late", b"v"))
+    later.start()
     assert a.get("late", timeout=5) == b"v"  # only b's later set makes the key: the get waited for it
+    later.join(5)  # b's set has its reply before the fixture closes the store (else: a warning from its thread)
 
 
 def test_concurrent_blocking_get_does_not_block_set_on_same_client(server):

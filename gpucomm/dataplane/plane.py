@@ -111,10 +111,19 @@ class DataPlane:
         """(before this rank submits a negotiated collective, on the submitting thread) Run the step
         openers: a step whose gradients came is opened first, so the collective is placed after it
         here as on the ranks whose backward opened it."""
+        dead = False
         for ref in list(self._step_openers.values()):
             opener = ref()
-            if opener is not None:
+            if opener is None:  # its optimizer was dropped without close(): stop counting it
+                dead = True
+            else:
                 opener()
+        if dead:
+            with self._lock:
+                for schedule, ref in list(self._step_openers.items()):
+                    if ref() is None:
+                        del self._step_openers[schedule]
+                self.step_openers = len(self._step_openers)
 
     def submitted(self, handle: Handle) -> None:
         """This rank submitted ``handle`` for negotiation (its device's next epoch waits for its agreement)."""
