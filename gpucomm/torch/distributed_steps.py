@@ -64,6 +64,7 @@ class DistributedSteps(torch.optim.Optimizer):
         self._local_only = False
         self._hooks: dict[torch.Tensor, Any] = {}
         self._by_order = False  # hooked by arrival order (``gradient_hooks``): one Python hook per bucket
+        self._order_thread = 0  # the thread whose step() turned hooks by arrival order on (``gradient_hooks``)
         self._step_verdict: str | None = None  # what the last step by arrival order found (``_settle_hooks``)
         self._lock = threading.Lock()  # hooks of CPU and CUDA parameters run on different autograd threads
         self._job_ref: Any = None

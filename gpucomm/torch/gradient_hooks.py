@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import time
 from typing import Iterator
 
@@ -136,8 +137,16 @@ class GradientHooks:
         the submitting thread) Open the step when some gradient of it came through a C hook and no hook
         opened it (a backward that reached only gradients between a bucket's first and last, e.g. a
         branch some ranks skip): the collective is then placed after the step's buckets, as on a rank
-        whose backward opened the step (a hook per gradient opened it at any gradient)."""
+        whose backward opened the step (a hook per gradient opened it at any gradient).
+
+        Only on the thread that ran the last ``step()``: there, a backward is either over (``backward()``
+        returned) or running this very call (a hook of yours), and ``_mark_backward`` tells which. From
+        another thread, a backward may still be running elsewhere, which it cannot see: a flush would then
+        launch the step with gradients still to come, averaging zeros for them. Such a thread's collective
+        is placed as it was before (where its submission finds the step)."""
         if self._step_opened or self._step_launched or self._local_only or not self._by_order:
+            return
+        if threading.get_ident() != self._order_thread or self._schedule is None:  # (None: closed meanwhile)
             return
         if not self._buckets.arrivals_pending() or self._job_ref() is not active_job():
             return
@@ -176,6 +185,7 @@ class GradientHooks:
                         functools.partial(self._first_hook, append) if j == first else append)
                 self._hooks[p] = p.register_post_accumulate_grad_hook(hook)
         buckets.by_order = self._by_order = True
+        self._order_thread = threading.get_ident()  # the training loop's (step() runs this)
         self._schedule.open_before_negotiated(self._open_before_negotiated)
 
     def _order_held(self, verdict: str) -> None:

@@ -7,6 +7,8 @@ gradient in the recorded order can come before the others.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn as nn
 
@@ -197,6 +199,12 @@ def negotiated_op_after_middle_gradients_only() -> dict:
     else:  # b's gradients only: neither the bucket's first (the head's) nor its last (a's)
         model.b(half(x, r, n)).sum().backward()
     seen = {"opened_by_backward": opt._step_opened}
+    # the opener, run on another thread than the training loop's, opens nothing: from there it cannot tell
+    # whether a backward still runs (a flush would then average zeros for the gradients still to come)
+    elsewhere = threading.Thread(target=opt._open_before_negotiated)
+    elsewhere.start()
+    elsewhere.join(10)
+    seen["opened_elsewhere"] = opt._step_opened
     deferred = hvd.stats()["issue_deferred"]
     total = hvd.allreduce(torch.full((3,), float(r + 1)), op=hvd.Sum, name="after_backward")
     seen["opened"] = opt._step_opened
