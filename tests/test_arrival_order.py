@@ -51,6 +51,7 @@ def test_a_negotiated_op_after_a_backward_of_middle_gradients_only_waits_for_the
     for seen in run_ranks(sc.negotiated_op_after_middle_gradients_only, 2, env=env):
         assert seen["sum"] == [3.0] * 3 and seen["opened"] is True and seen["steps"] == 4, seen
         assert seen["opened_elsewhere"] is seen["opened_by_backward"], seen  # another thread's call opens nothing
+        assert seen["after_step"] == (True, False, 0), seen  # after step(): nothing to open, nothing waits
         assert seen["deferred"] == 1, seen  # issued after the step's bucket (on a GPU: NCCL's order on every rank)
         opened.append(seen["opened_by_backward"])
     assert opened == [True, False]  # rank 1's C hooks opened nothing: its allreduce's submission did

@@ -213,5 +213,9 @@ def negotiated_op_after_middle_gradients_only() -> dict:
     seen["sum"] = total.tolist()
     _step(model, opt, 6, r, n)  # and training goes on
     seen["steps"] = opt._steps
+    # after step(), with hooks by order: a collective opens nothing (no gradient of the next step came yet)
+    deferred = hvd.stats()["issue_deferred"]
+    hvd.allreduce(torch.ones(1), name="after_step")
+    seen["after_step"] = (opt._by_order, opt._step_opened, hvd.stats()["issue_deferred"] - deferred)
     hvd.shutdown()
     return seen
