@@ -139,7 +139,8 @@ class GradientHooks:
         branch some ranks skip): the collective is then placed after the step's buckets, as on a rank
         whose backward opened the step (a hook per gradient opened it at any gradient).
 
-        Only on the thread that ran the last ``step()``: there, a backward is either over (``backward()``
+        Only on the thread whose ``step()`` turned hooks by arrival order on (a loop moved to another
+        thread since gets the placement below until the order is recorded again): there, a backward is either over (``backward()``
         returned) or running this very call (a hook of yours), and ``_mark_backward`` tells which. From
         another thread, a backward may still be running elsewhere, which it cannot see: a flush would then
         launch the step with gradients still to come, averaging zeros for them. Such a thread's collective
