@@ -55,3 +55,13 @@ def test_a_negotiated_op_after_a_backward_of_middle_gradients_only_waits_for_the
         assert seen["deferred"] == 1, seen  # issued after the step's bucket (on a GPU: NCCL's order on every rank)
         opened.append(seen["opened_by_backward"])
     assert opened == [True, False]  # rank 1's C hooks opened nothing: its allreduce's submission did
+
+
+@pytest.mark.parametrize("views", ["1", "0"])  # the gradients copied into their bucket, or packed at launch
+def test_a_gradient_that_turns_sparse_by_arrival_order_is_handed_back_sparse(views):
+    env = {**ONE_BUCKET, "GPUCOMM_GRADIENT_VIEWS": views}
+    for seen in run_ranks(sc.gradient_turning_sparse_by_order, 2, env=env):
+        assert seen["diff"] <= 1e-5, seen
+        # (hooks by arrival order at the step's start, the embedding's gradient sparse at synchronize)
+        assert seen["per_step"] == [(False, False), (True, False), (True, False),
+                                    (True, True), (False, True), (False, True)], seen

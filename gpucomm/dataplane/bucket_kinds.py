@@ -144,8 +144,9 @@ class Bucket:
             grads = gradients_as_they_are(self.params)
             if grads is not None:
                 return grads
-        strides = self.settings.strides
-        return [send_view(p, strides[p]) for p in self.params]
+        settings = self.settings
+        strides, seen = settings.strides, settings.sparse_seen
+        return [send_view(p, strides[p], seen) for p in self.params]
 
     def check_slots(self, full: torch.Tensor) -> torch.Tensor | None:
         """The finite check's slots in ``full`` (zeroed; this rank's is written by the pack), or None."""
@@ -238,6 +239,9 @@ class ViewBucket(Bucket):
                 view.zero_()
             else:
                 if g.is_sparse:
+                    seen = self.settings.sparse_seen
+                    if seen is not None:
+                        seen(p, g)
                     g = g.to_dense()
                 torch.mul(g, self.scale, out=view) if self.scale != 1.0 else view.copy_(g)
             self.copied_now = True
@@ -416,7 +420,8 @@ class CompressedBucket(Bucket):
 
     def fill(self) -> list[torch.Tensor]:
         settings = self.settings
-        grads = [gradient_to_send(p) for p in self.params]
+        seen = settings.sparse_seen
+        grads = [gradient_to_send(p, seen) for p in self.params]
         self.reduced, self.contexts = [], []
         COUNTERS.grad_bucket_packs += 1
         for g in grads:

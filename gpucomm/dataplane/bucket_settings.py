@@ -14,6 +14,7 @@ from ..kernels.rules import CASTS
 from ..settings import GRADIENT_VIEWS, ZERO_GRAD_KEEPS_VIEWS
 from .buffers import FusionBuffers
 from .finite import FiniteSlots
+from .grad_layout import SparseSeen
 
 __all__ = ["BucketSettings", "VIEWS_ENV", "WireOf", "fused_wire", "keep_views_wanted", "views_wanted"]
 
@@ -47,7 +48,8 @@ class BucketSettings:
     optimizer averages (``average``: over the set's ranks, with Horovod's ``predivide`` factor),
     the compressor and the dtype each gradient dtype travels in with it (``wire_of``), the process
     set, the finite check, the fusion buffers, the layout each gradient travels in, and the
-    timeline's tracer for the current step (None: no timeline)."""
+    timeline's tracer for the current step (None: no timeline), and who is told of a gradient that
+    came sparse (``sparse_seen``: a hook by arrival order cannot see it)."""
 
     compression: Any
     prescale: float
@@ -62,3 +64,5 @@ class BucketSettings:
     buffers: FusionBuffers = field(default_factory=FusionBuffers)
     strides: dict = field(default_factory=dict)  # parameter -> the strides its gradient travels in
     tracer: Any = None
+    # told of a gradient a bucket found sparse and sends densified (the front hands it back sparse)
+    sparse_seen: SparseSeen | None = None

@@ -10,12 +10,15 @@ same order because parameters' strides are verified alike across ranks with thei
 from __future__ import annotations
 
 import operator
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["gradient_targets", "gradient_to_send", "gradients_as_they_are", "layout_of", "send_view",
+__all__ = ["SparseSeen", "gradient_targets", "gradient_to_send", "gradients_as_they_are", "layout_of", "send_view",
            "significant_strides", "slot_view", "view_in_order"]
+
+# Told of a parameter whose gradient a bucket found sparse (and sends densified): (parameter, gradient).
+SparseSeen = Callable[[torch.Tensor, torch.Tensor], None]
 
 _GRAD, _TRAINS = operator.attrgetter("grad"), operator.attrgetter("requires_grad")
 _CONTIG = torch.Tensor.is_contiguous
@@ -54,13 +57,16 @@ def gradients_as_they_are(params: Sequence[torch.Tensor]) -> list[torch.Tensor] 
     return None
 
 
-def send_view(p: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+def send_view(p: torch.Tensor, strides: tuple[int, ...], sparse_seen: SparseSeen | None = None) -> torch.Tensor:
     """``p``'s gradient as a flat tensor in the memory order ``strides`` (see the module doc): a
-    view of the gradient itself when it has that layout, one copy otherwise; zeros when it has none."""
+    view of the gradient itself when it has that layout, one copy otherwise; zeros when it has none.
+    A sparse gradient is sent densified, and ``sparse_seen`` is told of it."""
     g = p.grad
     if g is None or not p.requires_grad:
         return torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
     if g.is_sparse:
+        if sparse_seen is not None:
+            sparse_seen(p, g)
         g = g.to_dense()
     view = view_in_order(g, p, strides)
     if view is not None:
@@ -102,12 +108,15 @@ def significant_strides(strides: Sequence[int], shape: Sequence[int]) -> tuple[i
     return tuple(st if sz != 1 else 0 for st, sz in zip(strides, shape))
 
 
-def gradient_to_send(p: torch.Tensor) -> torch.Tensor:
-    """``p``'s gradient as the bucket sends it: zeros when it has none or is frozen (Horovod's rule)."""
+def gradient_to_send(p: torch.Tensor, sparse_seen: SparseSeen | None = None) -> torch.Tensor:
+    """``p``'s gradient as the bucket sends it: zeros when it has none or is frozen (Horovod's rule);
+    densified when it is sparse (``sparse_seen`` is told)."""
     g = p.grad
     if g is None or not p.requires_grad:
         return torch.zeros_like(p, memory_format=torch.contiguous_format)
     if g.is_sparse:
+        if sparse_seen is not None:
+            sparse_seen(p, g)
         g = g.to_dense()
     return g if g.is_contiguous() else g.contiguous()
 

@@ -69,8 +69,8 @@ class GradientHooks:
                 g = p.grad
                 if g is not None and g.is_sparse:
                     self._sparse.arrived(p, g)
-                    # it must be handed back sparse (``SparseGradients.hand_back``), which only this hook sees:
-                    # no hooks by arrival order for this optimizer
+                    # it must be handed back sparse (``SparseGradients.hand_back``): no hooks by arrival order
+                    # for this optimizer (one that turns sparse later is reported by its bucket's pack)
                     self._order_allowed = False
                 buckets.gradient_ready(p, g, slot)
             # an agreed sparse parameter is reduced at synchronize(), after the buckets
@@ -156,6 +156,13 @@ class GradientHooks:
                 self._hooked = True
                 self._open_step()
 
+    def _bucket_saw_sparse(self, p: torch.Tensor, g: torch.Tensor) -> None:
+        """(a bucket, packing) ``p``'s gradient came sparse and goes densified: it is handed back sparse
+        at this step's end, as a hook per gradient sees to (``_hook``). By arrival order its C hook could
+        not see it, so every gradient gets its own hook again after this step."""
+        self._sparse.arrived(p, g)
+        self._order_allowed = False
+
     def _order_eligible(self) -> bool:
         """Whether this optimizer may hook by arrival order: a plain one (not ZeRO's, PowerSGD's or a
         subclass's), one backward per step, no step being watched (the first re-cut, autotune), not
@@ -172,6 +179,9 @@ class GradientHooks:
         if verdict is not None:  # last, after the step's bookkeeping: a raise leaves nothing half done
             self._order_held(verdict)
         recorded, self._recorded_order = self._recorded_order, None
+        if self._by_order and not self._order_allowed:  # a gradient came sparse (``_bucket_saw_sparse``)
+            self._hook_every_gradient()
+            return
         if self._by_order or recorded is None or recorded[0] is not self._buckets or not self._order_eligible():
             return
         buckets = self._buckets

@@ -55,7 +55,7 @@ class LayoutAgreement:
         settings = BucketSettings(self._compression, self._prescale, self._postscale, self._set_id, self._finite,
                                   average=self._op == Average, predivide=self._predivide,
                                   wire_of=wire_of(self._compression), views=views_wanted(),
-                                  keep_views=keep_views_wanted())
+                                  keep_views=keep_views_wanted(), sparse_seen=self._bucket_saw_sparse)
         buckets = GradientBuckets(self._schedule, dense, plans, settings, self._flush_step, make=self._bucket_maker())
         self._layouts += 1
         if self._reducing:

@@ -219,3 +219,53 @@ def negotiated_op_after_middle_gradients_only() -> dict:
     seen["after_step"] = (opt._by_order, opt._step_opened, hvd.stats()["issue_deferred"] - deferred)
     hvd.shutdown()
     return seen
+
+
+class Lookup(nn.Module):
+    """An embedding (its ``sparse`` flag switchable between steps) and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(12, HIDDEN), nn.Linear(HIDDEN, OUT)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(ids).sum(1)))
+
+
+def _lookup_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2000 + step)
+    return torch.randint(0, 12, (8, 3), generator=g), torch.randn(8, OUT, generator=g)
+
+
+SPARSE_FROM = 3  # the embedding's gradient turns sparse at this step, after hooks by arrival order are on
+
+
+def gradient_turning_sparse_by_order() -> dict:
+    """An embedding whose gradient is dense in the first steps (hooks by arrival order turn on) and sparse
+    from step ``SPARSE_FROM``: its C hook cannot see that, the bucket averages it densely, and it must reach
+    the wrapped optimizer sparse as it came (SparseAdam refuses dense ones); hooks then go back to one per
+    gradient. Weights match one process on the whole batch."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    model, reference = Lookup(), Lookup()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    per_step = []
+    for s in range(6):
+        model.emb.sparse = reference.emb.sparse = s >= SPARSE_FROM
+        ids, y = _lookup_batch(s)
+        by_order = opt._by_order
+        opt.zero_grad()
+        nn.functional.mse_loss(model(half(ids, r, n)), half(y, r, n)).backward()
+        opt.synchronize()
+        per_step.append((by_order, model.emb.weight.grad.is_sparse))
+        with opt.skip_synchronize():
+            opt.step()
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(reference(ids), y).backward()
+        ref_opt.step()
+    seen = {"per_step": per_step, "diff": max_rel_diff(model, reference)}
+    hvd.shutdown()
+    return seen
