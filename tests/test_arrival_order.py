@@ -57,11 +57,19 @@ def test_a_negotiated_op_after_a_backward_of_middle_gradients_only_waits_for_the
     assert opened == [True, False]  # rank 1's C hooks opened nothing: its allreduce's submission did
 
 
-@pytest.mark.parametrize("views", ["1", "0"])  # the gradients copied into their bucket, or packed at launch
-def test_a_gradient_that_turns_sparse_by_arrival_order_is_handed_back_sparse(views):
-    env = {**ONE_BUCKET, "GPUCOMM_GRADIENT_VIEWS": views}
-    for seen in run_ranks(sc.gradient_turning_sparse_by_order, 2, env=env):
-        assert seen["diff"] <= 1e-5, seen
+@pytest.mark.parametrize("compression, bucket", [("none", "ViewBucket"), ("fp16", "FusedBucket"),
+                                                 ("user", "CompressedBucket")])
+def test_a_gradient_that_turns_sparse_by_arrival_order_is_handed_back_sparse(compression, bucket):
+    for seen in run_ranks(sc.gradient_turning_sparse_by_order, 2, args=(compression,), env=ONE_BUCKET):
+        assert seen["bucket"] == bucket, seen
+        assert seen["diff"] <= (1e-5 if compression == "none" else 1e-2), seen
         # (hooks by arrival order at the step's start, the embedding's gradient sparse at synchronize)
         assert seen["per_step"] == [(False, False), (True, False), (True, False),
                                     (True, True), (False, True), (False, True)], seen
+
+
+def test_a_sparse_parameter_unfrozen_later_is_averaged_and_handed_back_sparse():
+    """(Before: ``copy_() between dense and sparse Tensors`` at the step that unfroze it, on every rank.)"""
+    for seen in run_ranks(sc.sparse_parameter_unfrozen, 2, env=ONE_BUCKET):
+        assert seen["handed"] == [None, None, True, True, True], seen
+        assert seen["diff"] <= 1e-5, seen

@@ -306,13 +306,14 @@ class GradientBuckets:
 
     # -- beyond the steady state ----------------------------------------------------------------
     def reduce_once(self, params: Sequence[torch.Tensor], name: str) -> None:
-        """Average ``params``' gradients now, on the schedule (every rank calls this at the same point)."""
+        """Average ``params``' gradients now, on the schedule (every rank calls this at the same point). A
+        sparse one is averaged densified and becomes that (``settings.sparse_seen`` is told)."""
         settings = self.settings
-        grads = [gradient_to_send(p) for p in params]
+        grads = [gradient_to_send(p, settings.sparse_seen) for p in params]
         self.allreduce_now(grads, name, settings.prescale, settings.postscale)
         with torch.no_grad():
             for p, g in zip(params, grads):
-                if p.grad is None:
+                if p.grad is None or p.grad.is_sparse:
                     p.grad = g
                 elif p.grad is not g:
                     p.grad.copy_(g)

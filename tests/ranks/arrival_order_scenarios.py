@@ -14,6 +14,7 @@ import torch.nn as nn
 
 import gpucomm.torch as hvd
 from gpucomm.torch.parameters import TWICE_ERROR, ZERO_GRAD_ERROR
+from tests.ranks.finite_scenarios import COMPRESSIONS
 from tests.ranks.optimizer_scenarios import IN, OUT, batch, half, max_rel_diff, no_sync_step
 
 HIDDEN = 8
@@ -241,16 +242,18 @@ def _lookup_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 SPARSE_FROM = 3  # the embedding's gradient turns sparse at this step, after hooks by arrival order are on
 
 
-def gradient_turning_sparse_by_order() -> dict:
+def gradient_turning_sparse_by_order(compression: str) -> dict:
     """An embedding whose gradient is dense in the first steps (hooks by arrival order turn on) and sparse
     from step ``SPARSE_FROM``: its C hook cannot see that, the bucket averages it densely, and it must reach
     the wrapped optimizer sparse as it came (SparseAdam refuses dense ones); hooks then go back to one per
-    gradient. Weights match one process on the whole batch."""
+    gradient. Weights match one process on the whole batch. ``compression`` (``COMPRESSIONS``) chooses the
+    bucket kind: copied into its bucket as the hooks fire (none), packed at launch (fp16), compressed one
+    gradient at a time (a user compressor)."""
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     model, reference = Lookup(), Lookup()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
+                                   named_parameters=model.named_parameters(), compression=COMPRESSIONS[compression])
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     per_step = []
     for s in range(6):
@@ -266,6 +269,41 @@ def gradient_turning_sparse_by_order() -> dict:
         ref_opt.zero_grad()
         nn.functional.mse_loss(reference(ids), y).backward()
         ref_opt.step()
-    seen = {"per_step": per_step, "diff": max_rel_diff(model, reference)}
+    seen = {"per_step": per_step, "diff": max_rel_diff(model, reference),
+            "bucket": type(opt._buckets.buckets[0]).__name__}
+    hvd.shutdown()
+    return seen
+
+
+def sparse_parameter_unfrozen() -> dict:
+    """A sparse embedding frozen when the optimizer is built and unfrozen after two steps: its first
+    gradient is averaged on its own at that step's end (``reduce_once``), and reaches the wrapped optimizer
+    sparse, as it came; then it trains in the buckets. Weights match one process on the whole batch."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    model, reference = Lookup(), Lookup()
+    for m in (model, reference):
+        m.emb.sparse = True
+        m.emb.weight.requires_grad_(False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    handed: list[bool | None] = []
+    for s in range(5):
+        if s == 2:
+            model.emb.weight.requires_grad_(True)
+            reference.emb.weight.requires_grad_(True)
+        ids, y = _lookup_batch(s)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(half(ids, r, n)), half(y, r, n)).backward()
+        opt.synchronize()
+        g = model.emb.weight.grad
+        handed.append(None if g is None else g.is_sparse)
+        with opt.skip_synchronize():
+            opt.step()
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(reference(ids), y).backward()
+        ref_opt.step()
+    seen = {"handed": handed, "diff": max_rel_diff(model, reference)}
     hvd.shutdown()
     return seen
