@@ -420,11 +420,13 @@ def _kill_session(proc: subprocess.Popen) -> None:
 
 
 def run_rank_scripts(argv: list[str], size: int, *, timeout: float = 60.0,
-                     env: dict[str, str] | None = None, store_on_rank0: bool = False) -> list[Result]:
+                     env: dict[str, str] | None = None, store_on_rank0: bool = False,
+                     pythons: Sequence[str] | None = None) -> list[Result]:
     """Run ``python *argv`` as every rank of a ``size``-rank job (a real script: an uncaught
     exception goes through ``sys.excepthook``, ``os._exit`` really exits); returns each rank's
     result. Ranks still running at the deadline are killed with their children. ``store_on_rank0``:
-    rank 0 serves the rendezvous store itself, as in a launch by hand (mpirun, Slurm, env vars)."""
+    rank 0 serves the rendezvous store itself, as in a launch by hand (mpirun, Slurm, env vars).
+    ``pythons``: each rank's interpreter (default this one's), e.g. another virtual environment's."""
     secret = secrets.token_bytes(32)
     mark = uuid.uuid4().hex
     procs: list[subprocess.Popen] = []
@@ -435,7 +437,7 @@ def run_rank_scripts(argv: list[str], size: int, *, timeout: float = 60.0,
         try:
             for r in range(size):
                 procs.append(subprocess.Popen(
-                    [PYTHON, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                    [pythons[r] if pythons else PYTHON, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                     env=base_env(mark, **rank_env(r, size, port, secret, extra)), start_new_session=True))
             deadline = time.monotonic() + timeout
             out = []

@@ -32,12 +32,14 @@ POLL_S = 0.05
 @dataclass(frozen=True)
 class JoinedRound:
     """The round a worker joined: its number, the environment that places the worker in it
-    (``GPUCOMM_RANK`` ... set), and whether it (or one since the worker's last) brought workers
-    that do not hold the trained state yet (the state must then be synced)."""
+    (``GPUCOMM_RANK`` ... set), whether it (or one since the worker's last) brought workers
+    that do not hold the trained state yet (the state must then be synced), and the round this
+    worker was in before (``previous``; 0: the worker is new to the job)."""
 
     number: int
     env: dict[str, str]
     new_workers: bool
+    previous: int = 0
 
 
 class Membership:
@@ -70,14 +72,14 @@ class Membership:
                     placement = rounds.decode_placement(client.get(rounds.placement_key(run_id, newest, worker)))
                     new_workers = any(client.check([rounds.hosts_added_key(run_id, n)])
                                       for n in range(self.last + 1, newest + 1))
-                    self.last = newest
+                    previous, self.last = self.last, newest
                     if isinstance(placement, str):
                         removed = WorkerRemoved(worker, placement)
                         print(str(removed), file=sys.stderr, flush=True)  # SystemExit(0) itself prints nothing
                         raise removed
                     log.info("elastic: worker %s joins round %d as rank %d of %d", worker, newest, placement.rank,
                              placement.size)
-                    return JoinedRound(newest, dict(env) | placement_env(placement), new_workers)
+                    return JoinedRound(newest, dict(env) | placement_env(placement), new_workers, previous)
                 if time.monotonic() > deadline:
                     raise GpucommError(
                         f"elastic worker {worker} waited {timeout:g} s for the launcher to form a new round (after "

@@ -26,6 +26,7 @@ from ..logs import SetupSteps, configure_logging
 from ..process_sets import init_sets
 from ..settings import AUTOTUNE, RENDEZVOUS_BIND, REQUIRE_SECRET, START_TIMEOUT, TIMEOUT, check_settings
 from .elastic import JoinedRound, round_interrupt
+from .stack_check import check_same_stack, software_stack
 from .state import SHUTDOWN_GRACE, Job
 
 log = logging.getLogger("gpucomm")
@@ -53,7 +54,10 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None,
     start_timeout = START_TIMEOUT.read(env, DEFAULT_START_TIMEOUT)
     t0 = time.monotonic()
     prefix = f"{world.run_id}/e{elastic_round}/" if elastic_round else f"{world.run_id}/g{generation}/"
-    record: dict[str, Any] = {"host": world.hostname, "local_rank": world.local_rank, "pid": os.getpid()}
+    record: dict[str, Any] = {"host": world.hostname, "local_rank": world.local_rank, "pid": os.getpid(),
+                              "stack": software_stack(),
+                              # (elastic) in an earlier round of this job: its install is the job's
+                              "veteran": joined is not None and joined.previous > 0}
     transport = _decide_cpu_operations(world, env)  # before the store: it may initialize MPI (see there)
     server, client = open_store(world, generation, start_timeout, timeout, prefix=prefix, record=record,
                                 require_secret=REQUIRE_SECRET.read(env, False), bind=RENDEZVOUS_BIND.read(env),
@@ -70,6 +74,7 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None,
         choice = _record_cpu_operations(transport, client, server, prefix, world, record, start_timeout)
         records = arrive(client, prefix, world, record, start_timeout, interrupt)
         steps.done(f"all {world.size} ranks arrived")
+        check_same_stack(records, world.rank)
         _check_cpu_operations(records)
         gpus = [(r, rec["host"], rec["bus_id"]) for r, rec in enumerate(records) if rec.get("bus_id")]
         devices.check_unique_assignment(gpus, single_gpu_test=single_gpu)

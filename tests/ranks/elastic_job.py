@@ -16,7 +16,9 @@ SIGKILLs it when the job re-forms, before its optimizer rebinds (the others are 
 ``RuntimeError`` there, out of the training function, so that it exits 1 (Horovod's ``exit_mode='exception'``);
 ``ELASTIC_INTERNAL=worker@step`` makes it raise ``HorovodInternalError`` there once (a fault nobody dies of: the
 job re-forms with the same workers); ``ELASTIC_ADD=step@host:slots`` makes rank 0 append a host to the discovery
-file at that step. Rank 0 writes ``result.json`` at the end.
+file at that step; ``ELASTIC_OTHER_INSTALL=worker`` makes that worker report another gpucomm version at ``init()``,
+as a host with another install would; ``ELASTIC_AWAIT_RESET=1`` holds training after the addition until the job
+has re-formed. Rank 0 writes ``result.json`` at the end.
 """
 
 from __future__ import annotations
@@ -86,6 +88,15 @@ def maybe_die(step: int) -> None:
         raise hvd.elastic.HorovodInternalError(f"worker {WORKER} reports a fault at step {step} (ELASTIC_INTERNAL)")
 
 
+def other_install() -> None:
+    """(``ELASTIC_OTHER_INSTALL``) This worker reports another gpucomm version when it arrives in ``init()``."""
+    if os.environ.get("ELASTIC_OTHER_INSTALL") == WORKER:
+        import gpucomm.job.setup as setup  # noqa: PLC0415
+
+        mine = setup.software_stack()
+        setup.software_stack = lambda: {**mine, "gpucomm": "0.0.9"}
+
+
 def change_hosts(step: int) -> None:
     """Rank 0 edits the discovery file: add a host at a step, remove one once the job has grown."""
     if hvd.rank() != 0:
@@ -102,6 +113,7 @@ def change_hosts(step: int) -> None:
 
 
 def main() -> None:
+    other_install()
     hvd.init()
     torch.manual_seed(1)
     model = torch.nn.Linear(FEATURES, 1)
@@ -168,8 +180,20 @@ def main() -> None:
         if resets.get("at") and hvd.rank() == 0 and not (OUT / "resumed.json").exists():
             (OUT / "resumed.json").write_text(json.dumps({"time": time.time(), "step": state.step}))
         change_hosts(state.step)
+        await_reset(state)
         time.sleep(STEP_SLEEP)
         state.commit()
+
+    def await_reset(state) -> None:
+        """(``ELASTIC_AWAIT_RESET``) Once the host is added, train no further until the job has re-formed, so
+        that the added worker arrives before training ends however slowly it starts (every rank decides alike:
+        the step, the reset count and the host check are the same everywhere)."""
+        deadline = time.monotonic() + 120
+        while os.environ.get("ELASTIC_AWAIT_RESET") and ADD and state.step >= ADD[0] and not resets["count"]:
+            if time.monotonic() > deadline:
+                raise RuntimeError("ELASTIC_AWAIT_RESET: the job did not re-form within 120 s of the host's addition")
+            time.sleep(0.1)
+            state.check_host_updates()
 
     train(state)
     if hvd.rank() == 0:

@@ -1,0 +1,135 @@
+"""Every rank of a job runs the same gpucomm and the same torch release series.
+
+Ranks started from different installs (a host whose virtual environment or image is older than the
+others') exchange control messages, bucket layouts and Gloo frames that the others may read
+differently: the job then fails far from the cause, or hangs. Each rank puts its versions in its
+arrival record (``software_stack``); every rank reads every record (``check_same_stack``), so all
+raise alike at ``init()``, naming which ranks and hosts run what. A different Python minor version
+only gets a warning: nothing gpucomm sends depends on it (the pickle protocol is the same from 3.8
+on), though objects of the user's own that ranks exchange may.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from typing import Any, Callable, Sequence
+
+from .. import __version__
+from ..errors import GpucommError
+
+__all__ = ["check_same_stack", "software_stack"]
+
+log = logging.getLogger("gpucomm")
+
+
+def software_stack() -> dict[str, str]:
+    """This process's gpucomm, torch and Python versions, for its arrival record."""
+    import torch  # noqa: PLC0415 - the job needs torch anyway; kept out of the module's import
+
+    return {"gpucomm": __version__, "torch": str(torch.__version__), "python": platform.python_version()}
+
+
+def _series(version: str, parts: int) -> str:
+    """The first ``parts`` numbers of a version ("2.13.0+cpu" -> "2.13" for 2): a build's local tag
+    (``+cpu``, ``+cu130``) and its patch release leave the wire alone."""
+    return ".".join(version.split("+")[0].split(".")[:parts])
+
+
+# what must agree: (the record's key, the part of its version that counts)
+_MUST_AGREE: tuple[tuple[str, Callable[[str], str]], ...] = (
+    ("gpucomm", lambda v: v),
+    ("torch", lambda v: _series(v, 2)),
+)
+
+
+def check_same_stack(records: Sequence[dict[str, Any]], rank: int) -> None:
+    """Raise ``GpucommError`` when the ranks' arrival ``records`` differ in gpucomm's version or in
+    torch's release series (major.minor); when only Python's minor version differs, rank 0 (``rank``
+    is this one) logs a warning. A record without versions (a rank of an older gpucomm) counts as a
+    version of its own.
+
+    In an elastic round whose veterans (workers of an earlier round: ``record["veteran"]``) agree,
+    the newcomers that differ from them are the odd ones: each of those raises that it leaves (its
+    worker exits, and the launcher blacklists its host), the others that the round is re-formed
+    without them (``hvd.elastic.run`` joins the next round). Otherwise every rank raises alike."""
+    problems = _differences(records)
+    if problems:
+        veterans = [rec for rec in records if rec.get("veteran")]
+        if veterans and not _differences(veterans):
+            _reject_newcomers(records, veterans[0], rank, problems)
+        raise GpucommError(
+            "the ranks of this job run different software versions (" + "; ".join(problems) + "). Ranks built "
+            "from different installs exchange messages the others may read differently, so the job would fail "
+            "far from the cause or hang. Likely cause: a host whose virtual environment, image or PYTHONPATH "
+            f"differs from the others' (an older image, a stale venv, a node outside the shared filesystem). {_FIX}")
+    python = _sides(records, "python", lambda v: _series(v, 2))
+    if len(python) > 1 and rank == 0:
+        log.warning("gpucomm: the ranks run different Python versions (%s). gpucomm works across them, but "
+                    "objects of your own that ranks exchange (allgather_object, broadcast_object, elastic state) "
+                    "must unpickle on every version.", _describe(python, records))
+
+
+_FIX = ("Fix: install the same gpucomm and torch on every host, e.g. from one container image or one pinned "
+        "requirements file; `gpucomm-run --check-build` on each host shows what it has.")
+
+
+def _differences(records: Sequence[dict[str, Any]]) -> list[str]:
+    """"key: who runs what" for each of ``_MUST_AGREE`` on which ``records`` differ."""
+    problems = []
+    for key, counted in _MUST_AGREE:
+        sides = _sides(records, key, counted)
+        if len(sides) > 1:
+            problems.append(f"{key}: {_describe(sides, records)}")
+    return problems
+
+
+def _reject_newcomers(records: Sequence[dict[str, Any]], veteran: dict[str, Any], rank: int,
+                      problems: list[str]) -> None:
+    """(an elastic round) Raise: on a newcomer whose install differs from the job's (``veteran``'s), that
+    it leaves; on every other rank, that the round re-forms without those newcomers."""
+    def counts(rec: dict[str, Any]) -> list[str]:
+        return [counted(str((rec.get("stack") or {}).get(key))) for key, counted in _MUST_AGREE]
+
+    theirs = counts(veteran)
+    odd = [r for r, rec in enumerate(records) if counts(rec) != theirs]
+    hosts = sorted({str(records[r].get("host")) for r in odd})
+    where = f"{_ranks_text(odd)} (host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)})"
+    if rank in odd:
+        raise GpucommError(
+            f"this worker joined an elastic job whose workers run another install ({'; '.join(problems)}), so it "
+            f"leaves the job: it would exchange messages the others read differently. The launcher blacklists its "
+            f"host and the job goes on without it. {_FIX}")
+    raise GpucommError(
+        f"{where} joined this elastic job with another install ({'; '.join(problems)}); they leave, and the job "
+        f"re-forms without them (the launcher blacklists their hosts). {_FIX}")
+
+
+def _sides(records: Sequence[dict[str, Any]], key: str, counted: Callable[[str], str]) -> dict[str, list[int]]:
+    """Which ranks report which version of ``key`` (as ``counted``), in rank order."""
+    sides: dict[str, list[int]] = {}
+    for r, rec in enumerate(records):
+        version = (rec.get("stack") or {}).get(key)
+        sides.setdefault("unknown (an older gpucomm)" if version is None else counted(str(version)), []).append(r)
+    return sides
+
+
+def _describe(sides: dict[str, list[int]], records: Sequence[dict[str, Any]]) -> str:
+    """"2.13 on ranks 0-2 (host-a), 2.1 on rank 3 (host-b)"."""
+    parts = []
+    for version, ranks in sides.items():
+        hosts = sorted({str(records[r].get("host")) for r in ranks})
+        shown = ", ".join(hosts[:3]) + (f", +{len(hosts) - 3} more" if len(hosts) > 3 else "")
+        parts.append(f"{version} on {_ranks_text(ranks)} ({shown})")
+    return ", ".join(parts)
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """"rank 3", "ranks 0-2", "ranks 0, 2, 5" (the first 8)."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    more = f", +{len(ranks) - 8} more" if len(ranks) > 8 else ""
+    return "ranks " + ", ".join(map(str, ranks[:8])) + more
+
