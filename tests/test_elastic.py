@@ -119,18 +119,19 @@ def test_a_host_added_as_training_ends_does_not_fail_the_job(tmp_path):
 
 
 def test_a_host_added_with_another_install_leaves_and_the_job_goes_on(tmp_path):
-    """The added host's worker reports another gpucomm version: it leaves (its host is blacklisted) and the others
-    re-form without it, instead of every worker failing each round until the job ends."""
+    """Two hosts are added at once; one's worker reports another gpucomm version. It leaves (its host is
+    blacklisted), and the others, the other newcomer too, re-form without it."""
     hosts = ["127.0.0.1:1", "127.0.0.2:1"]
-    r, result, _ = elastic_run(tmp_path, hosts, 2, env={"ELASTIC_ADD": "3@127.0.0.3:1", "ELASTIC_AWAIT_RESET": "1",
-                                                       "ELASTIC_OTHER_INSTALL": "127.0.0.3:0"})
+    r, result, _ = elastic_run(tmp_path, hosts, 2, env={
+        "ELASTIC_ADD": "3@127.0.0.3:1,127.0.0.4:1", "ELASTIC_AWAIT_RESET": "3", "ELASTIC_OTHER_INSTALL": "127.0.0.3:0"})
     assert r.returncode == 0, r.stderr[-4000:]
     assert r.leftovers == []
-    assert "this worker joined an elastic job whose workers run another install (gpucomm: 0.1.0 on ranks 0-1" \
-        in r.stderr, r.stderr[-4000:]
+    assert "this worker (rank 2, host 127.0.0.3) joined an elastic job whose workers run another install (gpucomm: " \
+           "0.1.0 on ranks 0, 1, 3" in r.stderr, r.stderr[-4000:]
     assert "rank 2 (host 127.0.0.3) joined this elastic job with another install" in r.stderr, r.stderr[-4000:]
     assert "blacklisting host 127.0.0.3" in r.stderr, r.stderr[-4000:]
-    assert set(result["sizes"]) == {2}, result["sizes"]  # the round with the newcomer never trained
+    assert "blacklisting host 127.0.0.4" not in r.stderr, r.stderr[-4000:]  # the newcomer with the job's install stays
+    assert set(result["sizes"]) == {2, 3} and result["final_size"] == 3, result["sizes"]
     torch.testing.assert_close(trained(result), reference_fixed(job.STEPS), rtol=0, atol=1e-5)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpucomm.errors import GpucommError
+from gpucomm.errors import GpucommError, RoundReplaced
 from gpucomm.job.stack_check import check_same_stack, software_stack
 from tests.harness import PYTHON, ROOT, run_rank_scripts, write_script
 
@@ -77,16 +77,34 @@ _REPORT_ERROR = """
 """
 
 
-def test_a_rank_of_another_gpucomm_fails_init_on_every_rank(tmp_path):
-    """Rank 1 reports another gpucomm version (what a host with an older install would): both ranks raise at init(),
-    with the same message, instead of failing later on what they read from each other."""
+@pytest.mark.parametrize("size, store_on_rank0", [(2, False), (4, True)])
+def test_a_rank_of_another_gpucomm_fails_init_on_every_rank(tmp_path, size, store_on_rank0):
+    """Rank 1 reports another gpucomm version (what a host with an older install would): every rank raises at
+    init(), with the same message, instead of failing later on what they read from each other. Where rank 0 serves
+    the store itself (torchrun, mpirun, Slurm), it keeps serving until the others have read the records (else
+    they failed on its closed connection instead: rank 3 here reads the records slowly, as over a slow link)."""
     script = write_script(tmp_path, "other_gpucomm.py", textwrap.dedent(_REPORT_ERROR.format(before=textwrap.dedent("""
+        import time
+        import gpucomm.job.setup as setup
         if os.environ["GPUCOMM_RANK"] == "1":
-            import gpucomm.job.setup as setup
             mine = setup.software_stack()
             setup.software_stack = lambda: {**mine, "gpucomm": "0.0.9"}
+        if os.environ["GPUCOMM_RANK"] == "3":
+            arrive = setup.arrive
+
+            def slow_arrive(client, *args, **kwargs):
+                get = client.get
+
+                def slow_get(key, *a, **k):
+                    if "/arrive/" in key:
+                        time.sleep(0.3)
+                    return get(key, *a, **k)
+                client.get = slow_get
+                return arrive(client, *args, **kwargs)
+            setup.arrive = slow_arrive
     """).replace("\n", "\n    "))))
-    results = run_rank_scripts([str(script)], 2, timeout=120)
+    results = run_rank_scripts([str(script)], size, timeout=120, store_on_rank0=store_on_rank0)
+    assert len(results) == size
     for r, res in enumerate(results):
         assert res.returncode == 3, (r, res.stdout, res.stderr)
         assert f"RANK {r} ERROR GpucommError: the ranks of this job run different software versions" in res.stdout, \
@@ -146,10 +164,11 @@ def test_in_an_elastic_round_newcomers_of_another_install_leave_and_the_veterans
     veteran = {"host": "node-a", "stack": MINE, "veteran": True}
     records = [veteran, dict(veteran, host="node-b"), {"host": "node-c", "stack": {**MINE, "torch": "2.1.0"}},
                {"host": "node-d", "stack": MINE}]
-    with pytest.raises(GpucommError, match="this worker joined an elastic job whose workers run another install"):
+    with pytest.raises(GpucommError, match=r"this worker \(rank 2, host node-c\) joined an elastic job whose workers "
+                                           r"run another install"):
         check_same_stack(records, rank=2)
-    for rank in (0, 1, 3):
-        with pytest.raises(GpucommError, match=r"rank 2 \(host node-c\) joined this elastic job with another install "
+    for rank in (0, 1, 3):  # RoundReplaced: init() joins the next round
+        with pytest.raises(RoundReplaced, match=r"rank 2 \(host node-c\) joined this elastic job with another install "
                                                r"\(torch: 2.13 on ranks 0, 1, 3 .*; they leave"):
             check_same_stack(records, rank=rank)
     split = [veteran, {"host": "node-b", "stack": {**MINE, "torch": "2.1.0"}, "veteran": True}]

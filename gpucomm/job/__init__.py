@@ -12,13 +12,14 @@ process joined) and hands it to the job's setup as a value.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .. import failures
 from ..bootstrap.rounds import elastic_mode
-from ..errors import NotInitializedError
+from ..errors import NotInitializedError, RoundReplaced
 from ..settings import TIMELINE, TIMELINE_MARK_CYCLES
 from .elastic import Membership
 
@@ -29,6 +30,7 @@ _job: Job | None = None
 _generation = 0
 _lock = threading.Lock()
 _membership = Membership()  # the elastic rounds this process joined (none outside elastic mode)
+log = logging.getLogger("gpucomm")
 
 
 def current() -> Job:
@@ -60,10 +62,10 @@ def init(process_sets: Sequence[Sequence[int]] | str | None = None) -> Job:
         from .setup import build_job  # noqa: PLC0415 - the job's machinery loads at init, not at import
 
         _generation += 1
-        joined = _membership.join(os.environ) if elastic_mode(os.environ) else None
-        if joined is not None:  # what the script reads (hvd.rank(), os.environ) matches the round it joined
-            os.environ.update(joined.env)
-        job = _job = build_job(os.environ, _generation, process_sets, joined)
+        if elastic_mode(os.environ):
+            job = _job = _join_a_round(build_job, process_sets)
+        else:
+            job = _job = build_job(os.environ, _generation, process_sets)
         failures.set_reporter(lambda exc: _report(job, exc))
         path = TIMELINE.read(os.environ)
         if path and path.upper() != "DYNAMIC":
@@ -74,6 +76,29 @@ def init(process_sets: Sequence[Sequence[int]] | str | None = None) -> Job:
                 job.close()
                 raise
         return job
+
+
+ROUND_ATTEMPTS = 20  # elastic rounds a worker's init() may see given up in a row before it raises
+
+
+def _join_a_round(build_job: Callable[..., Job], process_sets: Any) -> Job:
+    """(elastic mode, holding ``_lock``) Join the launcher's next round and build the job in it; a round
+    given up while it formed (``RoundReplaced``: the launcher published a newer one, or a newcomer's
+    install was refused) is followed by the next, also on a worker's first ``init()`` (it would
+    otherwise exit and have its host blacklisted)."""
+    for attempt in range(ROUND_ATTEMPTS):
+        joined = _membership.join(os.environ)
+        os.environ.update(joined.env)  # what the script reads (hvd.rank(), os.environ) matches the round it joined
+        try:
+            job = build_job(os.environ, _generation, process_sets, joined)
+            _membership.formed = joined.number
+            return job
+        except RoundReplaced as e:
+            if attempt == ROUND_ATTEMPTS - 1:
+                raise
+            log.warning("gpucomm elastic: round %d was given up while it formed (%s); joining the next one",
+                        joined.number, str(e).splitlines()[0])
+    raise AssertionError("unreachable")
 
 
 def _report(job: Job, exc: BaseException) -> None:

@@ -33,13 +33,13 @@ POLL_S = 0.05
 class JoinedRound:
     """The round a worker joined: its number, the environment that places the worker in it
     (``GPUCOMM_RANK`` ... set), whether it (or one since the worker's last) brought workers
-    that do not hold the trained state yet (the state must then be synced), and the round this
-    worker was in before (``previous``; 0: the worker is new to the job)."""
+    that do not hold the trained state yet (the state must then be synced), and whether this
+    worker was in a round that formed before (``veteran``: its install is the job's)."""
 
     number: int
     env: dict[str, str]
     new_workers: bool
-    previous: int = 0
+    veteran: bool = False
 
 
 class Membership:
@@ -47,6 +47,7 @@ class Membership:
 
     def __init__(self) -> None:
         self.last = 0  # the round this process last joined (0: none yet)
+        self.formed = 0  # the last round this process joined that formed (its job was built; 0: none yet)
 
     def join(self, env: Mapping[str, str]) -> JoinedRound:
         """Wait for a round newer than the last one joined that places this worker. Raises
@@ -70,16 +71,18 @@ class Membership:
                 newest = int(client.get(rounds.round_key(run_id))) if client.check([rounds.round_key(run_id)]) else 0
                 if newest > self.last and client.check([rounds.placement_key(run_id, newest, worker)]):
                     placement = rounds.decode_placement(client.get(rounds.placement_key(run_id, newest, worker)))
+                    # since the last round this worker trained in: a round given up while it formed may
+                    # have been the one that added the hosts, whose workers still need the state
                     new_workers = any(client.check([rounds.hosts_added_key(run_id, n)])
-                                      for n in range(self.last + 1, newest + 1))
-                    previous, self.last = self.last, newest
+                                      for n in range(self.formed + 1, newest + 1))
+                    self.last = newest
                     if isinstance(placement, str):
                         removed = WorkerRemoved(worker, placement)
                         print(str(removed), file=sys.stderr, flush=True)  # SystemExit(0) itself prints nothing
                         raise removed
                     log.info("elastic: worker %s joins round %d as rank %d of %d", worker, newest, placement.rank,
                              placement.size)
-                    return JoinedRound(newest, dict(env) | placement_env(placement), new_workers, previous)
+                    return JoinedRound(newest, dict(env) | placement_env(placement), new_workers, self.formed > 0)
                 if time.monotonic() > deadline:
                     raise GpucommError(
                         f"elastic worker {worker} waited {timeout:g} s for the launcher to form a new round (after "

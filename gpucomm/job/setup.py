@@ -57,7 +57,7 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None,
     record: dict[str, Any] = {"host": world.hostname, "local_rank": world.local_rank, "pid": os.getpid(),
                               "stack": software_stack(),
                               # (elastic) in an earlier round of this job: its install is the job's
-                              "veteran": joined is not None and joined.previous > 0}
+                              "veteran": joined is not None and joined.veteran}
     transport = _decide_cpu_operations(world, env)  # before the store: it may initialize MPI (see there)
     server, client = open_store(world, generation, start_timeout, timeout, prefix=prefix, record=record,
                                 require_secret=REQUIRE_SECRET.read(env, False), bind=RENDEZVOUS_BIND.read(env),
@@ -74,10 +74,7 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None,
         choice = _record_cpu_operations(transport, client, server, prefix, world, record, start_timeout)
         records = arrive(client, prefix, world, record, start_timeout, interrupt)
         steps.done(f"all {world.size} ranks arrived")
-        check_same_stack(records, world.rank)
-        _check_cpu_operations(records)
-        gpus = [(r, rec["host"], rec["bus_id"]) for r, rec in enumerate(records) if rec.get("bus_id")]
-        devices.check_unique_assignment(gpus, single_gpu_test=single_gpu)
+        _check_records(client, server, prefix, world, records, single_gpu, start_timeout)
         cross_rank, cross_size = cross_placement(world, records)
         hosts = [rec["host"] for rec in records]
         one_host = len(set(hosts)) == 1
@@ -221,6 +218,29 @@ def _publish_failure(client: RendezvousClient, server, prefix: str, world: World
             time.sleep(0.5)
         except RendezvousError:
             pass
+
+
+def _check_records(client: RendezvousClient, server, prefix: str, world: World, records: list[dict],
+                   single_gpu: bool, start_timeout: float) -> None:
+    """What every rank must agree on, read from every rank's arrival record (the same records
+    everywhere, so every rank raises alike): the installs, the CPU transport, one GPU per rank. A
+    rank that raises says so in the store first, and rank 0, where it serves the store, keeps
+    serving until every rank has (or a grace has passed): else the others, still reading the
+    records, would fail on the store's closed connection instead of with the reason."""
+    try:
+        check_same_stack(records, world.rank)
+        _check_cpu_operations(records)
+        gpus = [(r, rec["host"], rec["bus_id"]) for r, rec in enumerate(records) if rec.get("bus_id")]
+        devices.check_unique_assignment(gpus, single_gpu_test=single_gpu)
+    except Exception:
+        try:
+            client.set(f"{prefix}refused/{world.rank}", b"1")
+            if server is not None:
+                wait_for_ranks(client, f"{prefix}refused", range(world.size), min(start_timeout, SHUTDOWN_GRACE),
+                               "init")
+        except RendezvousError:
+            pass  # (a rank that did not raise, or a store already gone: the grace is all it gets)
+        raise
 
 
 def _check_cpu_operations(records: list[dict]) -> None:

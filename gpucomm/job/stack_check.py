@@ -16,7 +16,7 @@ import platform
 from typing import Any, Callable, Sequence
 
 from .. import __version__
-from ..errors import GpucommError
+from ..errors import GpucommError, RoundReplaced
 
 __all__ = ["check_same_stack", "software_stack"]
 
@@ -51,8 +51,8 @@ def check_same_stack(records: Sequence[dict[str, Any]], rank: int) -> None:
 
     In an elastic round whose veterans (workers of an earlier round: ``record["veteran"]``) agree,
     the newcomers that differ from them are the odd ones: each of those raises that it leaves (its
-    worker exits, and the launcher blacklists its host), the others that the round is re-formed
-    without them (``hvd.elastic.run`` joins the next round). Otherwise every rank raises alike."""
+    worker exits, and the launcher blacklists its host), the others ``RoundReplaced``, on which
+    ``init()`` joins the next round, formed without them. Otherwise every rank raises alike."""
     problems = _differences(records)
     if problems:
         veterans = [rec for rec in records if rec.get("veteran")]
@@ -97,10 +97,10 @@ def _reject_newcomers(records: Sequence[dict[str, Any]], veteran: dict[str, Any]
     where = f"{_ranks_text(odd)} (host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)})"
     if rank in odd:
         raise GpucommError(
-            f"this worker joined an elastic job whose workers run another install ({'; '.join(problems)}), so it "
-            f"leaves the job: it would exchange messages the others read differently. The launcher blacklists its "
-            f"host and the job goes on without it. {_FIX}")
-    raise GpucommError(
+            f"this worker (rank {rank}, host {records[rank].get('host')}) joined an elastic job whose workers run "
+            f"another install ({'; '.join(problems)}), so it leaves the job: it would exchange messages the others "
+            f"read differently. The launcher blacklists its host and the job goes on without it. {_FIX}")
+    raise RoundReplaced(  # init() joins the next round (a newcomer too: it keeps its host)
         f"{where} joined this elastic job with another install ({'; '.join(problems)}); they leave, and the job "
         f"re-forms without them (the launcher blacklists their hosts). {_FIX}")
 

@@ -15,10 +15,10 @@ SIGKILLs it when the job re-forms, before its optimizer rebinds (the others are 
 ``ELASTIC_STOP=worker@step`` SIGSTOPs it instead (a hung worker); ``ELASTIC_RAISE=worker@step`` makes it raise a
 ``RuntimeError`` there, out of the training function, so that it exits 1 (Horovod's ``exit_mode='exception'``);
 ``ELASTIC_INTERNAL=worker@step`` makes it raise ``HorovodInternalError`` there once (a fault nobody dies of: the
-job re-forms with the same workers); ``ELASTIC_ADD=step@host:slots`` makes rank 0 append a host to the discovery
-file at that step; ``ELASTIC_OTHER_INSTALL=worker`` makes that worker report another gpucomm version at ``init()``,
-as a host with another install would; ``ELASTIC_AWAIT_RESET=1`` holds training after the addition until the job
-has re-formed. Rank 0 writes ``result.json`` at the end.
+job re-forms with the same workers); ``ELASTIC_ADD=step@host:slots[,host:slots]`` makes rank 0 append hosts to the
+discovery file at that step; ``ELASTIC_OTHER_INSTALL=worker`` makes that worker report another gpucomm version at ``init()``,
+as a host with another install would; ``ELASTIC_AWAIT_RESET=N`` holds training after the addition until the job
+has N ranks. Rank 0 writes ``result.json`` at the end.
 """
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ def change_hosts(step: int) -> None:
     hosts = Path(os.environ.get("ELASTIC_HOSTS_FILE", "/nonexistent"))
     if ADD and ADD[0] == step and not (OUT / "added").exists():
         (OUT / "added").write_text(str(time.time()))
-        with open(hosts, "a") as f:
-            f.write(ADD[1] + "\n")
+        with open(hosts, "a") as f:  # (several: host:slots,host:slots)
+            f.write(ADD[1].replace(",", "\n") + "\n")
     if REMOVE and REMOVE[0] == hvd.size() and not (OUT / "removed").exists():
         (OUT / "removed").write_text(str(time.time()))
         lines = [line for line in hosts.read_text().splitlines() if line.strip() != REMOVE[1]]
@@ -185,13 +185,14 @@ def main() -> None:
         state.commit()
 
     def await_reset(state) -> None:
-        """(``ELASTIC_AWAIT_RESET``) Once the host is added, train no further until the job has re-formed, so
-        that the added worker arrives before training ends however slowly it starts (every rank decides alike:
-        the step, the reset count and the host check are the same everywhere)."""
+        """(``ELASTIC_AWAIT_RESET=N``) Once the hosts are added, train no further until the job has N ranks, so
+        that the added workers arrive before training ends however slowly they start (every rank decides alike:
+        the step and the job's size are the same everywhere, newcomers' too)."""
+        want = int(os.environ.get("ELASTIC_AWAIT_RESET") or 0)
         deadline = time.monotonic() + 120
-        while os.environ.get("ELASTIC_AWAIT_RESET") and ADD and state.step >= ADD[0] and not resets["count"]:
+        while want and ADD and state.step >= ADD[0] and hvd.size() != want:
             if time.monotonic() > deadline:
-                raise RuntimeError("ELASTIC_AWAIT_RESET: the job did not re-form within 120 s of the host's addition")
+                raise RuntimeError(f"ELASTIC_AWAIT_RESET: the job did not re-form with {want} ranks within 120 s")
             time.sleep(0.1)
             state.check_host_updates()
 
