@@ -5,8 +5,8 @@ Each host is a distinct loopback address (127.0.0.x), so that blacklisting a fai
 the others. The job is ``tests/ranks/elastic_job.py``; its result is checked against one process
 trained on the same batches, not only that it ran.
 
-The three longest jobs (a worker dying while the job re-forms, a hung worker, hosts added and removed)
-and the stress jobs run in CI's e2e step (``tests/steps.py``), keeping the README's test command under 8
+The longest jobs (a worker dying while the job re-forms, a hung worker, hosts added and removed, a host
+added with another install) and the stress jobs run in CI's e2e step (``tests/steps.py``), keeping the README's test command under 8
 minutes on 2 cores.
 """
 
@@ -118,9 +118,11 @@ def test_a_host_added_as_training_ends_does_not_fail_the_job(tmp_path):
     torch.testing.assert_close(trained(result), reference_fixed(job.STEPS), rtol=0, atol=1e-5)
 
 
-def test_a_host_added_with_another_install_leaves_and_the_job_goes_on(tmp_path):
+@pytest.mark.e2e
+def test_a_host_added_with_another_install_leaves_and_the_job_goes_on(tmp_path, request):
     """Two hosts are added at once; one's worker reports another gpucomm version. It leaves (its host is
     blacklisted), and the others, the other newcomer too, re-form without it."""
+    require_step(request.config, "e2e")  # a whole elastic job of 10-20 s: CI's e2e step
     hosts = ["127.0.0.1:1", "127.0.0.2:1"]
     r, result, _ = elastic_run(tmp_path, hosts, 2, env={
         "ELASTIC_ADD": "3@127.0.0.3:1,127.0.0.4:1", "ELASTIC_AWAIT_RESET": "3", "ELASTIC_OTHER_INSTALL": "127.0.0.3:0"})

@@ -85,13 +85,20 @@ def _join_a_round(build_job: Callable[..., Job], process_sets: Any) -> Job:
     """(elastic mode, holding ``_lock``) Join the launcher's next round and build the job in it; a round
     given up while it formed (``RoundReplaced``: the launcher published a newer one, or a newcomer's
     install was refused) is followed by the next, also on a worker's first ``init()`` (it would
-    otherwise exit and have its host blacklisted)."""
+    otherwise exit and have its host blacklisted).
+
+    A job built after such a retry counts as bringing workers without the state
+    (``new_workers_joined``), so that ``hvd.elastic.run`` syncs: a round can form on some ranks and
+    be given up on others (rank 0 still accepting the control links when a newer round came), and
+    those that formed it sync after their first collective fails; the others must sync too."""
     for attempt in range(ROUND_ATTEMPTS):
         joined = _membership.join(os.environ)
         os.environ.update(joined.env)  # what the script reads (hvd.rank(), os.environ) matches the round it joined
         try:
             job = build_job(os.environ, _generation, process_sets, joined)
             _membership.formed = joined.number
+            if attempt:
+                job.new_workers_joined = True
             return job
         except RoundReplaced as e:
             if attempt == ROUND_ATTEMPTS - 1:

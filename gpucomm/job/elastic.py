@@ -71,7 +71,7 @@ class Membership:
                 newest = int(client.get(rounds.round_key(run_id))) if client.check([rounds.round_key(run_id)]) else 0
                 if newest > self.last and client.check([rounds.placement_key(run_id, newest, worker)]):
                     placement = rounds.decode_placement(client.get(rounds.placement_key(run_id, newest, worker)))
-                    # since the last round this worker trained in: a round given up while it formed may
+                    # since the last round whose job this worker built: a round given up while it formed may
                     # have been the one that added the hosts, whose workers still need the state
                     new_workers = any(client.check([rounds.hosts_added_key(run_id, n)])
                                       for n in range(self.formed + 1, newest + 1))
