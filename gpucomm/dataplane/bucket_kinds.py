@@ -44,7 +44,8 @@ from ..reduce_op import ReduceOp
 from . import cuda_calls, fusion
 from .bucket_copy import BucketCopy, without_grad
 from .bucket_settings import BucketSettings, fused_wire
-from .grad_layout import gradient_targets, gradient_to_send, gradients_as_they_are, send_view, slot_view, view_in_order
+from .grad_layout import (densified, gradient_targets, gradient_to_send, gradients_as_they_are, send_view, slot_view,
+                          view_in_order)
 from .handles import Handle
 from .requests import Request
 
@@ -239,10 +240,7 @@ class ViewBucket(Bucket):
                 view.zero_()
             else:
                 if g.is_sparse:
-                    seen = self.settings.sparse_seen
-                    if seen is not None:
-                        seen(p, g)
-                    g = g.to_dense()
+                    g = densified(p, g, self.settings.sparse_seen)
                 torch.mul(g, self.scale, out=view) if self.scale != 1.0 else view.copy_(g)
             self.copied_now = True
         self.arrived_now[j] = True

@@ -14,13 +14,20 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["SparseSeen", "gradient_targets", "gradient_to_send", "gradients_as_they_are", "layout_of", "send_view",
+__all__ = ["SparseSeen", "densified", "gradient_targets", "gradient_to_send", "gradients_as_they_are", "layout_of", "send_view",
            "significant_strides", "slot_view", "view_in_order"]
 
 # Told of a parameter whose gradient a bucket found sparse (and sends densified): (parameter, gradient).
 SparseSeen = Callable[[torch.Tensor, torch.Tensor], None]
 
 _GRAD, _TRAINS = operator.attrgetter("grad"), operator.attrgetter("requires_grad")
+
+
+def densified(p: torch.Tensor, g: torch.Tensor, sparse_seen: SparseSeen | None) -> torch.Tensor:
+    """``p``'s sparse gradient ``g`` as the bucket sends it (dense); ``sparse_seen`` is told of it."""
+    if sparse_seen is not None:
+        sparse_seen(p, g)
+    return g.to_dense()
 _CONTIG = torch.Tensor.is_contiguous
 
 
@@ -65,9 +72,7 @@ def send_view(p: torch.Tensor, strides: tuple[int, ...], sparse_seen: SparseSeen
     if g is None or not p.requires_grad:
         return torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
     if g.is_sparse:
-        if sparse_seen is not None:
-            sparse_seen(p, g)
-        g = g.to_dense()
+        g = densified(p, g, sparse_seen)
     view = view_in_order(g, p, strides)
     if view is not None:
         return view
@@ -115,9 +120,7 @@ def gradient_to_send(p: torch.Tensor, sparse_seen: SparseSeen | None = None) -> 
     if g is None or not p.requires_grad:
         return torch.zeros_like(p, memory_format=torch.contiguous_format)
     if g.is_sparse:
-        if sparse_seen is not None:
-            sparse_seen(p, g)
-        g = g.to_dense()
+        g = densified(p, g, sparse_seen)
     return g if g.is_contiguous() else g.contiguous()
 
 

@@ -212,12 +212,21 @@ def _publish_failure(client: RendezvousClient, server, prefix: str, world: World
     """Arrive with ``error`` in this rank's record: every rank's ``arrive`` raises with it."""
     record["error"] = f"{type(error).__name__}: {error}"
     claim_arrival(client, prefix, world, record)  # a second claimant of this rank raises its own error here
-    if server is not None:  # keep serving until the others have read why
-        try:
-            wait_for_ranks(client, f"{prefix}arrive", range(world.size), min(start_timeout, SHUTDOWN_GRACE), "init")
-            time.sleep(0.5)
-        except RendezvousError:
-            pass
+    if _serve_until_all(client, server, f"{prefix}arrive", world, start_timeout):
+        time.sleep(0.5)  # (their arrival, not their read, is what this rank can see)
+
+
+def _serve_until_all(client: RendezvousClient, server, key: str, world: World, start_timeout: float) -> bool:
+    """(a rank that is failing ``init()``) Where this rank serves the store (``server``), keep serving until
+    every rank has set ``{key}/{rank}``, at most a grace: the others are still reading why. True when
+    all did."""
+    if server is None:
+        return False
+    try:
+        wait_for_ranks(client, key, range(world.size), min(start_timeout, SHUTDOWN_GRACE), "init")
+        return True
+    except RendezvousError:
+        return False
 
 
 def _check_records(client: RendezvousClient, server, prefix: str, world: World, records: list[dict],
@@ -235,11 +244,9 @@ def _check_records(client: RendezvousClient, server, prefix: str, world: World, 
     except Exception:
         try:
             client.set(f"{prefix}refused/{world.rank}", b"1")
-            if server is not None:
-                wait_for_ranks(client, f"{prefix}refused", range(world.size), min(start_timeout, SHUTDOWN_GRACE),
-                               "init")
         except RendezvousError:
-            pass  # (a rank that did not raise, or a store already gone: the grace is all it gets)
+            pass  # (a store already gone: nobody is left to read it)
+        _serve_until_all(client, server, f"{prefix}refused", world, start_timeout)
         raise
 
 
