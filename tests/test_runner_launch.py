@@ -7,6 +7,8 @@ import signal
 import textwrap
 import time
 
+import gpucomm
+from gpucomm.source_digest import source_digest
 from tests.harness import PYTHON, ROOT, launcher_cmd, marked_processes, run, started, write_script
 
 # A rank that starts a helper which leaves the rank's process group and ignores SIGTERM: only a
@@ -182,6 +184,7 @@ def test_version_and_check_build():
     r = run(launcher_cmd("--check-build"), timeout=120)
     assert r.returncode == 0, r.stderr
     assert "[X] PyTorch" in r.stdout and "[X] Gloo" in r.stdout
+    assert r.stdout.startswith(f"gpucomm v{gpucomm.__version__} (sources {source_digest()}: "), r.stdout  # per host
     assert re.search(r"\[(X| )\] (NCCL|nccl)", r.stdout) and re.search(r"\[(X| )\] (\d+ GPU|gpus)", r.stdout)
     assert "Numba" in r.stdout or "numba_cuda" in r.stdout
 

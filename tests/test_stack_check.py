@@ -5,7 +5,9 @@ virtual environments (torch 2.1 and 2.13) where this checkout has both: CI's tor
 from __future__ import annotations
 
 import logging
+import os
 import platform
+import shutil
 import subprocess
 import textwrap
 from pathlib import Path
@@ -13,8 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import gpucomm
 from gpucomm.errors import GpucommError, RoundReplaced
 from gpucomm.job.stack_check import check_same_stack, software_stack
+from gpucomm.source_digest import DIGEST_CHARS, source_digest
 from tests.harness import PYTHON, ROOT, run_rank_scripts, write_script
 
 
@@ -57,14 +61,57 @@ def test_another_python_is_only_a_warning_on_rank_0(caplog):
 
 
 def test_this_process_reports_its_own_versions():
-    import gpucomm
+    assert software_stack() == {"gpucomm": gpucomm.__version__, "gpucomm_sources": source_digest(),
+                                "torch": str(torch.__version__), "python": platform.python_version()}
+    assert len(source_digest()) == DIGEST_CHARS and int(source_digest(), 16) >= 0
 
-    assert software_stack() == {"gpucomm": gpucomm.__version__, "torch": str(torch.__version__),
-                                "python": platform.python_version()}
+
+def _copy_of_gpucomm(where: Path, edit: str | None = None) -> Path:
+    """A copy of this checkout's gpucomm package under ``where`` (what another host's install holds), with
+    ``edit`` appended to its errors.py when given; returns the folder to put on sys.path."""
+    shutil.copytree(ROOT / "gpucomm", where / "gpucomm", ignore=shutil.ignore_patterns("__pycache__"))
+    if edit is not None:
+        with open(where / "gpucomm" / "errors.py", "a") as f:
+            f.write(edit)
+    return where
+
+
+def test_the_sources_digest_follows_the_sources_not_where_they_are(tmp_path):
+    """The same files elsewhere (another host's install of the same commit) give the same digest; one line added to
+    one file gives another."""
+    same = _copy_of_gpucomm(tmp_path / "same")
+    edited = _copy_of_gpucomm(tmp_path / "edited", edit="# a local change on one host\n")
+    digests = {}
+    for name, where in (("same", same), ("edited", edited)):
+        out = subprocess.run([PYTHON, "-c", "import gpucomm, gpucomm.source_digest as s; print(gpucomm.__file__); "
+                              "print(s.source_digest())"], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                             env={**os.environ, "PYTHONPATH": str(where)})
+        assert out.returncode == 0, out.stderr
+        path, digests[name] = out.stdout.split()
+        assert Path(path).is_relative_to(where), (path, where)  # the copy ran, not this checkout
+    assert digests["same"] == source_digest() and digests["edited"] != source_digest(), digests
+
+
+def test_one_version_from_other_sources_names_the_ranks_and_their_digests():
+    mine, theirs = {**MINE, "gpucomm_sources": "aaaaaaaaaaaa"}, {**MINE, "gpucomm_sources": "bbbbbbbbbbbb"}
+    unknown = {**MINE, "gpucomm_sources": None}  # sources it could not read: compared by version only
+    check_same_stack(_records(mine, unknown, mine), rank=0)
+    with pytest.raises(GpucommError) as info:
+        check_same_stack(_records(mine, mine, theirs, unknown, hosts=("node-a", "node-a", "node-b", "node-c")), rank=2)
+    message = str(info.value)
+    assert ("gpucomm 0.1.0 built from different sources, by their digests aaaaaaaaaaaa on ranks 0-1 (node-a), "
+            "bbbbbbbbbbbb on rank 2 (node-b): a checkout or image of another commit, or a .py file edited, added or left "
+            "over on one host (a stale build/ folder in a wheel)") in message, message
+    assert "rank 3" not in message, message
+    # another version: named as such, not again as other sources (a version each)
+    with pytest.raises(GpucommError) as info:
+        check_same_stack(_records(mine, {**theirs, "gpucomm": "0.0.9"}), rank=0)
+    assert "gpucomm: 0.1.0 on rank 0" in str(info.value) and "sources" not in str(info.value).split("). ")[0]
 
 
 _REPORT_ERROR = """
     import os, sys
+    {first}
     import gpucomm.torch as hvd
     {before}
     try:
@@ -79,16 +126,24 @@ _REPORT_ERROR = """
 
 @pytest.mark.parametrize("size, store_on_rank0", [(2, False), (4, True)])
 def test_a_rank_of_another_gpucomm_fails_init_on_every_rank(tmp_path, size, store_on_rank0):
-    """Rank 1 reports another gpucomm version (what a host with an older install would): every rank raises at
-    init(), with the same message, instead of failing later on what they read from each other. Where rank 0 serves
-    the store itself (torchrun, mpirun, Slurm), it keeps serving until the others have read the records (else
-    they failed on its closed connection instead: rank 3 here reads the records slowly, as over a slow link)."""
-    script = write_script(tmp_path, "other_gpucomm.py", textwrap.dedent(_REPORT_ERROR.format(before=textwrap.dedent("""
+    """Rank 1 runs another gpucomm: at 2 ranks a real copy of this one's sources with one line added (a checkout
+    edited or updated on one host: the same version), at 4 it reports another version (a host with an older
+    install). Every rank raises at init(), with the same message, instead of failing later on what they read from
+    each other. Where rank 0 serves the store itself (torchrun, mpirun, Slurm), it keeps serving until the others
+    have read the records (else they failed on its closed connection instead: rank 3 here reads the records
+    slowly, as over a slow link)."""
+    edited = size == 2
+    copy = _copy_of_gpucomm(tmp_path / "other", edit="# a local change on one host\n") if edited else None
+    first = f"if os.environ['GPUCOMM_RANK'] == '1': sys.path.insert(0, {str(copy)!r})" if edited else ""
+    script = write_script(tmp_path, "other_gpucomm.py", textwrap.dedent(_REPORT_ERROR.format(
+        first=first, before=textwrap.dedent("""
         import time
         import gpucomm.job.setup as setup
         if os.environ["GPUCOMM_RANK"] == "1":
-            mine = setup.software_stack()
-            setup.software_stack = lambda: {**mine, "gpucomm": "0.0.9"}
+            assert ("/other/" in setup.__file__) == EDITED, setup.__file__  # rank 1 runs the copy, if any
+            if not EDITED:
+                mine = setup.software_stack()
+                setup.software_stack = lambda: {**mine, "gpucomm": "0.0.9"}
         if os.environ["GPUCOMM_RANK"] == "3":
             arrive = setup.arrive
 
@@ -102,14 +157,19 @@ def test_a_rank_of_another_gpucomm_fails_init_on_every_rank(tmp_path, size, stor
                 client.get = slow_get
                 return arrive(client, *args, **kwargs)
             setup.arrive = slow_arrive
-    """).replace("\n", "\n    "))))
+    """).replace("EDITED", str(edited)).replace("\n", "\n    "))))
     results = run_rank_scripts([str(script)], size, timeout=120, store_on_rank0=store_on_rank0)
     assert len(results) == size
     for r, res in enumerate(results):
         assert res.returncode == 3, (r, res.stdout, res.stderr)
         assert f"RANK {r} ERROR GpucommError: the ranks of this job run different software versions" in res.stdout, \
             res.stdout
-        assert "0.0.9 on rank 1" in res.stdout, res.stdout
+        if edited:
+            assert f"gpucomm {gpucomm.__version__} built from different sources, by their digests " \
+                   f"{source_digest()} on rank 0" \
+                in res.stdout and "a .py file edited, added or left over on one host" in res.stdout, res.stdout
+        else:
+            assert "0.0.9 on rank 1" in res.stdout, res.stdout
     assert results[0].leftovers == []
 
 
@@ -148,7 +208,7 @@ def test_ranks_of_two_real_installs_with_different_torch_fail_init_and_say_so(tm
                     ".venv-torch-oldest, .venv-torch-newest): .ci/run makes them for its torch-range steps")
     python, series = other
     mine = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-    script = write_script(tmp_path, "two_installs.py", textwrap.dedent(_REPORT_ERROR.format(before="")))
+    script = write_script(tmp_path, "two_installs.py", textwrap.dedent(_REPORT_ERROR.format(first="", before="")))
     results = run_rank_scripts([str(script)], 2, timeout=180, pythons=[PYTHON, python])
     for r, res in enumerate(results):
         assert res.returncode == 3, (r, res.stdout, res.stderr)
@@ -171,6 +231,38 @@ def test_in_an_elastic_round_newcomers_of_another_install_leave_and_the_veterans
         with pytest.raises(RoundReplaced, match=r"rank 2 \(host node-c\) joined this elastic job with another install "
                                                r"\(torch: 2.13 on ranks 0, 1, 3 .*; they leave"):
             check_same_stack(records, rank=rank)
+    # the same version from other sources: the newcomer leaves too; one that cannot read its sources stays
+    mine = {**MINE, "gpucomm_sources": "aaaaaaaaaaaa"}
+    records = [{"host": "node-a", "stack": {**MINE, "gpucomm_sources": None}, "veteran": True},
+               {"host": "node-b", "stack": mine, "veteran": True},
+               {"host": "node-c", "stack": {**MINE, "gpucomm_sources": "bbbbbbbbbbbb"}},
+               {"host": "node-d", "stack": {**MINE, "gpucomm_sources": None}}]
+    with pytest.raises(GpucommError, match=r"this worker \(rank 2, host node-c\) joined an elastic job"):
+        check_same_stack(records, rank=2)
+    for rank in (0, 1, 3):
+        with pytest.raises(RoundReplaced, match=r"rank 2 \(host node-c\) joined this elastic job with another "
+                                               r"install \(gpucomm 0.1.0 built from different sources"):
+            check_same_stack(records, rank=rank)
+    # no veteran reports its sources (a zipped install) and two newcomers' differ: both leave, not the veterans;
+    # a newcomer that reports none stays
+    records = [{"host": "node-a", "stack": {**MINE, "gpucomm_sources": None}, "veteran": True},
+               {"host": "node-b", "stack": {**MINE, "gpucomm_sources": "aaaaaaaaaaaa"}},
+               {"host": "node-c", "stack": {**MINE, "gpucomm_sources": "bbbbbbbbbbbb"}},
+               {"host": "node-d", "stack": MINE}]
+    for rank in (1, 2):
+        with pytest.raises(GpucommError, match=rf"this worker \(rank {rank}, .* joined an elastic job"):
+            check_same_stack(records, rank=rank)
+    for rank in (0, 3):
+        with pytest.raises(RoundReplaced, match=r"ranks 1-2 \(hosts node-b, node-c\) joined"):
+            check_same_stack(records, rank=rank)
+    # one newcomer of another version, one of the same version from other sources: each is told why
+    records = [{"host": "node-a", "stack": mine, "veteran": True},
+               {"host": "node-b", "stack": {**mine, "gpucomm": "0.0.9"}},
+               {"host": "node-c", "stack": {**MINE, "gpucomm_sources": "bbbbbbbbbbbb"}}]
+    with pytest.raises(GpucommError, match=r"rank 2, host node-c.* \(gpucomm: .*; gpucomm 0.1.0 built from different "
+                                           r"sources, by their digests aaaaaaaaaaaa on rank 0 \(node-a\), "
+                                           r"bbbbbbbbbbbb on rank 2 \(node-c\)"):
+        check_same_stack(records, rank=2)
     split = [veteran, {"host": "node-b", "stack": {**MINE, "torch": "2.1.0"}, "veteran": True}]
     with pytest.raises(GpucommError, match="the ranks of this job run different software versions"):
         check_same_stack(split, rank=0)

@@ -4,7 +4,10 @@ Ranks started from different installs (a host whose virtual environment or image
 others') exchange control messages, bucket layouts and Gloo frames that the others may read
 differently: the job then fails far from the cause, or hangs. Each rank puts its versions in its
 arrival record (``software_stack``); every rank reads every record (``check_same_stack``), so all
-raise alike at ``init()``, naming which ranks and hosts run what. A different Python minor version
+raise alike at ``init()``, naming which ranks and hosts run what. One gpucomm version from different
+sources (checkouts or images built at different commits, a file edited on one host) counts as a
+difference too: the wire may change between commits (``gpucomm.source_digest``). A rank whose
+sources cannot be read is compared by version only. A different Python minor version
 only gets a warning: nothing gpucomm sends depends on it (the pickle protocol is the same from 3.8
 on), though objects of the user's own that ranks exchange may.
 """
@@ -17,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 from .. import __version__
 from ..errors import GpucommError, RoundReplaced
+from ..source_digest import source_digest
 
 __all__ = ["check_same_stack", "software_stack"]
 
@@ -24,10 +28,12 @@ log = logging.getLogger("gpucomm")
 
 
 def software_stack() -> dict[str, str]:
-    """This process's gpucomm, torch and Python versions, for its arrival record."""
+    """This process's gpucomm version and sources' digest, torch and Python versions, for its arrival
+    record."""
     import torch  # noqa: PLC0415 - the job needs torch anyway; kept out of the module's import
 
-    return {"gpucomm": __version__, "torch": str(torch.__version__), "python": platform.python_version()}
+    return {"gpucomm": __version__, "gpucomm_sources": source_digest(), "torch": str(torch.__version__),
+            "python": platform.python_version()}
 
 
 def _series(version: str, parts: int) -> str:
@@ -44,10 +50,10 @@ _MUST_AGREE: tuple[tuple[str, Callable[[str], str]], ...] = (
 
 
 def check_same_stack(records: Sequence[dict[str, Any]], rank: int) -> None:
-    """Raise ``GpucommError`` when the ranks' arrival ``records`` differ in gpucomm's version or in
-    torch's release series (major.minor); when only Python's minor version differs, rank 0 (``rank``
-    is this one) logs a warning. A record without versions (a rank of an older gpucomm) counts as a
-    version of its own.
+    """Raise ``GpucommError`` when the ranks' arrival ``records`` differ in gpucomm's version or sources
+    (among the ranks that report their digest) or in torch's release series (major.minor); when only
+    Python's minor version differs, rank 0 (``rank`` is this one) logs a warning. A record without
+    versions (a rank of an older gpucomm) counts as a version of its own.
 
     In an elastic round whose veterans (workers of an earlier round: ``record["veteran"]``) agree,
     the newcomers that differ from them are the odd ones: each of those raises that it leaves (its
@@ -57,7 +63,7 @@ def check_same_stack(records: Sequence[dict[str, Any]], rank: int) -> None:
     if problems:
         veterans = [rec for rec in records if rec.get("veteran")]
         if veterans and not _differences(veterans):
-            _reject_newcomers(records, veterans[0], rank, problems)
+            _reject_newcomers(records, next((v for v in veterans if _sources(v)), veterans[0]), rank, problems)
         raise GpucommError(
             "the ranks of this job run different software versions (" + "; ".join(problems) + "). Ranks built "
             "from different installs exchange messages the others may read differently, so the job would fail "
@@ -75,13 +81,26 @@ _FIX = ("Fix: install the same gpucomm and torch on every host, e.g. from one co
 
 
 def _differences(records: Sequence[dict[str, Any]]) -> list[str]:
-    """"key: who runs what" for each of ``_MUST_AGREE`` on which ``records`` differ."""
+    """"key: who runs what" for each of ``_MUST_AGREE`` on which ``records`` differ, then for each gpucomm
+    version that ranks share, its sources' digests where the ranks reporting one differ."""
     problems = []
     for key, counted in _MUST_AGREE:
         sides = _sides(records, key, counted)
         if len(sides) > 1:
             problems.append(f"{key}: {_describe(sides, records)}")
+    for version, ranks in _sides(records, "gpucomm", str).items():
+        reporting = [r for r in ranks if _sources(records[r])]
+        sides = _sides([records[r] for r in reporting], "gpucomm_sources", str, ranks=reporting)
+        if len(sides) > 1:
+            problems.append(f"gpucomm {version} built from different sources, by their digests "
+                            f"{_describe(sides, records)}: a checkout or image of another commit, or a .py file "
+                            f"edited, added or left over on one host (a stale build/ folder in a wheel)")
     return problems
+
+
+def _sources(rec: dict[str, Any]) -> str | None:
+    """The digest of the gpucomm sources a rank runs (None: an older gpucomm, or unreadable sources)."""
+    return (rec.get("stack") or {}).get("gpucomm_sources")
 
 
 def _reject_newcomers(records: Sequence[dict[str, Any]], veteran: dict[str, Any], rank: int,
@@ -91,8 +110,13 @@ def _reject_newcomers(records: Sequence[dict[str, Any]], veteran: dict[str, Any]
     def counts(rec: dict[str, Any]) -> list[str]:
         return [counted(str((rec.get("stack") or {}).get(key))) for key, counted in _MUST_AGREE]
 
-    theirs = counts(veteran)
-    odd = [r for r, rec in enumerate(records) if counts(rec) != theirs]
+    theirs, their_sources = counts(veteran), _sources(veteran)
+    odd = [r for r, rec in enumerate(records) if counts(rec) != theirs
+           or (their_sources is not None and _sources(rec) not in (None, their_sources))]
+    if their_sources is None and len({_sources(rec) for r, rec in enumerate(records) if r not in odd} - {None}) > 1:
+        # no veteran reports its sources, and the other newcomers' differ: which are the job's is unknown, so
+        # each of those newcomers leaves (else none would, and every rank, the veterans too, would raise)
+        odd = sorted(set(odd) | {r for r, rec in enumerate(records) if not rec.get("veteran") and _sources(rec)})
     hosts = sorted({str(records[r].get("host")) for r in odd})
     where = f"{_ranks_text(odd)} (host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)})"
     if rank in odd:
@@ -105,10 +129,12 @@ def _reject_newcomers(records: Sequence[dict[str, Any]], veteran: dict[str, Any]
         f"re-forms without them (the launcher blacklists their hosts). {_FIX}")
 
 
-def _sides(records: Sequence[dict[str, Any]], key: str, counted: Callable[[str], str]) -> dict[str, list[int]]:
-    """Which ranks report which version of ``key`` (as ``counted``), in rank order."""
+def _sides(records: Sequence[dict[str, Any]], key: str, counted: Callable[[str], str],
+           ranks: Sequence[int] | None = None) -> dict[str, list[int]]:
+    """Which ranks report which version of ``key`` (as ``counted``), in rank order; ``ranks``: the ranks
+    of ``records`` when they are not all the job's."""
     sides: dict[str, list[int]] = {}
-    for r, rec in enumerate(records):
+    for r, rec in zip(range(len(records)) if ranks is None else ranks, records):
         version = (rec.get("stack") or {}).get(key)
         sides.setdefault("unknown (an older gpucomm)" if version is None else counted(str(version)), []).append(r)
     return sides

@@ -7,6 +7,7 @@ import shutil
 from typing import Callable
 
 from .. import __version__
+from ..source_digest import source_digest
 
 
 def _probe(fn: Callable[[], str]) -> tuple[bool, str]:
@@ -95,7 +96,9 @@ def check_build_report() -> str:
         ("Fusion kernels", [_numba_cuda]),
         ("Launchers", [_ssh, _mpirun]),
     ]
-    lines = [f"gpucomm v{__version__}:", ""]
+    digest = source_digest()
+    sources = f" (sources {digest}: the same on every host of a job)" if digest else ""
+    lines = [f"gpucomm v{__version__}{sources}:", ""]
     for title, probes in sections:
         lines.append(f"{title}:")
         for probe in probes:
