@@ -138,6 +138,41 @@ def test_a_host_added_with_another_install_leaves_and_the_job_goes_on(tmp_path, 
 
 
 @pytest.mark.e2e
+def test_a_worker_that_alone_judges_a_sync_needed_is_joined_by_the_others(tmp_path, request):
+    """A host is removed: the job re-forms without new workers, so the others skip the sync; one worker judges
+    alone that it is needed (as one does that saw a round given up which the others never read). The ranks agree
+    first, so all sync: the job re-forms once. Before, that worker broadcast while the others trained, and the
+    job failed on the mismatch (or waited out GPUCOMM_TIMEOUT)."""
+    require_step(request.config, "e2e")  # a whole elastic job of 10-20 s: CI's e2e step
+    hosts = ["127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1"]
+    r, result, _ = elastic_run(tmp_path, hosts, 3, "--min-np", "2", env={
+        "ELASTIC_REMOVE": "3@127.0.0.3:1", "ELASTIC_AWAIT_REMOVAL": "1", "ELASTIC_SYNC_ALONE": "127.0.0.2:0",
+        "GPUCOMM_TIMEOUT": "60"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.leftovers == []
+    assert result["resets"] == 1 and set(result["sizes"]) == {2, 3} and result["final_size"] == 2, result
+    torch.testing.assert_close(trained(result), reference_fixed(job.STEPS), rtol=0, atol=1e-5)
+
+
+@pytest.mark.e2e
+def test_a_slot_listed_again_starts_a_worker_that_does_not_hold_the_state(tmp_path, request):
+    """A host is removed and listed again: its slot starts a fresh worker, which holds nothing yet. The only worker
+    with the state then dies while the job re-forms, before the sync: the job ends, saying that no worker holding
+    the state survives. Before, the launcher counted the fresh worker as holding the state (its slot's mark from
+    the first round), made it rank 0 of the next round, and training silently started over from its initial
+    weights."""
+    require_step(request.config, "e2e")  # a whole elastic job of 10-20 s: CI's e2e step
+    hosts = ["127.0.0.1:1", "127.0.0.2:1"]
+    r, result, _ = elastic_run(tmp_path, hosts, 2, "--min-np", "1", env={
+        "ELASTIC_REMOVE": "2@127.0.0.2:1", "ELASTIC_AWAIT_REMOVAL": "1", "ELASTIC_ADD": "6@127.0.0.2:1",
+        "ELASTIC_AWAIT_RESET": "2", "ELASTIC_KILL_IN_RESET": "127.0.0.1:0@2"})
+    assert r.returncode == 1, r.stderr[-4000:]
+    assert result is None
+    assert "no worker that holds the trained state survives" in r.stderr, r.stderr[-4000:]
+    assert r.leftovers == []
+
+
+@pytest.mark.e2e
 def test_hosts_added_and_removed_data_resharded_without_loss_or_repeat(tmp_path, request):
     require_step(request.config, "e2e")  # a whole elastic job of 10-20 s: CI's e2e step
     hosts = ["127.0.0.1:1", "127.0.0.2:1"]
@@ -237,3 +272,29 @@ def test_a_shrinking_job_that_finishes_reports_success(tmp_path, request):
         assert summary["deaths"] == 0, summary
         assert summary["false_failures"] == 0 and summary["failures"] == 0, summary
         assert summary["shrank"] == 1, summary
+
+
+def test_a_slot_started_again_holds_nothing_of_its_earlier_worker():
+    """The launcher's book of who holds the trained state: the first round's workers and those that marked it after
+    a sync. A slot whose worker ended and which starts a new one (its host listed again) is forgotten: neither the
+    first round's membership nor the earlier worker's marks make the new worker a holder, and the next round is not
+    ordered to make it rank 0 (the e2e test above shows the job this protects)."""
+    from gpucomm.bootstrap import rounds
+    from gpucomm.bootstrap.store_server import RendezvousServer
+    from gpucomm.runner.round_policy import RUN_FLAGS, ElasticLimits, RoundBook
+
+    with RendezvousServer(b"s" * 32) as server:
+        book = RoundBook(ElasticLimits(1, None, 10.0, None), RUN_FLAGS, server, "run")
+        book.publish(["a:0", "b:0", "c:0"], {}, [], set())
+        server.put(rounds.holds_key("run", "c:0"), b"1")
+        server.put(rounds.done_key("run", "c:0"), b"1")
+        assert book.holders() == {"a:0", "b:0", "c:0"} and book.finished_workers() == {"c:0"}
+        book.publish(["a:0"], {}, [("b:0", "removed"), ("c:0", "removed")], {"a:0", "b:0", "c:0"})
+        for wid in ("b:0", "c:0"):  # their hosts are listed again: new workers start in both slots
+            book.forget(wid)
+        assert book.holders() == {"a:0"} and book.finished_workers() == set()
+        book.publish(["a:0", "b:0", "c:0"], {}, [], {"a:0"})
+        running = {"a:0": False, "b:0": True, "c:0": True}  # a's worker died
+        assert book.surviving_holders(running.get) == []
+        assert book.choose(["b:0", "c:0"], running.get) == ["b:0", "c:0"]
+        assert not server.remove(rounds.holds_key("run", "c:0"))  # gone already

@@ -270,3 +270,13 @@ def test_torch_state_sync_commit_and_restore(size):
     assert [len(s) for s in shards] == [r["len"] for r in results]
     assert sorted(processed + [i for s in shards for i in s]) == list(range(scenarios.DATASET_LEN))
     assert max(map(len, shards)) - min(map(len, shards)) <= 1
+
+
+def test_the_ranks_of_a_re_formed_job_agree_on_whether_to_sync():
+    """A rank that judged on its own that the state needs a sync (it saw a round given up that a slower rank never
+    read) and one that judged it does not: both sync, or one broadcasts while the other trains and both wait out
+    GPUCOMM_TIMEOUT. Where none needs it, none syncs."""
+    patterns = [(True, False), (False, True), (False, False), (True, True)]  # (rank 0's, rank 1's) judgement
+    needs = [[p[rank] for p in patterns] for rank in range(2)]
+    results = run_ranks(scenarios.ranks_agree_on_the_sync, 2, args=(needs,), timeout=120)
+    assert results == [[True, True, False, True]] * 2, results

@@ -243,6 +243,12 @@ class RendezvousServer:
             self._table.put_local(key, value)
             self._table.cond.notify_all()
 
+    def remove(self, key: str) -> bool:
+        """Delete ``key`` from this process (the launcher withdrawing what a worker that has ended
+        reported); True when it existed."""
+        with self._table.cond:
+            return self._table.remove(key)
+
     def __enter__(self) -> "RendezvousServer":
         return self
 

@@ -249,6 +249,7 @@ class ElasticRayDriver(ElasticLoop):
         start in time is left out (False: choose the members again)."""
         starting = []
         for wid in wids:
+            self._book.forget(wid)  # a slot listed again: its earlier actor's marks are not the new one's
             host = wid.rsplit(":", 1)[0]
             actor = self._actor_cls.options(num_cpus=self._shape.cpus, num_gpus=self._shape.gpus,
                                             resources={f"node:{host}": 0.001}).remote()

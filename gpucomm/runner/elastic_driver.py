@@ -282,6 +282,7 @@ class ElasticDriver(ElasticLoop):
     # ------------------------------------------------------------------ processes
 
     def _start(self, wid: str, host: str) -> None:
+        self._book.forget(wid)  # a slot listed again: its earlier worker's marks are not the new one's
         number = len(self._started)
         env = dict(self._tunables)
         env.update(elastic_worker_env(wid, host, self._limits.elastic_timeout))

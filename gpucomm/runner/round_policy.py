@@ -67,9 +67,18 @@ class RoundBook:
         self.resets += 1
 
     def holders(self) -> set[str]:
-        """Workers that hold the trained state: those of the first round, and those that finished a sync."""
+        """Workers that hold the trained state: those of the first round, and those that finished a sync
+        (a slot's marks go with its worker: ``forget``)."""
         prefix = rounds.base(self.run_id) + "holds/"
         return self.first_members | {k[len(prefix):] for k in self.server.snapshot(prefix)}
+
+    def forget(self, wid: str) -> None:
+        """A new worker starts in slot ``wid`` (its host was removed and listed again, or its actor
+        replaced): whatever the slot's earlier worker held or finished is not this one's. Call it before the
+        new worker starts (the earlier one has ended, so no late mark of its can follow)."""
+        self.first_members.discard(wid)
+        for key in (rounds.holds_key(self.run_id, wid), rounds.done_key(self.run_id, wid)):
+            self.server.remove(key)
 
     def surviving_holders(self, alive: Callable[[str], bool]) -> list[str]:
         """Members of the current round that hold the state and are still ``alive`` (running, not removed)."""

@@ -10,15 +10,16 @@ Linear regression with SGD, committed every step. Two data modes:
   repeated within an epoch and replay the same batches in one process.
 
 Faults come from the environment: ``ELASTIC_KILL=worker@step`` SIGKILLs that worker in the middle
-of that step (after the forward pass, before backward sends its gradients); ``ELASTIC_KILL_IN_RESET=worker``
-SIGKILLs it when the job re-forms, before its optimizer rebinds (the others are then in that collective);
+of that step (after the forward pass, before backward sends its gradients); ``ELASTIC_KILL_IN_RESET=worker[@n]``
+SIGKILLs it when the job re-forms (the nth time), before its optimizer rebinds (the others are then in that
+collective); ``ELASTIC_SYNC_ALONE=worker`` makes it judge alone that the state needs a sync after each re-form;
 ``ELASTIC_STOP=worker@step`` SIGSTOPs it instead (a hung worker); ``ELASTIC_RAISE=worker@step`` makes it raise a
 ``RuntimeError`` there, out of the training function, so that it exits 1 (Horovod's ``exit_mode='exception'``);
 ``ELASTIC_INTERNAL=worker@step`` makes it raise ``HorovodInternalError`` there once (a fault nobody dies of: the
 job re-forms with the same workers); ``ELASTIC_ADD=step@host:slots[,host:slots]`` makes rank 0 append hosts to the
 discovery file at that step; ``ELASTIC_OTHER_INSTALL=worker`` makes that worker report another gpucomm version at ``init()``,
 as a host with another install would; ``ELASTIC_AWAIT_RESET=N`` holds training after the addition until the job
-has N ranks. Rank 0 writes ``result.json`` at the end.
+has N ranks; ``ELASTIC_AWAIT_REMOVAL=1`` holds it after the removal until the job re-formed without the host. Rank 0 writes ``result.json`` at the end.
 """
 
 from __future__ import annotations
@@ -97,6 +98,21 @@ def other_install() -> None:
         setup.software_stack = lambda: {**mine, "gpucomm": "0.0.9"}
 
 
+def sync_alone() -> None:
+    """(``ELASTIC_SYNC_ALONE``) After each re-form this worker judges on its own that the state needs a sync,
+    as a worker does that saw a round given up which the others never read."""
+    import importlib  # noqa: PLC0415
+
+    module = importlib.import_module("gpucomm.torch.elastic.run")
+    reform = module._reform
+
+    def reform_judging_alone(state, skip_sync: bool) -> bool:
+        reform(state, skip_sync)
+        return False
+
+    module._reform = reform_judging_alone
+
+
 def change_hosts(step: int) -> None:
     """Rank 0 edits the discovery file: add a host at a step, remove one once the job has grown."""
     if hvd.rank() != 0:
@@ -130,15 +146,21 @@ def main() -> None:
         resets["at"] = time.time()
 
     state.register_reset_callbacks([on_reset])
-    if os.environ.get("ELASTIC_KILL_IN_RESET") == WORKER:  # dies while the job re-forms, before the rebind
+    dying, _, nth = os.environ.get("ELASTIC_KILL_IN_RESET", "").partition("@")
+    if dying == WORKER:  # dies while the job re-forms (its nth re-form, default the first), before the rebind
         plain_reset = state.reset
+        seen = {"resets": 0}
 
         def dying_reset() -> None:
-            (OUT / f"killed.{WORKER}.json").write_text(json.dumps({"worker": WORKER, "in": "reset"}))
-            os.kill(os.getpid(), signal.SIGKILL)
+            seen["resets"] += 1
+            if seen["resets"] == int(nth or 1):
+                (OUT / f"killed.{WORKER}.json").write_text(json.dumps({"worker": WORKER, "in": "reset"}))
+                os.kill(os.getpid(), signal.SIGKILL)
             plain_reset()
 
         state.reset = dying_reset
+    if os.environ.get("ELASTIC_SYNC_ALONE") == WORKER:
+        sync_alone()
 
     def train_step(idx: list[int], global_count: int) -> None:
         optimizer.zero_grad()
@@ -180,9 +202,21 @@ def main() -> None:
         if resets.get("at") and hvd.rank() == 0 and not (OUT / "resumed.json").exists():
             (OUT / "resumed.json").write_text(json.dumps({"time": time.time(), "step": state.step}))
         change_hosts(state.step)
+        await_removal(state)
         await_reset(state)
         time.sleep(STEP_SLEEP)
         state.commit()
+
+    def await_removal(state) -> None:
+        """(``ELASTIC_AWAIT_REMOVAL=1``) Once rank 0 removed the host, train no further until the job re-formed
+        without it, so that a host added back later is seen added, not as never removed (every rank decides
+        alike: the step, the size and the re-forms so far are the same everywhere)."""
+        deadline = time.monotonic() + 120
+        while os.environ.get("ELASTIC_AWAIT_REMOVAL") and REMOVE and hvd.size() == REMOVE[0] and not resets["count"]:
+            if time.monotonic() > deadline:
+                raise RuntimeError("ELASTIC_AWAIT_REMOVAL: the job did not re-form without the host within 120 s")
+            time.sleep(0.1)
+            state.check_host_updates()
 
     def await_reset(state) -> None:
         """(``ELASTIC_AWAIT_RESET=N``) Once the hosts are added, train no further until the job has N ranks, so

@@ -111,3 +111,23 @@ def torch_state_sync_commit_restore() -> dict:
     return {"before_sync": before_sync, "after_sync": after_sync, "shard": shard, "processed": processed,
             "len": len(state.sampler), "committed": committed, "modified": modified, "restored": restored,
             "rebinds": aux.rebinds, "momenta_before_sync": momenta_before_sync}
+
+
+def ranks_agree_on_the_sync(needs: list[bool]) -> list[bool]:
+    """Each rank ``r`` of a job in elastic mode judges on its own that the state needs a sync
+    (``needs[r]``), as after rounds some ranks saw given up and others did not; what ``sync_needed``
+    decides on each, for every pattern of the others' judgements in turn."""
+    import importlib  # noqa: PLC0415
+
+    from gpucomm.bootstrap import rounds  # noqa: PLC0415
+
+    elastic_run = importlib.import_module("gpucomm.torch.elastic.run")  # the module (the package's run is the function)
+
+    hvd.init()
+    plain = rounds.elastic_mode
+    rounds.elastic_mode = lambda *args: True  # what gpucomm-run's elastic workers have (a warm pool process:
+    try:  # restored below)
+        return [elastic_run.sync_needed(not need) for need in needs[hvd.rank()]]
+    finally:
+        rounds.elastic_mode = plain
+        hvd.shutdown()

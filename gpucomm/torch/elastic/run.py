@@ -7,7 +7,8 @@ launcher's next round (``hvd.init()`` waits for it) and run the state's reset ca
 Where gpucomm goes further: a re-form that fails (another worker dies while the round forms, or
 during the reset callbacks' collectives) is retried with the next round instead of ending the
 worker; the state is synced whenever the rounds joined meanwhile brought new workers, even if the
-interrupt itself was a removal; and the launcher is told which workers hold the trained state and
+interrupt itself was a removal, and whenever any rank of the re-formed job needs it (the ranks agree
+first); and the launcher is told which workers hold the trained state and
 when training has finished.
 """
 
@@ -22,6 +23,7 @@ from ...bootstrap import rounds
 from ...counters import COUNTERS
 from ...errors import CollectiveError, GpucommError, HostsUpdatedInterrupt, WorkerRemoved
 from .. import init  # gpucomm.torch.init: it also binds the global process set
+from ..functions import allgather_object
 from ..submission import current_job, shutdown_job
 
 log = logging.getLogger("gpucomm")
@@ -38,7 +40,7 @@ def run(func: F) -> F:
         skip_sync = False
         while True:
             try:
-                if not skip_sync:
+                if sync_needed(skip_sync):
                     state.sync()
                 _mark(rounds.holds_key)
                 result = func(state, *args, **kwargs)
@@ -54,6 +56,19 @@ def run(func: F) -> F:
             skip_sync = _reform(state, skip_sync)
 
     return wrapper  # type: ignore[return-value]
+
+
+def sync_needed(skip_sync: bool) -> bool:
+    """Whether the job (re-formed, or just started) syncs the state: where any of its ranks needs it.
+
+    Each rank judges from its own history (the interrupt, the rounds it saw given up, those that added
+    hosts since the last round it formed), and two ranks of one round can judge differently: a slow rank
+    that never read the number of a round given up elsewhere never retried. A rank that syncs alone
+    broadcasts while the others train, and both wait out ``GPUCOMM_TIMEOUT``. So in elastic mode the
+    ranks agree first, with one small collective per re-form; outside it only ``skip_sync`` counts."""
+    if not rounds.elastic_mode():
+        return not skip_sync
+    return any(allgather_object(not skip_sync, name="gpucomm.elastic.sync_needed"))
 
 
 def _mark(key_of: Callable[[str, str], str]) -> None:
@@ -97,4 +112,4 @@ def _reform(state, skip_sync: bool) -> bool:
     raise AssertionError("unreachable")
 
 
-__all__ = ["run"]
+__all__ = ["run", "sync_needed"]
