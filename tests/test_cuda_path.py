@@ -14,6 +14,7 @@ import threading
 import pytest
 import torch
 
+from gpucomm.counters import COUNTERS
 from tests.cuda_standins import stand_in_cuda
 from tests.harness import run_ranks
 from tests.ranks import cuda_path_scenarios as sc
@@ -272,8 +273,15 @@ def test_waiting_on_a_cuda_collective_after_the_job_failed_raises(cuda):
     assert torch.equal(handle(healthy).wait()[0], torch.ones(3))
     aborted = Owner()
     aborted.failed = CollectiveError("rank 1 died; the NCCL communicators were aborted")
+    failed = handle(aborted)
     with pytest.raises(CollectiveError, match="rank 1 died"):
-        handle(aborted).wait()
+        failed.wait()
+    # a caller that catches it and waits again gets the same error, without a second stream wait on the done
+    # event the first wait handed back to the pool (before: it waited on it again, by then another collective's)
+    waits = COUNTERS.cuda_stream_waits
+    with pytest.raises(CollectiveError, match="rank 1 died"):
+        failed.wait()
+    assert COUNTERS.cuda_stream_waits == waits and failed.poll() and failed.failed
 
 
 def test_a_collective_waited_on_from_another_stream_keeps_its_inputs_alive_there(cuda):

@@ -156,18 +156,22 @@ def test_a_worker_that_alone_judges_a_sync_needed_is_joined_by_the_others(tmp_pa
 
 @pytest.mark.e2e
 def test_a_slot_listed_again_starts_a_worker_that_does_not_hold_the_state(tmp_path, request):
-    """A host is removed and listed again: its slot starts a fresh worker, which holds nothing yet. The only worker
-    with the state then dies while the job re-forms, before the sync: the job ends, saying that no worker holding
-    the state survives. Before, the launcher counted the fresh worker as holding the state (its slot's mark from
-    the first round), made it rank 0 of the next round, and training silently started over from its initial
-    weights."""
+    """A host is removed and listed again: its slot starts a fresh worker, which holds nothing yet (it is listed
+    again while its removed worker may still be leaving: the slot is used once that worker has exited). The only
+    worker with the state then dies while the job re-forms, before the sync, and the fresh one outlives it: the job
+    ends, saying that no worker holding the state survives. Before, the launcher counted the fresh worker as holding
+    the state (its slot's mark from the first round) and made it rank 0 of the next round alone, to train on from
+    its initial weights; and a slot listed again while its worker was leaving was never used."""
     require_step(request.config, "e2e")  # a whole elastic job of 10-20 s: CI's e2e step
     hosts = ["127.0.0.1:1", "127.0.0.2:1"]
     r, result, _ = elastic_run(tmp_path, hosts, 2, "--min-np", "1", env={
         "ELASTIC_REMOVE": "2@127.0.0.2:1", "ELASTIC_AWAIT_REMOVAL": "1", "ELASTIC_ADD": "6@127.0.0.2:1",
-        "ELASTIC_AWAIT_RESET": "2", "ELASTIC_KILL_IN_RESET": "127.0.0.1:0@2"})
+        "ELASTIC_AWAIT_RESET": "2", "ELASTIC_KILL_IN_RESET": "127.0.0.1:0@2", "ELASTIC_SLOW_RESTART": "127.0.0.2:0"})
     assert r.returncode == 1, r.stderr[-4000:]
     assert result is None
+    # the slot's fresh worker (added, or free again once the removed one has exited, as the timing goes)
+    assert "round 3: 2 worker(s) [127.0.0.1:0, 127.0.0.2:0]" in r.stderr, r.stderr[-4000:]
+    assert "round 4: 1 worker(s) [127.0.0.2:0]" not in r.stderr, r.stderr[-4000:]
     assert "no worker that holds the trained state survives" in r.stderr, r.stderr[-4000:]
     assert r.leftovers == []
 
@@ -298,3 +302,27 @@ def test_a_slot_started_again_holds_nothing_of_its_earlier_worker():
         assert book.surviving_holders(running.get) == []
         assert book.choose(["b:0", "c:0"], running.get) == ["b:0", "c:0"]
         assert not server.remove(rounds.holds_key("run", "c:0"))  # gone already
+
+
+def test_a_slot_listed_again_while_its_removed_worker_leaves_is_used_once_it_has_exited():
+    """Discovery lists a removed slot again while its worker is still leaving: the next round cannot start a worker
+    there yet, and no later discovery reports the slot as added. Once that worker has exited, the slot is a reason to
+    re-form (while there is room); before, it stayed unused until the job ended."""
+    from gpucomm.bootstrap.store_server import RendezvousServer
+    from gpucomm.runner.round_policy import RUN_FLAGS, ElasticLimits, RoundBook
+
+    with RendezvousServer(b"s" * 32) as server:
+        book = RoundBook(ElasticLimits(1, 2, 10.0, None), RUN_FLAGS, server, "run")
+        book.publish(["a:0"], {}, [("b:0", "removed")], {"a:0", "b:0"})
+        listed = ["a:0", "b:0"]
+        leaving = {"a:0": True, "b:0": True}
+        assert book.discovery_changes(["a:0"], listed, listed, leaving.get) == []  # listed again, still leaving
+        assert book.discovery_changes(listed, listed, listed, leaving.get) == []
+        leaving["b:0"] = False
+        assert book.discovery_changes(listed, listed, listed, leaving.get) == [
+            "slot b:0 listed and free again (the worker removed from it has exited)"]
+        assert book.discovery_changes(["a:0"], listed, listed, leaving.get) == ["discovery added b:0"]
+        assert book.discovery_changes(listed, listed, ["a:0"], leaving.get) == []  # blacklisted: not available
+        book.publish(["a:0", "c:0"], {}, [], {"a:0"})  # --max-np 2 reached: no room
+        assert book.discovery_changes(listed + ["c:0"], listed + ["c:0"], listed + ["c:0"],
+                                      {"a:0": True, "c:0": True, "b:0": False}.get) == []

@@ -130,15 +130,19 @@ class Handle:
         if issued is None:  # an owner bug: agreed, neither issued nor failed nor queued
             raise CollectiveError(f"internal error: {_describe(self.request)} was agreed but never issued; please "
                                   f"report this as a gpucomm bug.")
-        if issued.works:  # host-completed transfers (Gloo, MPI); a CUDA collective has none
-            self._wait_works(issued.works)
         try:
-            if issued.covered is not None or issued.done_event is not None:
-                self._result = self._finish_on_stream(issued)
-            else:
-                self._result = issued.finalize()
-        except Exception as e:  # local work (a stream wait, the result's scaling): no peer to wait for
-            raise self._failed(e, 0.0) from e
+            if issued.works:  # host-completed transfers (Gloo, MPI); a CUDA collective has none
+                self._wait_works(issued.works)
+            try:
+                if issued.covered is not None or issued.done_event is not None:
+                    self._result = self._finish_on_stream(issued)
+                else:
+                    self._result = issued.finalize()
+            except Exception as e:  # local work (a stream wait, the result's scaling): no peer to wait for
+                raise self._failed(e, 0.0) from e
+        except CollectiveError as e:  # the verdict stands: a second wait raises it again, and never waits on
+            self._error, self._issued = e, None  # a done event already handed back (another collective's now)
+            raise
         self._finished = True
         self._issued = None  # drop the backend's references
         return self._result

@@ -168,15 +168,24 @@ class RoundBook:
 
     def discovery_changes(self, before: list[str], now: list[str], available: list[str],
                           running: Callable[[str], bool]) -> list[str]:
-        """Reasons to re-form after a discovery: members no longer listed, slots added (while there is room)."""
+        """Reasons to re-form after a discovery: members no longer listed, slots added or free again (while
+        there is room). A slot free again is one listed but left out because its earlier worker was still
+        running (removed, and still leaving, when its host was listed again): once that worker has exited it
+        can take a new one, which no discovery would report as added."""
         reasons = []
         gone = [wid for wid in self.members if wid not in now and running(wid)]
         room = (self.limits.max_np or 10**9) - len(self.members)
-        added = [s for s in now if s not in before and s not in self.members and s in available]
+        usable = [s for s in now if s not in self.members and s in available and not running(s)]
+        added = [s for s in usable if s not in before]
+        free_again = [s for s in usable if s in before]
         if gone:
             reasons.append(f"discovery no longer lists {', '.join(sorted(gone))}")
         if added and room > 0:
             reasons.append(f"discovery added {', '.join(added[:room])}")
+        free_again = free_again[:max(room - len(added), 0)]
+        if free_again:
+            reasons.append(f"slot{'s' if len(free_again) > 1 else ''} {', '.join(free_again)} listed and free again "
+                           f"(the worker removed from it has exited)")
         return reasons
 
 

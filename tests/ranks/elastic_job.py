@@ -19,7 +19,8 @@ collective); ``ELASTIC_SYNC_ALONE=worker`` makes it judge alone that the state n
 job re-forms with the same workers); ``ELASTIC_ADD=step@host:slots[,host:slots]`` makes rank 0 append hosts to the
 discovery file at that step; ``ELASTIC_OTHER_INSTALL=worker`` makes that worker report another gpucomm version at ``init()``,
 as a host with another install would; ``ELASTIC_AWAIT_RESET=N`` holds training after the addition until the job
-has N ranks; ``ELASTIC_AWAIT_REMOVAL=1`` holds it after the removal until the job re-formed without the host. Rank 0 writes ``result.json`` at the end.
+has N ranks; ``ELASTIC_AWAIT_REMOVAL=1`` holds it after the removal until the job re-formed without the host;
+``ELASTIC_SLOW_RESTART=worker`` delays a worker started again in that slot. Rank 0 writes ``result.json`` at the end.
 """
 
 from __future__ import annotations
@@ -113,6 +114,16 @@ def sync_alone() -> None:
     module._reform = reform_judging_alone
 
 
+def slow_restart() -> None:
+    """(``ELASTIC_SLOW_RESTART=worker``) A worker started again in this slot (its host was listed again) waits
+    5 s after ``init()`` before its first collective, so that it outlives a worker that dies meanwhile."""
+    if os.environ.get("ELASTIC_SLOW_RESTART") == WORKER:
+        marker = OUT / f"started.{WORKER}"
+        if marker.exists():
+            time.sleep(5)
+        marker.write_text(str(time.time()))
+
+
 def change_hosts(step: int) -> None:
     """Rank 0 edits the discovery file: add a host at a step, remove one once the job has grown."""
     if hvd.rank() != 0:
@@ -131,6 +142,7 @@ def change_hosts(step: int) -> None:
 def main() -> None:
     other_install()
     hvd.init()
+    slow_restart()
     torch.manual_seed(1)
     model = torch.nn.Linear(FEATURES, 1)
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
@@ -210,9 +222,9 @@ def main() -> None:
     def await_removal(state) -> None:
         """(``ELASTIC_AWAIT_REMOVAL=1``) Once rank 0 removed the host, train no further until the job re-formed
         without it, so that a host added back later is seen added, not as never removed (every rank decides
-        alike: the step, the size and the re-forms so far are the same everywhere)."""
+        alike: the size and the sizes the synced state recorded are the same everywhere, newcomers' too)."""
         deadline = time.monotonic() + 120
-        while os.environ.get("ELASTIC_AWAIT_REMOVAL") and REMOVE and hvd.size() == REMOVE[0] and not resets["count"]:
+        while os.environ.get("ELASTIC_AWAIT_REMOVAL") and REMOVE and hvd.size() == REMOVE[0] == min(state.sizes):
             if time.monotonic() > deadline:
                 raise RuntimeError("ELASTIC_AWAIT_REMOVAL: the job did not re-form without the host within 120 s")
             time.sleep(0.1)
