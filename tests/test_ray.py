@@ -135,6 +135,18 @@ def die_at(step_to_die: int, steps: int) -> int:
     return hvd.rank()
 
 
+def joins_and_sums() -> float:
+    """Joins the elastic run's round (hvd.init) and sums a one over the ranks."""
+    import torch
+
+    import gpucomm.torch as hvd
+
+    hvd.init()
+    total = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="joined").item()
+    hvd.shutdown()
+    return total
+
+
 class Counter:
     """An ``executable_cls``: one instance per worker."""
 
@@ -347,7 +359,35 @@ def test_elastic_job_with_no_survivor_fails_with_the_workers_error(cluster):
     assert executor.leftover_pids == []
 
 
+class _OneNodeAndOneThatIsNot:
+    """Discovery listing this node (1 slot) and a host that is no Ray node's: its actor can never be placed."""
+
+    def find_available_hosts_and_slots(self) -> dict[str, int]:
+        import ray
+
+        return {ray.util.get_node_ip_address(): 1, "10.255.255.1": 1}
+
+
+def test_a_slot_that_cannot_start_leaves_out_only_itself(cluster, capsys):
+    """Round 1 chooses two slots; one's actor cannot be placed and its slot is left out after timeout_s. The actor
+    that did start is stopped and started again as a fresh member, and the job runs with it. Before, it was neither
+    a member nor fresh: the driver waited elastic_timeout for 'only 0 slot(s)' while it held its CPU."""
+    from gpucomm.ray import ElasticRayExecutor
+
+    settings = ElasticRayExecutor.create_settings(min_num_proc=1, max_num_proc=2, elastic_timeout=30, timeout_s=12,
+                                                  verbose=True)
+    settings.discovery = _OneNodeAndOneThatIsNot()
+    executor = ElasticRayExecutor(settings, cpus_per_slot=1, override_discovery=False)
+    executor.start()
+    assert executor.run(lambda: os.environ["GPUCOMM_ELASTIC"]) == ["1"]
+    assert executor.leftover_pids == []
+    said = "".join(capsys.readouterr())
+    assert "(10.255.255.1:0) was not up within timeout_s=12 s" in said and "leaving the slot out" in said, said
+    assert "round 1: 1 worker(s)" in said, said
+
+
 def test_ray_executor_with_min_workers_runs_elastically(cluster):
+    from gpucomm.errors import ElasticJobError
     from gpucomm.ray import RayExecutor
 
     executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), min_workers=2, max_workers=2)
@@ -355,6 +395,12 @@ def test_ray_executor_with_min_workers_runs_elastically(cluster):
     try:
         assert executor.run(lambda a: (os.environ["MY_SETTING"], os.environ["GPUCOMM_ELASTIC"], a + 1),
                             args=(1,)) == [("elastic", "1", 2)] * 2
+        # each run is a job of its own: its rounds start again at 1, in a store of its own (before, they met the
+        # earlier runs' rounds under the same keys, and a failed run's verdict ended every later one)
+        assert executor.run(joins_and_sums) == [2.0, 2.0]
+        with pytest.raises(ElasticJobError, match="ZeroDivisionError"):
+            executor.run(lambda: 1 / 0)
+        assert executor.run(joins_and_sums) == [2.0, 2.0]
         with pytest.raises(NotImplementedError, match="workers are ephemeral"):
             executor.run_remote(lambda: 1)
         with pytest.raises(NotImplementedError, match="use execute"):

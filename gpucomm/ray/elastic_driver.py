@@ -101,6 +101,7 @@ class ElasticRayDriver(ElasticLoop):
         self._reform_reasons: list[str] = []
         self._finishing = False
         self._failure: str | None = None
+        self._failed_worker: _Worker | None = None  # the worker that _failure names, where one does
         self._fn: Callable[[Any], Any] | None = None
         self.leftover_pids: list[int] = []  # worker processes on this node still alive after the job
         self._callbacks: Sequence[Callable[[Any], Any]] = ()
@@ -158,9 +159,10 @@ class ElasticRayDriver(ElasticLoop):
             w.trace = getattr(e, "traceback_str", "") or str(e)
             w.why = f"raised {type(w.error).__name__}: {str(w.error).strip().splitlines()[0] if str(w.error) else ''}"
             self._kill(w)
-        except RayError as e:
+        except RayError as e:  # died, or unreachable (and maybe alive, holding its resources): stopped either way
             lines = str(e).strip().splitlines()
             w.why = w.stopped_because or f"died ({lines[0] if lines else type(e).__name__})"
+            self._kill(w)
         else:
             if isinstance(value, Removed):
                 self._say(f"worker {w.number} ({w.wid}) left the job: {value.why}")
@@ -170,12 +172,17 @@ class ElasticRayDriver(ElasticLoop):
             if w.removed is None and not self._finishing:
                 self._finish()
             return
+        self._failed(w)
+
+    def _failed(self, w: _Worker) -> None:
+        """``w`` ended with ``w.why`` (raised, died, or stopped as hung): its slot is left out and the job
+        re-forms without it, unless it had been removed or training had finished."""
         if w.removed is not None:
             self._say(f"removed worker {w.number} ({w.wid}) {w.why}")
             return
         cause = f"worker {w.number} ({w.wid}) {w.why}"
         if self._finishing:
-            self._failure = f"{cause} after training had finished on another worker"
+            self._failure, self._failed_worker = f"{cause} after training had finished on another worker", w
             return
         self._tell(f"{cause}; leaving slot {w.wid} out and re-forming the job without it")
         self._blacklist[w.wid] = cause
@@ -202,6 +209,11 @@ class ElasticRayDriver(ElasticLoop):
             self._tell(f"worker {w.number} ({w.wid}) never arrived in round {number} although others did; "
                        f"stopping it as failed")
             self._kill(w)
+            # ended now: ray.kill returns before the actor is gone, and the next round must not count it as a
+            # survivor (its death would come too late, and cost another re-form)
+            w.ended = True
+            w.why = w.stopped_because or f"never arrived in round {number} and was stopped"
+            self._failed(w)
 
     def _stop_lingering_removed(self) -> None:
         now = time.monotonic()
@@ -228,9 +240,16 @@ class ElasticRayDriver(ElasticLoop):
             self._check_state_survives(why)
         while True:
             members = self._wait_for_members(why, previous)
+            if self._finishing:  # a worker finished training meanwhile: no more rounds
+                return
             new = [wid for wid in members if not self._is_running(wid)]
             if self._start(new):
                 break
+        self._collect(0)  # ends that came while the actors started: the check below must see them
+        if self._finishing:  # a worker finished meanwhile (_finish stopped the new ones): no round to publish
+            for wid in new:  # they never got their function, so no end of theirs will come
+                self._workers[wid].ended = True
+            return
         if previous and not set(members) & set(self._surviving_holders()):
             raise ElasticJobError(f"no worker that holds the trained state survives ({why}).")
         placements = place([(wid, self._workers[wid].host) for wid in members])
@@ -283,6 +302,11 @@ class ElasticRayDriver(ElasticLoop):
             self._blacklist[w.wid] = f"worker {w.number} ({w.wid}) {why}"
             self._tell(f"worker {w.number} ({w.wid}) {why}; leaving the slot out")
             ok = False
+        if not ok:  # the members are chosen again: those that did start were chosen as new, and are no members
+            for w, _ in starting:  # yet, so they would be neither survivors nor fresh: stopped, their slots fresh
+                if not w.ended:
+                    self._kill(w)
+                    w.ended, w.why = True, "was stopped: another slot of its round could not start"
         return ok
 
     def _check_state_survives(self, why: str) -> None:
@@ -369,7 +393,9 @@ class ElasticRayDriver(ElasticLoop):
 
     def _report(self) -> list[Any]:
         if self._failure is not None:
-            raised = next((w for w in self._started if w.error is not None), None)
+            failed = self._failed_worker  # the worker the failure names; else the first that raised
+            raised = (failed if failed.error is not None else None) if failed is not None else \
+                next((w for w in self._started if w.error is not None), None)
             trace = (f"\n\nTraceback of worker {raised.number} ({raised.wid}):\n{raised.trace.rstrip()}"
                      if raised else "")
             raise ElasticJobError(f"gpucomm.ray: the elastic job failed: {self._failure}{trace}") \

@@ -237,14 +237,20 @@ class RayExecutor:
             raise RuntimeError("gpucomm.ray: call start() before run()/execute() (and after shutdown(), start() "
                                "again).")
         discovery = RayHostDiscovery(self._use_gpu, self._shape.cpus_per_worker, self._shape.gpus_per_worker or 1)
-        driver = ElasticRayDriver(discovery, self._limits, self._store, self._pump,
-                                  shape=ActorShape(self._shape.cpus_per_worker, self._shape.gpus_per_worker),
-                                  env=self._env, start_timeout=self.settings.timeout_s, executable=self._executable,
-                                  verbose=self.settings.verbose >= 2)
+        # each elastic run is a job of its own: its own store and run id, or a second run would meet the first's
+        # rounds (its round 1's arrivals, its 'job ended' verdict) under the same keys
+        store = DriverStore(self.settings.nics)
+        driver = None
         try:
+            driver = ElasticRayDriver(discovery, self._limits, store, LogPump(store),
+                                      shape=ActorShape(self._shape.cpus_per_worker, self._shape.gpus_per_worker),
+                                      env=self._env, start_timeout=self.settings.timeout_s,
+                                      executable=self._executable, verbose=self.settings.verbose >= 2)
             return driver.run(fn, callbacks)
         finally:
-            self.leftover_pids = driver.leftover_pids
+            if driver is not None:
+                self.leftover_pids = driver.leftover_pids
+            store.close()
 
     def _poll(self, callbacks) -> Callable[[], None]:
         return lambda: self._pump.poll(callbacks)

@@ -201,6 +201,8 @@ class ElasticDriver(ElasticLoop):
         if previous:
             self._check_state_survives(why)
         members = self._wait_for_members(why, previous)
+        if self._finishing:  # a worker finished training while this round waited for slots: no more rounds
+            return
         if previous and not set(members) & set(self._surviving_holders()):
             raise ElasticJobError(f"no worker that holds the trained state survives ({why}).")
         new = [wid for wid in members if wid not in self._workers or self._workers[wid].exit_code is not None]
