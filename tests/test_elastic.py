@@ -326,3 +326,25 @@ def test_a_slot_listed_again_while_its_removed_worker_leaves_is_used_once_it_has
         book.publish(["a:0", "c:0"], {}, [], {"a:0"})  # --max-np 2 reached: no room
         assert book.discovery_changes(listed + ["c:0"], listed + ["c:0"], listed + ["c:0"],
                                       {"a:0": True, "c:0": True, "b:0": False}.get) == []
+
+
+def test_a_commit_sees_hosts_added_by_any_round_since_its_own():
+    """Two host changes between commits publish two rounds; the first added hosts, the second only removed one.
+    The commit's interrupt must ask for the sync (before, only the newest round's additions counted there)."""
+    from gpucomm.bootstrap import rounds
+    from gpucomm.bootstrap.rendezvous import RendezvousClient
+    from gpucomm.bootstrap.store_server import RendezvousServer
+    from gpucomm.job.elastic import newest_round
+
+    secret = b"s" * 32
+    with RendezvousServer(secret) as server:
+        client = RendezvousClient("127.0.0.1", server.port, secret, connect_timeout=10.0, timeout=10.0)
+        try:
+            server.put(rounds.round_key("run"), b"3")
+            assert newest_round(client, "run", 3) == (3, False)
+            server.put(rounds.hosts_added_key("run", 4), b"1")
+            server.put(rounds.round_key("run"), b"5")  # round 4 added hosts, round 5 removed one
+            assert newest_round(client, "run", 3) == (5, True)
+            assert newest_round(client, "run", 4) == (5, False)  # this job's round already had them
+        finally:
+            client.close()

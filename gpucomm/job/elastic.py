@@ -118,9 +118,10 @@ def round_interrupt(client: RendezvousClient, run_id: str, number: int) -> Calla
 
 
 def newest_round(client: RendezvousClient, run_id: str, current: int) -> tuple[int, bool]:
-    """The newest round and whether it was formed because hosts were added (state must be synced)."""
+    """The newest round and whether it, or one between it and ``current``, added hosts (the state must
+    then be synced): two host changes between commits publish two rounds, the first may add them."""
     newest = int(client.get(rounds.round_key(run_id)))
-    return newest, newest > current and client.check([rounds.hosts_added_key(run_id, newest)])
+    return newest, any(client.check([rounds.hosts_added_key(run_id, n)]) for n in range(current + 1, newest + 1))
 
 
 __all__ = ["JoinedRound", "Membership", "WORKER_VAR", "newest_round", "round_interrupt"]
