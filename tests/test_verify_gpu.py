@@ -56,6 +56,9 @@ def _parse_optimizer_vs_ddp(argv: list[str], monkeypatch, capsys):
     module = _load("benchmarks/optimizer_vs_ddp.py")
     monkeypatch.setattr(sys, "argv", ["optimizer_vs_ddp.py", *argv])
     monkeypatch.setenv(verify_gpu.KERNELS_ENV, "1")  # its --fusion torch sets 0 here; restored after the test
+    # its --zero-grad sets this one in this process: restored after the test too, or the rank processes that the
+    # harness starts later in this pytest worker inherit it (a later test's zero_grad() then kept its views)
+    monkeypatch.setenv(module.KEEP_VIEWS_VAR, "0")  # (setenv records its absence; a delenv of an absent one would not)
     if not NO_GPU:
         return module.parse_args()
     with pytest.raises(SystemExit) as stop:
