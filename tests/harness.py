@@ -45,6 +45,9 @@ STACKS_WAIT = 1.0  # seconds it gets to write them
 _CTX = mp.get_context("spawn")
 # GPUCOMM_TIMEOUT in every rank a test starts; GPUCOMM_TEST_RANK_TIMEOUT shortens it for a run that hunts a hang
 RANK_TIMEOUT = os.environ.get("GPUCOMM_TEST_RANK_TIMEOUT", "60")
+# The environment as the test session began: a warm rank process starts from it, not from the pytest process's
+# environment when the pool happened to start it (which a test running at that moment may have changed).
+SESSION_ENV = dict(os.environ)
 
 
 class RankFailure(AssertionError):
@@ -85,10 +88,15 @@ def _read_stacks(path: str | None) -> str:
     return text[-6000:]
 
 
-def _serve(conn, mark: str, stacks: str | None = None) -> None:
-    """A pool worker: import once, then run tasks ``(fn, args, env)`` until the pipe closes."""
+def _serve(conn, mark: str, stacks: str | None = None, session_env: dict[str, str] | None = None) -> None:
+    """A pool worker: import once, then run tasks ``(fn, args, env)`` until the pipe closes. It starts from
+    ``session_env`` (the pytest process's ``SESSION_ENV``: a spawned child re-imports this module, so its own
+    copy would be the environment it inherited)."""
     if stacks:
         _stacks_on_signal(stacks)
+    if session_env is not None:
+        os.environ.clear()
+        os.environ.update(session_env)
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ[MARK] = mark
     import torch  # noqa: PLC0415 - the point of the pool: paid once per worker
@@ -167,7 +175,7 @@ class _Worker:
     def __init__(self, slot: int, mark: str) -> None:
         self.conn, child = _CTX.Pipe()
         self.stacks = _stacks_file()
-        self.proc = _CTX.Process(target=_serve, args=(child, mark, self.stacks), name=f"rank-worker-{slot}",
+        self.proc = _CTX.Process(target=_serve, args=(child, mark, self.stacks, SESSION_ENV), name=f"rank-worker-{slot}",
                                  daemon=True)
         self.proc.start()
         child.close()
