@@ -17,6 +17,8 @@ import torch
 
 import gpucomm
 from gpucomm.errors import GpucommError, RoundReplaced
+from gpucomm.backends.nccl import version_text
+from gpucomm.job import stack_check
 from gpucomm.job.stack_check import check_same_stack, software_stack
 from gpucomm.source_digest import DIGEST_CHARS, source_digest
 from tests.harness import PYTHON, ROOT, run_rank_scripts, write_script
@@ -266,3 +268,108 @@ def test_in_an_elastic_round_newcomers_of_another_install_leave_and_the_veterans
     split = [veteran, {"host": "node-b", "stack": {**MINE, "torch": "2.1.0"}, "veteran": True}]
     with pytest.raises(GpucommError, match="the ranks of this job run different software versions"):
         check_same_stack(split, rank=0)
+
+
+GPU = {**MINE, "nccl": "2.32.3"}
+
+
+def test_ranks_with_a_gpu_must_load_one_nccl_down_to_the_patch():
+    """NCCL refuses ranks of other versions (ncclInvalidUsage at the first GPU collective, naming no host): every
+    rank raises at init() instead, naming who loads which. Ranks without a GPU report none and are not compared."""
+    check_same_stack(_records(GPU, GPU, MINE), rank=0)  # a rank without a GPU (none reported) is no difference
+    records = _records(GPU, GPU, {**GPU, "nccl": "2.32.2"}, MINE, hosts=("node-a", "node-a", "node-b", "node-c"))
+    with pytest.raises(GpucommError) as info:
+        check_same_stack(records, rank=3)
+    message = str(info.value)
+    assert ("NCCL (CuPy's, on the ranks with a GPU): 2.32.3 on ranks 0-1 (node-a), 2.32.2 on rank 2 (node-b): NCCL "
+            "connects only ranks of one version, down to the patch") in message, message
+    assert "the same nvidia-nccl-cu12/-cu13 wheel on every host" in message, message
+    unloadable = _records(GPU, {**GPU, "nccl": stack_check.NCCL_UNAVAILABLE}, hosts=("node-a", "node-b"))
+    with pytest.raises(GpucommError, match=r"2.32.3 on rank 0 \(node-a\), none \(CuPy's NCCL cannot be loaded\) on "
+                                           r"rank 1 \(node-b\)"):
+        check_same_stack(unloadable, rank=0)
+    # a difference of gpucomm's own only: no word on NCCL
+    with pytest.raises(GpucommError) as info:
+        check_same_stack(_records(GPU, {**GPU, "torch": "2.1.0"}), rank=0)
+    assert "NCCL" not in str(info.value)
+
+
+def test_in_an_elastic_round_a_newcomer_with_another_nccl_leaves():
+    veteran = {"host": "node-a", "stack": GPU, "veteran": True}
+    records = [veteran, {"host": "node-b", "stack": MINE, "veteran": True},  # a veteran without a GPU
+               {"host": "node-c", "stack": {**GPU, "nccl": "2.28.9"}}, {"host": "node-d", "stack": GPU},
+               {"host": "node-e", "stack": MINE}]  # a newcomer without a GPU: nothing to compare
+    with pytest.raises(GpucommError, match=r"this worker \(rank 2, host node-c\) joined an elastic job whose workers "
+                                           r"run another install \(NCCL \(CuPy's, on the ranks with a GPU\): 2.32.3 on "
+                                           r"ranks 0, 3 \(node-a, node-d\), 2.28.9 on rank 2 \(node-c\)"):
+        check_same_stack(records, rank=2)
+    for rank in (0, 1, 3, 4):
+        with pytest.raises(RoundReplaced, match=r"rank 2 \(host node-c\) joined this elastic job with another"):
+            check_same_stack(records, rank=rank)
+    # no veteran has a GPU and two newcomers' NCCL differ: which is the job's is unknown, so both leave
+    records = [{"host": "node-a", "stack": MINE, "veteran": True}, {"host": "node-b", "stack": GPU},
+               {"host": "node-c", "stack": {**GPU, "nccl": "2.28.9"}}]
+    for rank in (1, 2):
+        with pytest.raises(GpucommError, match=rf"this worker \(rank {rank}, .* joined an elastic job"):
+            check_same_stack(records, rank=rank)
+    with pytest.raises(RoundReplaced, match=r"ranks 1-2 \(hosts node-b, node-c\) joined"):
+        check_same_stack(records, rank=0)
+
+
+def _nccl_library_version(python: str, library: Path | None = None) -> int:
+    """The NCCL version ``python``'s CuPy reports, with ``library`` preloaded in its place (0: none loads)."""
+    env = dict(os.environ, **({"LD_PRELOAD": str(library)} if library else {}))
+    r = subprocess.run([python, "-c", "from cupy.cuda import nccl; print(nccl.get_version())"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    return int(r.stdout.strip()) if r.returncode == 0 and r.stdout.strip().isdigit() else 0
+
+
+def _another_nccl() -> tuple[str, Path, int, int] | None:
+    """An interpreter of this checkout with CuPy, a libnccl of another version installed beside this checkout (the
+    torch-range venvs' torch wheels bring their own), and both versions; None when there is none."""
+    pythons = [PYTHON] + [str(p) for p in sorted(ROOT.glob(".venv*/bin/python")) if str(p) != PYTHON]
+    libraries = sorted(ROOT.glob(".venv*/lib/python*/site-packages/nvidia/nccl/lib/libnccl.so.2"))
+    for python in pythons:
+        mine = _nccl_library_version(python)
+        if not mine:
+            continue
+        for library in libraries:
+            theirs = _nccl_library_version(python, library)
+            if theirs and theirs != mine:
+                return python, library, mine, theirs
+        return None
+    return None
+
+
+# rank 1's host has another install's NCCL: the same process, with that library loaded in place of CuPy's
+_OTHER_NCCL_ON_RANK_1 = "\n    ".join([
+    'if os.environ["GPUCOMM_RANK"] == "1" and os.environ.get("LD_PRELOAD") != sys.argv[1]:',
+    '    os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, LD_PRELOAD=sys.argv[1]))'])
+# pinned to a GPU, as on a GPU host (this machine has none): the arrival record then names its NCCL
+_ON_A_PRETEND_GPU = "\n    ".join([
+    "from gpucomm.bootstrap import devices",
+    'rank = int(os.environ["GPUCOMM_RANK"])',
+    'gpu = devices.GpuInfo(rank, f"0000:1{rank}:00.0", f"GPU-test-{rank}", "Test GPU", 1 << 30)',
+    "devices.pin_local_gpu = lambda *a, **k: devices.PinnedDevice(gpu, rank)",
+    "devices.select_device = lambda ordinal: None"])
+
+
+def test_ranks_that_load_two_real_nccls_fail_init_and_say_so(tmp_path):
+    """Rank 1 loads another real libnccl (LD_PRELOAD: a host whose NCCL wheel or system library differs); both ranks
+    sit on GPUs stood in for. Both raise at init() naming both versions, before any communicator is made."""
+    other = _another_nccl()
+    if other is None:
+        pytest.skip("no libnccl of another version beside this checkout (.ci/run's torch-range venvs bring one with "
+                    "their torch wheels) or no CuPy here")
+    python, library, mine, theirs = other
+    script = write_script(tmp_path, "two_nccls.py", textwrap.dedent(_REPORT_ERROR.format(
+        first=_OTHER_NCCL_ON_RANK_1, before=_ON_A_PRETEND_GPU)))
+    results = run_rank_scripts([str(script), str(library)], 2, timeout=180, pythons=[python, python])
+    expected = f"{version_text(mine)} on rank 0 (node-a), {version_text(theirs)} on rank 1 (node-a)"
+    for r, res in enumerate(results):
+        assert res.returncode == 3, (r, res.stdout, res.stderr)
+        assert f"RANK {r} ERROR GpucommError: the ranks of this job run different software versions" in res.stdout, \
+            res.stdout
+        assert "NCCL (CuPy's, on the ranks with a GPU): " + expected.replace("node-a", platform.node()) in res.stdout, \
+            res.stdout
+    assert results[0].leftovers == []

@@ -26,7 +26,7 @@ from ..logs import SetupSteps, configure_logging
 from ..process_sets import init_sets
 from ..settings import AUTOTUNE, RENDEZVOUS_BIND, REQUIRE_SECRET, START_TIMEOUT, TIMEOUT, check_settings
 from .elastic import JoinedRound, round_interrupt
-from .stack_check import check_same_stack, software_stack
+from .stack_check import check_same_stack, gpu_stack, software_stack
 from .state import SHUTDOWN_GRACE, Job
 
 log = logging.getLogger("gpucomm")
@@ -70,6 +70,8 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None,
         single_gpu = devices.single_gpu_test_enabled(env)
         in_use = devices.device_in_use()  # the script's choice, before pinning may start CUDA itself
         pinned = _pin_gpu(client, server, prefix, world, record, single_gpu, start_timeout)
+        if pinned:  # the NCCL its collectives will use: every rank of a GPU job must load the same one
+            record["stack"].update(gpu_stack())
         steps.done(f"device chosen: {pinned or 'CPU'}")
         choice = _record_cpu_operations(transport, client, server, prefix, world, record, start_timeout)
         records = arrive(client, prefix, world, record, start_timeout, interrupt)

@@ -7,7 +7,10 @@ arrival record (``software_stack``); every rank reads every record (``check_same
 raise alike at ``init()``, naming which ranks and hosts run what. One gpucomm version from different
 sources (checkouts or images built at different commits, a file edited on one host) counts as a
 difference too: the wire may change between commits (``gpucomm.source_digest``). A rank whose
-sources cannot be read is compared by version only. A different Python minor version
+sources cannot be read is compared by version only. Ranks with a GPU also put the version of the NCCL
+that CuPy loads (``gpu_stack``): NCCL refuses to connect ranks of different versions, down to the patch
+(``ncclInvalidUsage`` at the first GPU collective, naming no host), so they are compared exactly, among the
+ranks that report one. A different Python minor version
 only gets a warning: nothing gpucomm sends depends on it (the pickle protocol is the same from 3.8
 on), though objects of the user's own that ranks exchange may.
 """
@@ -19,10 +22,11 @@ import platform
 from typing import Any, Callable, Sequence
 
 from .. import __version__
+from ..backends.nccl import nccl_version, version_text
 from ..errors import GpucommError, RoundReplaced
 from ..source_digest import source_digest
 
-__all__ = ["check_same_stack", "software_stack"]
+__all__ = ["check_same_stack", "gpu_stack", "software_stack"]
 
 log = logging.getLogger("gpucomm")
 
@@ -34,6 +38,16 @@ def software_stack() -> dict[str, str]:
 
     return {"gpucomm": __version__, "gpucomm_sources": source_digest(), "torch": str(torch.__version__),
             "python": platform.python_version()}
+
+
+NCCL_UNAVAILABLE = "none (CuPy's NCCL cannot be loaded)"
+
+
+def gpu_stack() -> dict[str, str]:
+    """(a rank pinned to a GPU) The NCCL version its collectives will use, for its arrival record's stack
+    (loads CuPy's NCCL, as the rank's first GPU collective would)."""
+    code = nccl_version()
+    return {"nccl": version_text(code) if code else NCCL_UNAVAILABLE}
 
 
 def _series(version: str, parts: int) -> str:
@@ -63,12 +77,13 @@ def check_same_stack(records: Sequence[dict[str, Any]], rank: int) -> None:
     if problems:
         veterans = [rec for rec in records if rec.get("veteran")]
         if veterans and not _differences(veterans):
-            _reject_newcomers(records, next((v for v in veterans if _sources(v)), veterans[0]), rank, problems)
+            _reject_newcomers(records, veterans, rank, problems)
         raise GpucommError(
             "the ranks of this job run different software versions (" + "; ".join(problems) + "). Ranks built "
             "from different installs exchange messages the others may read differently, so the job would fail "
             "far from the cause or hang. Likely cause: a host whose virtual environment, image or PYTHONPATH "
-            f"differs from the others' (an older image, a stale venv, a node outside the shared filesystem). {_FIX}")
+            f"differs from the others' (an older image, a stale venv, a node outside the shared filesystem). "
+            f"{_fix(problems)}")
     python = _sides(records, "python", lambda v: _series(v, 2))
     if len(python) > 1 and rank == 0:
         log.warning("gpucomm: the ranks run different Python versions (%s). gpucomm works across them, but "
@@ -78,6 +93,14 @@ def check_same_stack(records: Sequence[dict[str, Any]], rank: int) -> None:
 
 _FIX = ("Fix: install the same gpucomm and torch on every host, e.g. from one container image or one pinned "
         "requirements file; `gpucomm-run --check-build` on each host shows what it has.")
+_NCCL_PROBLEM = "NCCL (CuPy's, on the ranks with a GPU)"
+_NCCL_FIX = (" For NCCL: the same nvidia-nccl-cu12/-cu13 wheel on every host (`pip install nvidia-nccl-cu13==<version>`),"
+             " or the same system libnccl; a LD_LIBRARY_PATH that puts another libnccl.so.2 first on one host counts "
+             "too.")
+
+
+def _fix(problems: list[str]) -> str:
+    return _FIX + (_NCCL_FIX if any(p.startswith(_NCCL_PROBLEM) for p in problems) else "")
 
 
 def _differences(records: Sequence[dict[str, Any]]) -> list[str]:
@@ -95,7 +118,17 @@ def _differences(records: Sequence[dict[str, Any]]) -> list[str]:
             problems.append(f"gpucomm {version} built from different sources, by their digests "
                             f"{_describe(sides, records)}: a checkout or image of another commit, or a .py file "
                             f"edited, added or left over on one host (a stale build/ folder in a wheel)")
+    reporting = [r for r, rec in enumerate(records) if _nccl(rec) is not None]
+    sides = _sides([records[r] for r in reporting], "nccl", str, ranks=reporting)
+    if len(sides) > 1:
+        problems.append(f"{_NCCL_PROBLEM}: {_describe(sides, records)}: NCCL connects only ranks of one version, "
+                        f"down to the patch (its init fails with ncclInvalidUsage at the first GPU collective)")
     return problems
+
+
+def _nccl(rec: dict[str, Any]) -> str | None:
+    """The NCCL version a rank with a GPU will use (None: a rank without a GPU, or an older gpucomm)."""
+    return (rec.get("stack") or {}).get("nccl")
 
 
 def _sources(rec: dict[str, Any]) -> str | None:
@@ -103,30 +136,33 @@ def _sources(rec: dict[str, Any]) -> str | None:
     return (rec.get("stack") or {}).get("gpucomm_sources")
 
 
-def _reject_newcomers(records: Sequence[dict[str, Any]], veteran: dict[str, Any], rank: int,
+def _reject_newcomers(records: Sequence[dict[str, Any]], veterans: Sequence[dict[str, Any]], rank: int,
                       problems: list[str]) -> None:
-    """(an elastic round) Raise: on a newcomer whose install differs from the job's (``veteran``'s), that
-    it leaves; on every other rank, that the round re-forms without those newcomers."""
+    """(an elastic round) Raise: on a newcomer whose install differs from the job's (its ``veterans``', which
+    agree), that it leaves; on every other rank, that the round re-forms without those newcomers."""
     def counts(rec: dict[str, Any]) -> list[str]:
         return [counted(str((rec.get("stack") or {}).get(key))) for key, counted in _MUST_AGREE]
 
-    theirs, their_sources = counts(veteran), _sources(veteran)
-    odd = [r for r, rec in enumerate(records) if counts(rec) != theirs
-           or (their_sources is not None and _sources(rec) not in (None, their_sources))]
-    if their_sources is None and len({_sources(rec) for r, rec in enumerate(records) if r not in odd} - {None}) > 1:
-        # no veteran reports its sources, and the other newcomers' differ: which are the job's is unknown, so
-        # each of those newcomers leaves (else none would, and every rank, the veterans too, would raise)
-        odd = sorted(set(odd) | {r for r, rec in enumerate(records) if not rec.get("veteran") and _sources(rec)})
+    theirs = counts(veterans[0])
+    odd = [r for r, rec in enumerate(records) if counts(rec) != theirs]
+    for reported in (_sources, _nccl):  # what only some ranks report: compared where both do
+        their = next((reported(v) for v in veterans if reported(v) is not None), None)
+        odd = sorted(set(odd) | {r for r, rec in enumerate(records) if their is not None
+                                 and reported(rec) not in (None, their)})
+        if their is None and len({reported(rec) for r, rec in enumerate(records) if r not in odd} - {None}) > 1:
+            # no veteran reports it, and the other newcomers' differ: which is the job's is unknown, so each
+            # newcomer reporting one leaves (else none would, and every rank, the veterans too, would raise)
+            odd = sorted(set(odd) | {r for r, rec in enumerate(records) if not rec.get("veteran") and reported(rec)})
     hosts = sorted({str(records[r].get("host")) for r in odd})
     where = f"{_ranks_text(odd)} (host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)})"
     if rank in odd:
         raise GpucommError(
             f"this worker (rank {rank}, host {records[rank].get('host')}) joined an elastic job whose workers run "
             f"another install ({'; '.join(problems)}), so it leaves the job: it would exchange messages the others "
-            f"read differently. The launcher blacklists its host and the job goes on without it. {_FIX}")
+            f"read differently. The launcher blacklists its host and the job goes on without it. {_fix(problems)}")
     raise RoundReplaced(  # init() joins the next round (a newcomer too: it keeps its host)
         f"{where} joined this elastic job with another install ({'; '.join(problems)}); they leave, and the job "
-        f"re-forms without them (the launcher blacklists their hosts). {_FIX}")
+        f"re-forms without them (the launcher blacklists their hosts). {_fix(problems)}")
 
 
 def _sides(records: Sequence[dict[str, Any]], key: str, counted: Callable[[str], str],
