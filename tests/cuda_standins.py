@@ -36,7 +36,7 @@ class StandInCuda(cuda_calls.CudaCalls):
         self.calls: collections.Counter = collections.Counter()
         self.hold = False  # events recorded from now on stay unfinished until ``finish_all``
         self.pending: set[int] = set()
-        self.failing: set[int] = set()  # events whose query raises (a CUDA error)
+        self.failing: set[int] = set()  # events whose query or stream wait raises (a CUDA error)
         self.waits: list[tuple[int, int]] = []  # (stream, event) in order
         self._ids = itertools.count(1)
         self.current = 7  # the caller's stream
@@ -82,6 +82,8 @@ class StandInCuda(cuda_calls.CudaCalls):
     def wait(self, stream: int, event: int, index: int) -> None:
         COUNTERS.cuda_stream_waits += 1
         self.calls["wait"] += 1
+        if event in self.failing:  # CUDA reports an earlier asynchronous error at the next call
+            raise RuntimeError("cudaErrorLaunchFailure: unspecified launch failure (stand-in)")
         self.waits.append((stream, event))
 
     def query(self, event: int) -> bool:

@@ -282,6 +282,21 @@ def test_waiting_on_a_cuda_collective_after_the_job_failed_raises(cuda):
     with pytest.raises(CollectiveError, match="rank 1 died"):
         failed.wait()
     assert COUNTERS.cuda_stream_waits == waits and failed.poll() and failed.failed
+    # a stream wait that fails (CUDA's error): the done event still goes back to the pool once its collective is
+    # done, as no wait will be enqueued on it now (before: never, one event lost per such handle)
+    released = []
+    t = torch.ones(3)
+    request = Request("allreduce", "grads", [t], outputs=[t], op=ReduceOp.SUM, device=t.device, set_id=0)
+    request.stream, request.index = 7, 0
+    broken = Handle(request, healthy, Issued((), 5, lambda: [t], done_stream=9,
+                                             release_done=lambda: released.append(5)))
+    cuda.failing.add(5)
+    with pytest.raises(CollectiveError, match="unspecified launch failure"):
+        broken.wait()
+    assert released == [5]
+    with pytest.raises(CollectiveError, match="unspecified launch failure"):
+        broken.wait()
+    assert released == [5]
 
 
 def test_a_collective_waited_on_from_another_stream_keeps_its_inputs_alive_there(cuda):

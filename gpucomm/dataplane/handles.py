@@ -142,6 +142,8 @@ class Handle:
                 raise self._failed(e, 0.0) from e
         except CollectiveError as e:  # the verdict stands: a second wait raises it again, and never waits on
             self._error, self._issued = e, None  # a done event already handed back (another collective's now)
+            if issued.release_done is not None:  # no wait will be enqueued on it now: it goes back to the pool
+                issued.release_done()            # once its collective is done (a second release is a no-op)
             raise
         self._finished = True
         self._issued = None  # drop the backend's references
