@@ -15,8 +15,9 @@ from typing import Iterator
 
 import pytest
 
-# set by pytest itself, or lazily by torch the first time inductor is touched (a cache folder, the same for every test)
-NOT_LEAKS = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"})
+# set by pytest itself, or lazily by torch: the first time inductor is touched (a cache folder, the same for every
+# test), and by torch 2.1's CUDA initialization (CUDA_MODULE_LOADING=LAZY, even where it then finds no GPU)
+NOT_LEAKS = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "CUDA_MODULE_LOADING"})
 
 
 def environment_changes(before: dict[str, str], after: dict[str, str]) -> list[str]:

@@ -314,6 +314,16 @@ def test_in_an_elastic_round_a_newcomer_with_another_nccl_leaves():
             check_same_stack(records, rank=rank)
     with pytest.raises(RoundReplaced, match=r"ranks 1-2 \(hosts node-b, node-c\) joined"):
         check_same_stack(records, rank=0)
+    # a newcomer that surely differs (its NCCL) is left out before the unknown sources are judged: the one that
+    # matches the job stays (before, both left, as their sources differed and none of the veterans' was known)
+    records = [{"host": "node-a", "stack": {**GPU, "gpucomm_sources": None}, "veteran": True},
+               {"host": "node-b", "stack": {**GPU, "gpucomm_sources": "aaaaaaaaaaaa", "nccl": "2.28.9"}},
+               {"host": "node-c", "stack": {**GPU, "gpucomm_sources": "bbbbbbbbbbbb"}}]
+    with pytest.raises(GpucommError, match=r"this worker \(rank 1, host node-b\) joined an elastic job"):
+        check_same_stack(records, rank=1)
+    for rank in (0, 2):
+        with pytest.raises(RoundReplaced, match=r"^rank 1 \(host node-b\) joined"):
+            check_same_stack(records, rank=rank)
 
 
 def _nccl_library_version(python: str, library: Path | None = None) -> int:

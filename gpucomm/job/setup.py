@@ -70,8 +70,6 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None,
         single_gpu = devices.single_gpu_test_enabled(env)
         in_use = devices.device_in_use()  # the script's choice, before pinning may start CUDA itself
         pinned = _pin_gpu(client, server, prefix, world, record, single_gpu, start_timeout)
-        if pinned:  # the NCCL its collectives will use: every rank of a GPU job must load the same one
-            record["stack"].update(gpu_stack())
         steps.done(f"device chosen: {pinned or 'CPU'}")
         choice = _record_cpu_operations(transport, client, server, prefix, world, record, start_timeout)
         records = arrive(client, prefix, world, record, start_timeout, interrupt)
@@ -175,6 +173,8 @@ def _pin_gpu(client: RendezvousClient, server, prefix: str, world: World, record
         pinned = devices.pin_local_gpu(world.local_rank, world.local_size, single_gpu_test=single_gpu,
                                        hostname=world.hostname)
         record["bus_id"] = pinned.gpu.pci_bus_id if pinned else None
+        if pinned:  # the NCCL its collectives will use: every rank with a GPU must load the same one
+            record["stack"].update(gpu_stack())
         return pinned
     except Exception as e:
         _publish_failure(client, server, prefix, world, record, e, start_timeout)

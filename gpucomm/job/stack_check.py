@@ -144,15 +144,17 @@ def _reject_newcomers(records: Sequence[dict[str, Any]], veterans: Sequence[dict
         return [counted(str((rec.get("stack") or {}).get(key))) for key, counted in _MUST_AGREE]
 
     theirs = counts(veterans[0])
-    odd = [r for r, rec in enumerate(records) if counts(rec) != theirs]
-    for reported in (_sources, _nccl):  # what only some ranks report: compared where both do
-        their = next((reported(v) for v in veterans if reported(v) is not None), None)
-        odd = sorted(set(odd) | {r for r, rec in enumerate(records) if their is not None
-                                 and reported(rec) not in (None, their)})
+    odd = {r for r, rec in enumerate(records) if counts(rec) != theirs}
+    reported_by = (_sources, _nccl)  # what only some ranks report: compared where both do
+    known = [next((reported(v) for v in veterans if reported(v) is not None), None) for reported in reported_by]
+    for reported, their in zip(reported_by, known):  # first every newcomer that surely differs from the veterans
+        odd |= {r for r, rec in enumerate(records) if their is not None and reported(rec) not in (None, their)}
+    for reported, their in zip(reported_by, known):
         if their is None and len({reported(rec) for r, rec in enumerate(records) if r not in odd} - {None}) > 1:
             # no veteran reports it, and the other newcomers' differ: which is the job's is unknown, so each
             # newcomer reporting one leaves (else none would, and every rank, the veterans too, would raise)
-            odd = sorted(set(odd) | {r for r, rec in enumerate(records) if not rec.get("veteran") and reported(rec)})
+            odd |= {r for r, rec in enumerate(records) if not rec.get("veteran") and reported(rec)}
+    odd = sorted(odd)
     hosts = sorted({str(records[r].get("host")) for r in odd})
     where = f"{_ranks_text(odd)} (host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)})"
     if rank in odd:
