@@ -29,9 +29,25 @@ case "$VERSION" in
        exit 2 ;;
 esac
 
+# Rank 0 runs on the first host. Written as localhost, it is 127.0.0.1 when it is the only host; with others
+# it is this host's address on the route towards the next one (there, 127.0.0.1 is their own host).
 FIRST_HOST="${HOSTS%%,*}"; FIRST_HOST="${FIRST_HOST%%:*}"
-[ "$FIRST_HOST" = "localhost" ] && FIRST_HOST=127.0.0.1
-export GPUCOMM_RENDEZVOUS_ADDR="$FIRST_HOST"
+if [ "$FIRST_HOST" = "localhost" ]; then
+    if [ "$HOSTS" = "${HOSTS%%,*}" ]; then
+        FIRST_HOST=127.0.0.1
+    else
+        NEXT_HOST="${HOSTS#*,}"; NEXT_HOST="${NEXT_HOST%%,*}"; NEXT_HOST="${NEXT_HOST%%:*}"
+        FIRST_HOST="$(python3 -c 'import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.connect((sys.argv[1], 9))  # no packet is sent: the route picks the address
+print(s.getsockname()[0])' "$NEXT_HOST" 2>/dev/null)" || {
+            echo "mpirun.sh: cannot tell this host's address towards $NEXT_HOST (does it resolve?); write this" \
+                 "host by its name or address instead of localhost, or set GPUCOMM_RENDEZVOUS_ADDR" >&2
+            exit 2
+        }
+    fi
+fi
+export GPUCOMM_RENDEZVOUS_ADDR="${GPUCOMM_RENDEZVOUS_ADDR:-$FIRST_HOST}"
 # A fresh secret per job, passed by name (it never appears on a command line). Without it the
 # store's key would be derived from the job id, address and port, which anyone who can reach the
 # store can compute; GPUCOMM_REQUIRE_SECRET=1 makes a rank that did not receive it fail instead of

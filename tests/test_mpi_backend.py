@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import socket
+import subprocess
 import textwrap
 import time
 from importlib.metadata import PackageNotFoundError, distribution
@@ -27,7 +28,7 @@ from gpucomm.runner.mpi_launch import (MpiLauncher, OutputServer, host_list, ide
                                        rank_environment)
 from gpucomm.runner.mpi_rank import open_connection
 from gpucomm.runner.output import OutputSink
-from tests.harness import MARK, PYTHON, ROOT, launcher_cmd, run, write_script
+from tests.harness import MARK, PYTHON, ROOT, launcher_cmd, run, started, write_script
 
 PROGRAM = str(ROOT / "tests" / "ranks" / "mpi_backend_program.py")
 NEEDS_MPI4PY = pytest.mark.skipif(find_spec("mpi4py") is None,
@@ -324,3 +325,47 @@ def test_no_launcher_found_says_how_to_get_one(tmp_path):
         find_launcher({"GPUCOMM_MPIEXEC": shutil.which("true") or "/bin/true"})
     with pytest.raises(MpiLaunchError, match=r'pip install "gpucomm\[mpi\]"'):
         find_launcher({"PATH": str(tmp_path)}, python=str(tmp_path / "python"))
+
+
+_HOLD = """
+    import sys, time
+    from pathlib import Path
+    import torch
+    import gpucomm.torch as hvd
+    job, flag = sys.argv[1], Path(sys.argv[2])
+    hvd.init()
+    print(f"JOB {job} RANK {hvd.rank()} READY", flush=True)
+    if job == "A":  # holds its store until job B has finished (at most 60 s)
+        deadline = time.monotonic() + 60
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    total = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()
+    rank = hvd.rank()
+    print(f"JOB {job} RANK {rank} SUM {total:g}", flush=True)
+    hvd.shutdown()
+    if job == "B" and rank == 0:
+        flag.write_text("done")
+"""
+
+
+def test_two_mpiexec_jobs_whose_rank_0_share_a_host_keep_apart(tmp_path):
+    """MPICH's mpiexec exports no job id, and the store's port and derived secret come from it: before, a second
+    job on the same host derived the first one's port and secret, joined its store, and the first job failed ('two
+    processes claim rank 0 of this job'; found by helper-61). Each job now takes mpiexec's own address, which every
+    proxy of its job is started with, as its id: both run, side by side."""
+    found = launcher("mpich")
+    script = write_script(tmp_path, "hold.py", textwrap.dedent(_HOLD))
+    flag = tmp_path / "b_done"
+    env = {"GPUCOMM_START_TIMEOUT": "30", "GPUCOMM_CPU_OPERATIONS": "gloo"}
+    with started([found.path, "-n", "2", PYTHON, str(script), "A", str(flag)], env=env, timeout=120,
+                 stderr=subprocess.STDOUT) as a:
+        for line in a.proc.stdout:  # job A holds its store before job B starts
+            if "JOB A RANK 0 READY" in line:
+                break
+        b = run([found.path, "-n", "2", PYTHON, str(script), "B", str(flag)], env=env, timeout=120)
+        rest = a.proc.stdout.read()
+        assert a.proc.wait(timeout=60) == 0, rest
+    assert b.returncode == 0, b.stdout + b.stderr
+    assert sorted(re.findall(r"JOB B RANK \d SUM 2", b.stdout)) == ["JOB B RANK 0 SUM 2", "JOB B RANK 1 SUM 2"]
+    assert sorted(re.findall(r"JOB A RANK \d SUM 2", rest)) == ["JOB A RANK 0 SUM 2", "JOB A RANK 1 SUM 2"], rest
+    assert a.leftovers == [] and b.leftovers == []

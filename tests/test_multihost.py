@@ -27,7 +27,7 @@ from gpucomm.runner.remote import BEAT_S, SERVER_ALIVE_COUNT, SERVER_ALIVE_S, en
 from gpucomm.runner.spawn import SshOptions, is_local, ssh_argv
 from gpucomm.settings import DEFAULT_LIVENESS_S, liveness_seconds
 from tests.cluster import Cluster, admin, cluster, require_netns
-from tests.harness import PYTHON, launcher_cmd, run, started
+from tests.harness import PYTHON, free_port, launcher_cmd, run, started
 from tests.ranks import netfault_job, partition_job
 
 NETFAULT = str(Path(netfault_job.__file__))
@@ -266,6 +266,30 @@ def test_without_a_chosen_interface_gloo_binds_the_route_to_the_store_not_loopba
         left = c.leftovers()
     assert r.returncode == 0, r.stderr[-4000:]
     for rank, where in sockets(r.stdout).items():
+        assert all(a.startswith("10.213.0.") for a in where["listen"] + where["local"] + where["peers"]), (rank, where)
+    assert left == []
+
+
+@netns
+def test_torchrun_across_hosts_whose_names_resolve_to_loopback(hosts_allowed):
+    """torchrun's c10d rendezvous sets MASTER_ADDR to group rank 0's node's FQDN, which that node's /etc/hosts
+    maps to 127.0.1.1 (Debian's default; torch's own store listens on every interface, so torch does not mind).
+    Before, rank 0 served gpucomm's store, its control listener and Gloo on loopback and published 127.0.0.1, so
+    the other node's rank waited for its own loopback until the start timeout (found by helper-61). Now rank 0
+    takes the address other hosts reach it on (here the only one: these hosts have no default route)."""
+    with cluster(2, loopback_names=True) as c:
+        argv = [PYTHON, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend",
+                "c10d", "--rdzv-endpoint", f"node0:{free_port()}", "--rdzv-id", "loopback-names", NETFAULT]
+        env = {"NETFAULT_SECONDS": "1", "GPUCOMM_START_TIMEOUT": "40"}
+        with c.watch(c.hosts[0], argv, env=env, timeout=150) as first, \
+                c.watch(c.hosts[1], argv, env=env, timeout=150) as second:
+            codes = (first.wait_exit(120), second.wait_exit(120))
+            out = first.text() + second.text()
+        left = c.leftovers()
+    assert codes == (0, 0), out[-6000:]
+    seen = sockets(out)
+    assert sorted(seen) == [0, 1], out[-4000:]
+    for rank, where in seen.items():
         assert all(a.startswith("10.213.0.") for a in where["listen"] + where["local"] + where["peers"]), (rank, where)
     assert left == []
 

@@ -164,6 +164,24 @@ def test_srun_is_detected_as_a_slurm_step(slurm, tmp_path):
     assert r.leftovers == []
 
 
+@pytest.mark.parametrize("plugin", ["pmi2"])  # (cray_shasta sets its PMI_* only under HPE's PALS, absent here)
+def test_srun_with_an_mpi_plugin_is_still_a_slurm_step(slurm, tmp_path, plugin):
+    """srun's PMI plugins (--mpi=pmi2, a site's MpiDefault=pmi2; HPE's cray_shasta) export PMI_RANK and PMI_SIZE
+    besides Slurm's variables: before, gpucomm took the task for one of MPICH's mpiexec and every task failed with
+    'MPI_LOCALRANKID is not set' (found by helper-61)."""
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE.replace('"step": os.environ["SLURM_STEP_ID"],',
+                                    '"step": os.environ["SLURM_STEP_ID"], "pmi": os.environ.get("PMI_RANK"),'))
+    r = slurm.run(["srun", f"--mpi={plugin}", "--ntasks=2", "--kill-on-bad-exit=1", "python", str(script)],
+                  timeout=JOB_TIMEOUT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    ranks = sorted(_records(r.stdout, "PROBE"), key=lambda p: p["rank"])
+    assert [p["pmi"] for p in ranks] == ["0", "1"], r.stdout  # the plugin's variables were there
+    assert [(p["rank"], p["size"], p["local_rank"], p["local_size"]) for p in ranks] == [(0, 2, 0, 2), (1, 2, 1, 2)]
+    assert all(p["launcher"] == "slurm" and p["total"] == 3.0 for p in ranks), r.stdout
+    assert r.leftovers == []
+
+
 @pytest.mark.parametrize("how, cause", [("sigkill", "task 1: Killed"), ("exit", "task 1: Exited with exit code 3")],
                          ids=["sigkill", "exit-3"])
 def test_a_task_that_dies_ends_the_job_with_its_cause(slurm, tmp_path, how, cause):

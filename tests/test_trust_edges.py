@@ -96,8 +96,14 @@ def test_a_loopback_rendezvous_address_binds_loopback_only(tmp_path):
 def test_bind_address_is_the_announced_one_or_a_clear_error():
     from gpucomm.bootstrap.arrival import BIND_VAR, bind_address
 
-    assert bind_address("127.0.0.1", all_local=False) == "127.0.0.1"
-    assert bind_address("localhost", all_local=False) == "127.0.0.1"
+    assert bind_address("127.0.0.1", all_local=True) == "127.0.0.1"
+    assert bind_address("localhost", all_local=True) == "127.0.0.1"
+    # ranks on other hosts would look for the store on their own loopback (a host list "localhost:4,node2:4": they
+    # waited out the start timeout; found by helper-61)
+    for loopback in ("127.0.0.1", "localhost"):
+        with pytest.raises(GpucommError, match=r"a loopback address, but this job has ranks on other hosts"):
+            bind_address(loopback, all_local=False)
+    assert bind_address("127.0.0.1", all_local=False, override="127.0.0.1") == "127.0.0.1"
     assert bind_address("192.0.2.7", all_local=False, override="0.0.0.0") == "0.0.0.0"  # asked for explicitly
     with pytest.raises(GpucommError, match=rf"(?s)not an address of rank 0's host.*{BIND_VAR}"):
         bind_address("192.0.2.7", all_local=False)  # TEST-NET-1: never a local address

@@ -7,10 +7,12 @@ import dataclasses
 import pytest
 
 from gpucomm.bootstrap import world as W
+from gpucomm.bootstrap.arrival import cross_placement
 from gpucomm.bootstrap.slurm import SlurmSyntaxError
 from gpucomm.bootstrap.placement import Placement
 from gpucomm.bootstrap.world import (World, WorldError, derive_port, detect_world,
                            expand_slurm_nodelist, parse_slurm_tasks_per_node)
+from gpucomm.runner.hosts import HostSlots, assign_slots
 
 SECRET_HEX = "00112233445566778899aabbccddeeff" * 2
 
@@ -108,7 +110,7 @@ def test_horovod_overrides_and_env_secret() -> None:
 
 def test_torchrun_launcher() -> None:
     w = detect(TORCHRUN_ENV)
-    assert layout(w) == (6, 8, 2, 4, 1, 2)
+    assert layout(w) == (6, 8, 2, 4, None, None)  # the cross rank and size come from the arrival records
     assert w.launcher == "torchrun" and w.hostname == "here"
     assert (w.rendezvous_addr, w.rendezvous_port) == ("node0.cluster", 29500)
     assert w.port_via_torch_store is True
@@ -165,6 +167,58 @@ def test_mpich_launcher() -> None:
     assert w.launcher == "mpich" and w.rendezvous_addr == "127.0.0.1"
     assert w.run_id == "" and w.rendezvous_port == derive_port("")
     assert w.secret_source == "derived"
+
+
+def test_torchrun_leaves_the_cross_placement_to_the_arrival_records_on_uneven_nodes() -> None:
+    """torchrun with 4 ranks on one node and 2 on the other (--nproc-per-node per node): before, the 2-rank node said
+    cross size 3 (6 / 2) while the 4-rank node left it to the records, so the ranks disagreed. Every rank now takes
+    Horovod's cross rank from the records: its index among the ranks with its local rank."""
+    common = {"WORLD_SIZE": "6", "MASTER_ADDR": "a", "MASTER_PORT": "29500", "GROUP_WORLD_SIZE": "2"}
+    for rank, local, local_size, node in [(0, 0, 4, 0), (4, 0, 2, 1), (1, 1, 4, 0), (5, 1, 2, 1)]:
+        w = detect({**common, "RANK": str(rank), "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(local_size),
+                    "GROUP_RANK": str(node)})
+        assert (w.cross_rank, w.cross_size) == (None, None)
+        records = [{"local_rank": lr} for lr in (0, 1, 2, 3, 0, 1)]
+        assert cross_placement(w, records) == {0: (0, 2), 4: (1, 2), 1: (0, 2), 5: (1, 2)}[rank]
+
+
+def test_srun_with_a_pmi_plugin_is_a_slurm_step() -> None:
+    """srun's PMI plugins (--mpi=pmi2, a site's MpiDefault=pmi2; HPE's cray_shasta) set PMI_RANK and PMI_SIZE but not
+    Hydra's MPI_LOCALRANKID: before, every task failed with 'MPI_LOCALRANKID is not set'."""
+    plain = detect(SLURM_ENV)
+    pmi2 = detect({**SLURM_ENV, "PMI_FD": "7", "PMI_JOBID": "123456.0", "PMI_RANK": "6", "PMI_SIZE": "7"})
+    shasta = detect({**SLURM_ENV, "PMI_RANK": "6", "PMI_SIZE": "7", "PMI_LOCAL_RANK": "0", "PMI_LOCAL_SIZE": "1"})
+    for w in (pmi2, shasta):
+        assert w.launcher == "slurm" and layout(w) == layout(plain) and w.run_id == plain.run_id
+
+
+def test_cray_pals_gives_its_local_variables() -> None:
+    """Cray PALS (mpiexec on HPE Cray EX without Slurm) sets PMI_LOCAL_RANK/PMI_LOCAL_SIZE, not Hydra's names."""
+    w = detect({"PMI_RANK": "5", "PMI_SIZE": "8", "PMI_LOCAL_RANK": "1", "PMI_LOCAL_SIZE": "4",
+                "GPUCOMM_RENDEZVOUS_ADDR": "nid001"})
+    assert w.launcher == "mpich" and layout(w) == (5, 8, 1, 4, None, None)
+    with pytest.raises(WorldError, match="MPI_LOCALRANKID"):  # neither: Hydra's variables were dropped
+        detect({"PMI_RANK": "1", "PMI_SIZE": "2"})
+
+
+def test_mpiexec_inside_a_slurm_job_takes_its_id() -> None:
+    """Hydra exports no job id: two jobs whose rank 0 shares a host derived one port (and one secret, so the second
+    joined the first's store and killed it). Inside an allocation, Slurm's job id keeps them apart."""
+    inside = detect({**PMI_ENV, "SLURM_JOB_ID": "991", "SLURM_STEP_ID": "3"})  # no SLURM_PROCID: not an srun task
+    assert inside.launcher == "mpich" and inside.run_id == "991.3"
+    assert inside.rendezvous_port == derive_port("991.3") != detect(PMI_ENV).rendezvous_port
+
+
+def test_slurm_cross_placement_on_uneven_nodes_is_horovods() -> None:
+    """-N2 -n3 ("2,1"): local rank 1 runs on one node only, so its cross size is 1 (Horovod's definition, which
+    gpucomm-run's placement gives); before, SLURM_STEP_NUM_NODES said 2."""
+    base = {"SLURM_STEP_ID": "0", "SLURM_JOB_ID": "77", "SLURM_STEP_NUM_TASKS": "3", "SLURM_STEP_NUM_NODES": "2",
+            "SLURM_STEP_TASKS_PER_NODE": "2,1", "SLURM_STEP_NODELIST": "n[1-2]"}
+    got = [layout(detect({**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(lr), "SLURM_NODEID": str(n)}))
+           for r, lr, n in [(0, 0, 0), (1, 1, 0), (2, 0, 1)]]
+    assert got == [(0, 3, 0, 2, 0, 2), (1, 3, 1, 2, 0, 1), (2, 3, 0, 1, 1, 2)]
+    assert [(p.cross_rank, p.cross_size) for p in assign_slots([HostSlots("n1", 2), HostSlots("n2", 1)], 3)] == \
+        [(0, 2), (0, 1), (1, 2)]
 
 
 def test_mpich_multi_host_without_address_fails() -> None:
@@ -260,7 +314,6 @@ def test_torchrun_marker_needs_both_rank_and_world_size() -> None:
     ({**HOROVOD_ENV, "HOROVOD_LOCAL_RANK": "x"}, r"HOROVOD_LOCAL_RANK='x'"),
     ({**HOROVOD_ENV, "HOROVOD_GLOO_RENDEZVOUS_PORT": "99999"}, r"HOROVOD_GLOO_RENDEZVOUS_PORT"),
     ({**TORCHRUN_ENV, "RANK": "8"}, r"RANK=8 is not below WORLD_SIZE=8"),
-    ({**TORCHRUN_ENV, "GROUP_RANK": "2"}, r"GROUP_RANK=2 is not below"),
     ({k: v for k, v in TORCHRUN_ENV.items() if k != "MASTER_ADDR"}, r"MASTER_ADDR"),
     ({**TORCHRUN_ENV, "MASTER_PORT": "http"}, r"MASTER_PORT='http'"),
     ({**OMPI_ENV, "OMPI_COMM_WORLD_LOCAL_SIZE": "5"}, r"OMPI_COMM_WORLD_LOCAL_SIZE=5"),

@@ -28,7 +28,7 @@ from typing import Callable
 from ..errors import GpucommError, RendezvousUnreachable
 from ..settings import DEFAULT_LIVENESS_S, RENDEZVOUS_BIND, REQUIRE_SECRET
 from .key_exchange import KeyPair, SealError, seal, unseal
-from .netaddr import address_towards
+from .netaddr import address_for_peers, address_towards
 from .rendezvous import RendezvousClient, RendezvousError, RendezvousServer, RendezvousTimeout, wait_for_ranks
 from .world import GPUCOMM_SECRET, World
 
@@ -55,7 +55,8 @@ def torch_store_rendezvous(world: World, gen: int, start_timeout: float):
     server = None
     if world.rank == 0:
         secret = world.secret or secrets.token_bytes(32)
-        host = address_towards(world.rendezvous_addr, world.rendezvous_port)
+        host = address_towards(world.rendezvous_addr, world.rendezvous_port) if world.local_size == world.size \
+            else address_for_peers(world.rendezvous_addr, world.rendezvous_port)  # (not loopback: see there)
         server = RendezvousServer(secret, host, 0)  # only the interface the other ranks reach us on
         info = {"host": host, "port": server.port}
         if world.secret is None:
@@ -203,8 +204,16 @@ def bind_address(addr: str, all_local: bool, override: str | None = None) -> str
                            f"store on it. Set GPUCOMM_RENDEZVOUS_ADDR to an address of rank 0's host that every "
                            f"rank can reach.") from None
     if ip.startswith("127."):
-        if all_local or addr == ip or addr == "localhost":
+        if all_local:
             return ip
+        if addr == ip or addr == "localhost":
+            raise GpucommError(
+                f"the rendezvous address is {addr!r}, a loopback address, but this job has ranks on other hosts: "
+                f"there it names their own host, so they would wait for a store that is not there until "
+                f"GPUCOMM_START_TIMEOUT. Likely cause: a host list written with localhost for this host (e.g. "
+                f"localhost:4,node2:4). Fix: set GPUCOMM_RENDEZVOUS_ADDR to this host's address on the network the "
+                f"ranks share, or name this host by a name the others resolve (where the hosts really share this "
+                f"network namespace, as containers on host networking do, {BIND_VAR}={addr} keeps it).")
         raise GpucommError(
             f"the rendezvous address {addr!r} resolves to {ip} (loopback) on rank 0's host, but this job has ranks "
             f"on other hosts, which reach rank 0 under an address this host does not know; rank 0 serves the store "
@@ -287,10 +296,13 @@ def open_store(world: World, gen: int, start_timeout: float, timeout: float, *, 
             except OSError as e:
                 if e.errno == errno.EADDRINUSE and prefix and record is not None:
                     _second_root(world, host, port, secret, prefix, record, start_timeout)
+                same = (f" This {world.launcher} launch gave no job id, so every job launched so on this host "
+                        f"derives this port: set GPUCOMM_RUN_ID to a value of its own for each job.") \
+                    if not world.run_id else ""
                 raise GpucommError(
                     f"rank 0 could not serve the rendezvous store on {listen}:{port}: {e}. Another process holds the "
                     f"port (perhaps an earlier job still running); set GPUCOMM_RENDEZVOUS_PORT to a free port on "
-                    f"every rank.") from e
+                    f"every rank.{same}") from e
     if server is not None and prefix:
         server.put(_store_marker(prefix), b"1")
     try:

@@ -1,10 +1,12 @@
 """The environment a launcher and its ranks agree on, written and read from this one place: where the
 ranks meet (:func:`rendezvous_env`, read back by ``gpucomm.bootstrap.world``), an elastic worker's
 variables (:func:`elastic_worker_env`, read back by ``gpucomm.job.elastic``), and which MPI launcher
-started this process (:func:`mpi_launcher`). A rank's place travels in ``placement_env``
+started this process (:func:`mpi_launcher`; for MPICH's, which job: :func:`hydra_job_id`). A rank's place travels in ``placement_env``
 (``gpucomm.bootstrap.placement``)."""
 
 from __future__ import annotations
+
+import os
 
 from typing import Mapping
 
@@ -53,6 +55,31 @@ def elastic_worker_env(worker: str, host: str, elastic_timeout: float) -> dict[s
             GPUCOMM_HOSTNAME: host, HOROVOD_HOSTNAME: host}
 
 
+HYDRA_PROXIES = ("hydra_pmi_proxy", "pmi_proxy")  # MPICH's and Intel MPI's per-host proxy of mpiexec
+
+
+def hydra_job_id(depth: int = 4) -> str:
+    """The job id MPICH's Hydra (and Intel MPI's) never exports: mpiexec's ``--control-port host:port``, which
+    each of its per-host proxies is started with, on every host of the job, read from this process's nearest
+    proxy ancestor (within ``depth`` parents: a wrapper script between them is fine). "" when there is none
+    (another launcher) or it cannot be read."""
+    import psutil  # noqa: PLC0415 - only for an MPICH launch without a job id
+
+    try:
+        proc = psutil.Process().parent()
+        for _ in range(depth):
+            if proc is None:
+                return ""
+            argv = proc.cmdline()
+            if argv and os.path.basename(argv[0]) in HYDRA_PROXIES:
+                i = argv.index("--control-port") if "--control-port" in argv else -1
+                return f"hydra-{argv[i + 1]}" if 0 <= i < len(argv) - 1 else ""
+            proc = proc.parent()
+    except (psutil.Error, OSError):
+        return ""
+    return ""
+
+
 def mpi_launcher(env: Mapping[str, str]) -> str | None:
     """``"openmpi"`` or ``"mpich"`` when an MPI launcher started this process (its variables are
     set), else None. Intel MPI and MVAPICH use MPICH's launcher protocol (PMI) and count as MPICH."""
@@ -67,4 +94,4 @@ __all__ = ["GPUCOMM_ELASTIC", "GPUCOMM_ELASTIC_TIMEOUT", "GPUCOMM_ELASTIC_WORKER
            "GPUCOMM_RENDEZVOUS_ADDR", "GPUCOMM_RENDEZVOUS_HOSTED", "GPUCOMM_RENDEZVOUS_PORT", "GPUCOMM_RUN_ID",
            "GPUCOMM_SECRET", "HOROVOD_ELASTIC", "HOROVOD_ELASTIC_TIMEOUT", "HOROVOD_HOSTNAME", "MPICH_MARKERS",
            "MPI_RANK_VARS", "OMPI_RANK", "OMPI_SIZE", "OPENMPI_MARKERS", "PMIX_RANK", "PMI_RANK", "PMI_SIZE",
-           "elastic_worker_env", "mpi_launcher", "rendezvous_env"]
+           "elastic_worker_env", "hydra_job_id", "mpi_launcher", "rendezvous_env"]

@@ -51,6 +51,36 @@ def address_towards(host: str, port: int = 9) -> str:
             return socket.gethostbyname(socket.gethostname())
 
 
+DEFAULT_ROUTE_PROBE = "8.8.8.8"  # an address on the default route (no packet is ever sent to it)
+
+
+def address_for_peers(host: str, port: int = 9) -> str:
+    """The address ranks on other hosts reach this host on: the one on the route towards ``host`` (the address
+    every rank was given), unless that is loopback (``host`` names this host and resolves to 127.x here: the
+    /etc/hosts line of Debian's installer, or torchrun's MASTER_ADDR, this node's FQDN); then the one on the
+    default route, or with none (a cluster network without one) this host's only non-loopback IPv4 address.
+    Raises ``GpucommError`` when none of these gives one."""
+    mine = address_towards(host, port)
+    if not mine.startswith("127."):
+        return mine
+    other = address_towards(DEFAULT_ROUTE_PROBE)
+    if not other.startswith("127."):
+        return other
+    import psutil  # noqa: PLC0415
+
+    candidates = sorted({a.address for nic, addrs in psutil.net_if_addrs().items() for a in addrs
+                         if a.family == socket.AF_INET and not a.address.startswith("127.")})
+    if len(candidates) == 1:
+        return candidates[0]
+    raise GpucommError(
+        f"rank 0 is reached at {host!r}, which resolves to loopback ({mine}) on its own host, and the job has ranks "
+        f"on other hosts, which cannot reach a loopback address; this host has no default route, and "
+        f"{'several addresses (' + ', '.join(candidates) + ')' if candidates else 'no other address'} to choose from "
+        f"instead. Likely cause: /etc/hosts maps this host's name to 127.0.1.1 (Debian's default). Fix: set "
+        f"GPUCOMM_RENDEZVOUS_ADDR (torchrun: also --rdzv-endpoint/--master-addr) to this host's address on the "
+        f"network the ranks share, or GPUCOMM_GLOO_IFACE to its interface.")
+
+
 def interface_of(address: str) -> str | None:
     """The name of the local interface that holds IPv4 ``address`` (None: no interface does)."""
     import psutil  # noqa: PLC0415

@@ -20,7 +20,7 @@ from .slurm import SlurmSyntaxError, expand_slurm_nodelist, parse_slurm_tasks_pe
 from ..errors import WorldError
 from .launch_env import (GPUCOMM_HOSTNAME, GPUCOMM_RENDEZVOUS_ADDR, GPUCOMM_RENDEZVOUS_HOSTED, GPUCOMM_RENDEZVOUS_PORT,
                          GPUCOMM_RUN_ID, GPUCOMM_SECRET, HOROVOD_HOSTNAME, OMPI_RANK, OMPI_SIZE, PMI_RANK, PMI_SIZE,
-                         mpi_launcher)
+                         hydra_job_id, mpi_launcher)
 from .placement import Placement
 
 __all__ = [
@@ -80,7 +80,8 @@ TORCHRUN_VARS = LauncherVars("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SI
                              "GROUP_RANK", None)
 OMPI_VARS = LauncherVars(OMPI_RANK, OMPI_SIZE,
                          "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
-PMI_VARS = LauncherVars(PMI_RANK, PMI_SIZE, "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+PMI_VARS = LauncherVars(PMI_RANK, PMI_SIZE, "MPI_LOCALRANKID", "MPI_LOCALNRANKS")  # MPICH's Hydra (and Intel MPI's)
+PMI_LOCAL_VARS = LauncherVars(PMI_RANK, PMI_SIZE, "PMI_LOCAL_RANK", "PMI_LOCAL_SIZE")  # Cray PALS, Slurm's cray_shasta
 SLURM_VARS = LauncherVars("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID",
                           "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID", "SLURM_STEP_NUM_NODES")
 
@@ -332,13 +333,10 @@ def _torchrun(env: Mapping[str, str], hostname: str | None) -> World | None:
         raise WorldError(f"{v.rank} and {v.size} are set but {v.local_rank}/{v.local_size} "
                          f"are not: gpucomm needs the per-host layout to pick a GPU. Launch "
                          f"with torchrun, or export {v.local_rank} and {v.local_size} too.")
+    # the cross rank and size come from the arrival records (``cross_placement``): torchrun's nodes may run
+    # different numbers of ranks (--nproc-per-node per node), and GROUP_RANK is the node's index, not the index
+    # among the nodes that run this local rank (Horovod's cross rank)
     c = _read_counts(env, v._replace(cross_rank=None))
-    if c.size % c.local_size == 0:  # torchrun runs the same number of ranks per node
-        c = replace(c, cross_rank=_opt_int(env, v.cross_rank), cross_size=c.size // c.local_size)
-        if c.cross_rank is not None:
-            _check_counts(c, v._replace(cross_size=f"{v.size}/{v.local_size}"))
-        else:
-            c = replace(c, cross_size=None)
     addr = _get(env, GPUCOMM_RENDEZVOUS_ADDR) or _get(env, MASTER_ADDR)
     own_port = _port(GPUCOMM_RENDEZVOUS_PORT, _get(env, GPUCOMM_RENDEZVOUS_PORT))
     port = own_port or _port(MASTER_PORT, _get(env, MASTER_PORT))
@@ -367,16 +365,38 @@ def _openmpi(env: Mapping[str, str], hostname: str | None) -> World | None:
 def _mpich(env: Mapping[str, str], hostname: str | None) -> World | None:
     if mpi_launcher(env) != "mpich" or PMI_VARS.rank not in env:
         return None
-    c = _read_counts(env, PMI_VARS)
+    v = PMI_VARS
+    if str(v.local_rank) not in env:  # not Hydra's (MPICH's, Intel MPI's mpiexec): its local variables are absent
+        if _slurm_step(env):
+            # srun's PMI plugins (--mpi=pmi2, a site's MpiDefault=pmi2, HPE's cray_shasta) set PMI_RANK and
+            # PMI_SIZE too: Slurm's own variables give the whole world
+            return None
+        if PMI_LOCAL_VARS.local_rank in env:  # Cray PALS and cray_shasta: PMI_LOCAL_RANK, PMI_LOCAL_SIZE
+            v = PMI_LOCAL_VARS
+    c = _read_counts(env, v)
     how = f"{GPUCOMM_RENDEZVOUS_ADDR}=<rank 0's host> and pass it with `mpiexec " \
           f"-genv {GPUCOMM_RENDEZVOUS_ADDR} <host>`"
-    return _finish(env, c, PMI_VARS, "mpich", _hostname(env, None, hostname), "", how=how)
+    # Hydra exports no job id, and a job's port and derived secret come from it: with none, two jobs whose rank 0
+    # shared a host met at one port (the second joined the first's store, and the first failed: 'two processes
+    # claim rank 0'). Inside a Slurm allocation the job's id tells them apart, else mpiexec's own address, which
+    # every proxy of its job is started with (GPUCOMM_RUN_ID, read in _finish, wins over both)
+    job_id = _first(env, SLURM_JOB_ID_VARS)[1]
+    if job_id:
+        run_id = f"{job_id}.{_first(env, SLURM_STEP_ID_VARS)[1] or ''}"
+    else:
+        run_id = "" if _get(env, GPUCOMM_RUN_ID) else hydra_job_id()
+    return _finish(env, c, v, "mpich", _hostname(env, None, hostname), run_id, how=how)
+
+
+def _slurm_step(env: Mapping[str, str]) -> bool:
+    """Whether this process is a task of a Slurm job step (a bare sbatch batch shell has SLURM_PROCID but no step)."""
+    return SLURM_VARS.rank in env and any(n in env for n in SLURM_STEP_ID_VARS)
 
 
 def _slurm(env: Mapping[str, str], hostname: str | None) -> World | None:
     step = _first(env, SLURM_STEP_ID_VARS)[1] or ""
-    if SLURM_VARS.rank not in env or not any(n in env for n in SLURM_STEP_ID_VARS):
-        return None  # a bare sbatch batch shell has SLURM_PROCID but no step
+    if not _slurm_step(env):
+        return None
     size_var, _ = _first(env, SLURM_SIZE_VARS)
     nodes_var, _ = _first(env, SLURM_NNODES_VARS)
     tpn_var, tpn = _first(env, SLURM_TASKS_PER_NODE_VARS)
@@ -395,6 +415,14 @@ def _slurm(env: Mapping[str, str], hostname: str | None) -> World | None:
                          f"variables or run inside `srun`.")
     layout = {**env, tpn_var: str(per_node[node])}
     c = _read_counts(layout, v)
+    # Horovod's cross rank and size: this node's index among the nodes that run a task of this local rank, and
+    # their number (uneven tasks per node, "2,1": local rank 1 runs on one node only). Tasks of one local rank
+    # are in node order under srun's block, cyclic and plane distributions; under -m arbitrary they need not
+    # be, so the arrival records decide (``cross_placement``)
+    c = replace(c, cross_rank=sum(1 for n in per_node[:node] if n > c.local_rank),
+                cross_size=sum(1 for n in per_node if n > c.local_rank))
+    if _arbitrary_distribution(env):
+        c = replace(c, cross_rank=None, cross_size=None)
     list_var, nodelist = _first(env, SLURM_NODELIST_VARS)
     try:
         addr = expand_slurm_nodelist(nodelist)[0] if nodelist else None

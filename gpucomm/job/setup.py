@@ -16,7 +16,7 @@ from ..backends.local import SelfBackend
 from ..backends.mpi import mpi_world
 from ..bootstrap import devices
 from ..bootstrap.arrival import arrive, claim_arrival, conflict_key, cross_placement, open_store, watch_conflicts
-from ..bootstrap.netaddr import address_towards, interface_address, interface_of
+from ..bootstrap.netaddr import DEFAULT_ROUTE_PROBE, address_for_peers, interface_address, interface_of
 from ..bootstrap.rendezvous import RendezvousClient, RendezvousError, wait_for_ranks
 from ..bootstrap.world import World, detect_world
 from ..control.channel import ControlListener, connect as connect_control
@@ -279,7 +279,7 @@ def _connect_control(client: RendezvousClient, prefix: str, world: World, secret
     if world.rank == 0:
         source = "GPUCOMM_GLOO_IFACE / HOROVOD_GLOO_IFACE, or the interface towards the store"
         host = "127.0.0.1" if one_host else (interface_address(iface, source) if iface else
-                                             address_towards(world.rendezvous_addr or "8.8.8.8"))
+                                             address_for_peers(world.rendezvous_addr or DEFAULT_ROUTE_PROBE))
         listener = ControlListener(secret, host)  # only the address the other ranks are told
         client.set(key, json.dumps({"host": host, "port": listener.port}).encode())
         claimants = {r: (str(rec.get("host")), rec.get("pid")) for r, rec in enumerate(records)}
@@ -309,7 +309,7 @@ def _interface_towards_store(world: World) -> str | None:
     which on many hosts is 127.0.1.1 (Debian's /etc/hosts): it then listens on loopback and tells
     the other hosts to connect there (``connectFullMesh failed ... remote=[127.0.1.1]``). None when
     no interface holds that address (Gloo's own choice then)."""
-    return interface_of(address_towards(world.rendezvous_addr or "8.8.8.8"))
+    return interface_of(address_for_peers(world.rendezvous_addr or DEFAULT_ROUTE_PROBE))
 
 
 __all__ = ["DEFAULT_START_TIMEOUT", "DEFAULT_TIMEOUT", "build_job"]
