@@ -30,7 +30,8 @@ case "$VERSION" in
 esac
 
 # Rank 0 runs on the first host. Written as localhost, it is 127.0.0.1 when it is the only host; with others
-# it is this host's address on the route towards the next one (there, 127.0.0.1 is their own host).
+# it is this host's address on the route towards the next one (there, 127.0.0.1 is their own host). An
+# exported GPUCOMM_RENDEZVOUS_ADDR names rank 0's host instead (e.g. its address on a second network).
 FIRST_HOST="${HOSTS%%,*}"; FIRST_HOST="${FIRST_HOST%%:*}"
 if [ "$FIRST_HOST" = "localhost" ]; then
     if [ "$HOSTS" = "${HOSTS%%,*}" ]; then

@@ -348,16 +348,32 @@ _HOLD = """
 """
 
 
-def test_two_mpiexec_jobs_whose_rank_0_share_a_host_keep_apart(tmp_path):
+# rank 0 runs under 6 wrapper shells, each of which forks the next (a profiler's or a site's wrappers): the
+# proxy whose --control-port names the job is further up its process tree than rank 1's
+_WRAP = """#!/bin/sh
+if [ "$PMI_RANK" = 0 ] && [ "${WRAPPED:-0}" -lt 6 ]; then
+    WRAPPED=$(( ${WRAPPED:-0} + 1 )) "$0" "$@"
+    exit $?
+fi
+exec "$@"
+"""
+
+
+@pytest.mark.parametrize("inside", [{}, {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"}],
+                         ids=["alone", "one-slurm-allocation"])
+def test_two_mpiexec_jobs_whose_rank_0_share_a_host_keep_apart(tmp_path, inside):
     """MPICH's mpiexec exports no job id, and the store's port and derived secret come from it: before, a second
     job on the same host derived the first one's port and secret, joined its store, and the first job failed ('two
     processes claim rank 0 of this job'; found by helper-61). Each job now takes mpiexec's own address, which every
-    proxy of its job is started with, as its id: both run, side by side."""
+    proxy of its job is started with, as its id: both run, side by side, also as two runs of one Slurm allocation
+    (the job id they share does not tell them apart) and with rank 0 under wrappers (6 forks deep: helper-62)."""
     found = launcher("mpich")
     script = write_script(tmp_path, "hold.py", textwrap.dedent(_HOLD))
+    wrap = write_script(tmp_path, "wrap.sh", _WRAP)
+    wrap.chmod(0o755)
     flag = tmp_path / "b_done"
-    env = {"GPUCOMM_START_TIMEOUT": "30", "GPUCOMM_CPU_OPERATIONS": "gloo"}
-    with started([found.path, "-n", "2", PYTHON, str(script), "A", str(flag)], env=env, timeout=120,
+    env = {"GPUCOMM_START_TIMEOUT": "30", "GPUCOMM_CPU_OPERATIONS": "gloo", **inside}
+    with started([found.path, "-n", "2", str(wrap), PYTHON, str(script), "A", str(flag)], env=env, timeout=120,
                  stderr=subprocess.STDOUT) as a:
         for line in a.proc.stdout:  # job A holds its store before job B starts
             if "JOB A RANK 0 READY" in line:

@@ -109,6 +109,17 @@ def test_bind_address_is_the_announced_one_or_a_clear_error():
         bind_address("192.0.2.7", all_local=False)  # TEST-NET-1: never a local address
 
 
+def test_the_address_for_peers_keeps_a_loopback_address_given_as_such():
+    """127.0.0.1 or localhost given as the job's address is a launcher's choice for ranks of this machine (gpucomm-run's
+    local store, elastic workers on the launcher's host): kept, also where no default route exists (helper-62). A
+    name that resolves to loopback here is replaced (tests/test_multihost.py: torchrun across two hosts)."""
+    from gpucomm.bootstrap.netaddr import address_for_peers
+
+    assert address_for_peers("127.0.0.1") == "127.0.0.1"
+    assert address_for_peers("127.0.0.2").startswith("127.")  # (the route to it leaves from 127.0.0.1)
+    assert address_for_peers("localhost") == "127.0.0.1"
+
+
 # ------------------------------------------------------------------------------------------------
 # 3. one process per rank
 

@@ -201,14 +201,6 @@ def test_cray_pals_gives_its_local_variables() -> None:
         detect({"PMI_RANK": "1", "PMI_SIZE": "2"})
 
 
-def test_mpiexec_inside_a_slurm_job_takes_its_id() -> None:
-    """Hydra exports no job id: two jobs whose rank 0 shares a host derived one port (and one secret, so the second
-    joined the first's store and killed it). Inside an allocation, Slurm's job id keeps them apart."""
-    inside = detect({**PMI_ENV, "SLURM_JOB_ID": "991", "SLURM_STEP_ID": "3"})  # no SLURM_PROCID: not an srun task
-    assert inside.launcher == "mpich" and inside.run_id == "991.3"
-    assert inside.rendezvous_port == derive_port("991.3") != detect(PMI_ENV).rendezvous_port
-
-
 def test_slurm_cross_placement_on_uneven_nodes_is_horovods() -> None:
     """-N2 -n3 ("2,1"): local rank 1 runs on one node only, so its cross size is 1 (Horovod's definition, which
     gpucomm-run's placement gives); before, SLURM_STEP_NUM_NODES said 2."""

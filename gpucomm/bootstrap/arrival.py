@@ -339,9 +339,14 @@ def rank0_output_hint(world: World) -> str:
     """For a rank that cannot reach the store rank 0 serves: rank 0 may have failed at start, and
     where its own output (which says why) is."""
     where = _RANK0_OUTPUT.get(world.launcher, "rank 0's own output")
-    return (f"In this {world.launcher} launch rank 0 serves the store: if it failed at start (for example on a "
+    hint = (f"In this {world.launcher} launch rank 0 serves the store: if it failed at start (for example on a "
             f"GPUCOMM_*/HOROVOD_* setting it refused, which ranks sharing its environment refuse too, at once), its "
             f"error is in {where}.")
+    if world.launcher == "mpich":
+        hint += (f" Under MPICH's mpiexec each rank takes the job's id (here {world.run_id or 'none'}) from the "
+                 f"mpiexec proxy it runs under; a rank started outside that process tree (a container of its own, "
+                 f"a wrapper that detaches it) takes another: set GPUCOMM_RUN_ID to one value for the whole job.")
+    return hint
 
 
 def _store_marker(prefix: str) -> str:

@@ -58,23 +58,20 @@ def elastic_worker_env(worker: str, host: str, elastic_timeout: float) -> dict[s
 HYDRA_PROXIES = ("hydra_pmi_proxy", "pmi_proxy")  # MPICH's and Intel MPI's per-host proxy of mpiexec
 
 
-def hydra_job_id(depth: int = 4) -> str:
-    """The job id MPICH's Hydra (and Intel MPI's) never exports: mpiexec's ``--control-port host:port``, which
-    each of its per-host proxies is started with, on every host of the job, read from this process's nearest
-    proxy ancestor (within ``depth`` parents: a wrapper script between them is fine). "" when there is none
-    (another launcher) or it cannot be read."""
-    import psutil  # noqa: PLC0415 - only for an MPICH launch without a job id
+def hydra_job_id() -> str:
+    """The job id MPICH's Hydra never exports: mpiexec's ``--control-port host:port``, which each of its
+    per-host proxies is started with, on every host of the job, read from this process's nearest proxy
+    ancestor (however many wrappers lie between). "" when there is none (another launcher, a rank in a PID
+    namespace of its own, a wrapper that exited and left it to init) or it cannot be read: every rank of one
+    job must find the same, so one that does not reaches no store (``rank0_output_hint`` says so)."""
+    import psutil  # noqa: PLC0415 - only for an MPICH launch
 
     try:
-        proc = psutil.Process().parent()
-        for _ in range(depth):
-            if proc is None:
-                return ""
+        for proc in psutil.Process().parents():
             argv = proc.cmdline()
             if argv and os.path.basename(argv[0]) in HYDRA_PROXIES:
                 i = argv.index("--control-port") if "--control-port" in argv else -1
                 return f"hydra-{argv[i + 1]}" if 0 <= i < len(argv) - 1 else ""
-            proc = proc.parent()
     except (psutil.Error, OSError):
         return ""
     return ""

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import logging
 import socket
 
 from ..errors import GpucommError
+
+log = logging.getLogger("gpucomm")
 
 
 class InterfaceError(GpucommError):
@@ -56,29 +59,42 @@ DEFAULT_ROUTE_PROBE = "8.8.8.8"  # an address on the default route (no packet is
 
 def address_for_peers(host: str, port: int = 9) -> str:
     """The address ranks on other hosts reach this host on: the one on the route towards ``host`` (the address
-    every rank was given), unless that is loopback (``host`` names this host and resolves to 127.x here: the
-    /etc/hosts line of Debian's installer, or torchrun's MASTER_ADDR, this node's FQDN); then the one on the
-    default route, or with none (a cluster network without one) this host's only non-loopback IPv4 address.
-    Raises ``GpucommError`` when none of these gives one."""
+    every rank was given). When ``host`` is a name that resolves to loopback here while the others resolve it to
+    this host (Debian's /etc/hosts line for the host's own name; torchrun's MASTER_ADDR, the node's FQDN), the
+    one on the default route instead, or with none this host's only other IPv4 address; with neither, the
+    loopback one, and a warning (ranks on other machines cannot reach it). A loopback address given as such
+    (``127.0.0.1``, ``localhost``: a launcher's choice for ranks of this machine) is kept."""
     mine = address_towards(host, port)
-    if not mine.startswith("127."):
+    if not mine.startswith("127.") or _loopback_literal(host):
         return mine
-    other = address_towards(DEFAULT_ROUTE_PROBE)
+    try:
+        other = address_towards(DEFAULT_ROUTE_PROBE)
+    except OSError:  # no route, and this host's own name does not resolve
+        other = mine
     if not other.startswith("127."):
         return other
     import psutil  # noqa: PLC0415
 
-    candidates = sorted({a.address for nic, addrs in psutil.net_if_addrs().items() for a in addrs
+    candidates = sorted({a.address for addrs in psutil.net_if_addrs().values() for a in addrs
                          if a.family == socket.AF_INET and not a.address.startswith("127.")})
     if len(candidates) == 1:
         return candidates[0]
-    raise GpucommError(
-        f"rank 0 is reached at {host!r}, which resolves to loopback ({mine}) on its own host, and the job has ranks "
-        f"on other hosts, which cannot reach a loopback address; this host has no default route, and "
-        f"{'several addresses (' + ', '.join(candidates) + ')' if candidates else 'no other address'} to choose from "
-        f"instead. Likely cause: /etc/hosts maps this host's name to 127.0.1.1 (Debian's default). Fix: set "
-        f"GPUCOMM_RENDEZVOUS_ADDR (torchrun: also --rdzv-endpoint/--master-addr) to this host's address on the "
-        f"network the ranks share, or GPUCOMM_GLOO_IFACE to its interface.")
+    log.warning("gpucomm: %r, the address the ranks were given, resolves to loopback (%s) on this host, which has no "
+                "default route and %s; ranks on other machines cannot reach a loopback address. If this job spans "
+                "machines, set GPUCOMM_RENDEZVOUS_ADDR (torchrun: also --rdzv-endpoint/--master-addr) to this host's "
+                "address on the network the ranks share, or GPUCOMM_GLOO_IFACE to its interface.", host, mine,
+                f"several addresses ({', '.join(candidates)})" if candidates else "no other address")
+    return mine
+
+
+def _loopback_literal(host: str) -> bool:
+    """Whether ``host`` is ``localhost`` or a loopback address written as such (not a name resolving to one)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def interface_of(address: str) -> str | None:
@@ -114,4 +130,5 @@ def resolves_here(name: str) -> bool:
     return bool(resolved & local_addresses())
 
 
-__all__ = ["InterfaceError", "address_towards", "interface_address", "interface_ipv4", "interface_of", "local_addresses", "resolves_here"]
+__all__ = ["DEFAULT_ROUTE_PROBE", "InterfaceError", "address_for_peers", "address_towards", "interface_address",
+           "interface_ipv4", "interface_of", "local_addresses", "resolves_here"]

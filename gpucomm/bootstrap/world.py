@@ -378,13 +378,10 @@ def _mpich(env: Mapping[str, str], hostname: str | None) -> World | None:
           f"-genv {GPUCOMM_RENDEZVOUS_ADDR} <host>`"
     # Hydra exports no job id, and a job's port and derived secret come from it: with none, two jobs whose rank 0
     # shared a host met at one port (the second joined the first's store, and the first failed: 'two processes
-    # claim rank 0'). Inside a Slurm allocation the job's id tells them apart, else mpiexec's own address, which
-    # every proxy of its job is started with (GPUCOMM_RUN_ID, read in _finish, wins over both)
-    job_id = _first(env, SLURM_JOB_ID_VARS)[1]
-    if job_id:
-        run_id = f"{job_id}.{_first(env, SLURM_STEP_ID_VARS)[1] or ''}"
-    else:
-        run_id = "" if _get(env, GPUCOMM_RUN_ID) else hydra_job_id()
+    # claim rank 0'). mpiexec's own address, which every proxy of its job is started with, tells them apart, also
+    # two mpiexec runs of one Slurm allocation; it comes from the process tree, not from variables that a launch
+    # may forward to some hosts only (GPUCOMM_RUN_ID, read in _finish, wins)
+    run_id = "" if _get(env, GPUCOMM_RUN_ID) else hydra_job_id()
     return _finish(env, c, v, "mpich", _hostname(env, None, hostname), run_id, how=how)
 
 
