@@ -297,6 +297,16 @@ def test_waiting_on_a_cuda_collective_after_the_job_failed_raises(cuda):
     with pytest.raises(CollectiveError, match="unspecified launch failure"):
         broken.wait()
     assert released == [5]
+    # a collective whose step was given up (a sparse reduction left unwaited when an earlier wait raised) is
+    # abandoned: its done event goes back to the pool too, and a wait after that raises instead of waiting on it
+    given_up = Handle(request, healthy, Issued((), 6, lambda: [t], done_stream=9,
+                                               release_done=lambda: released.append(6)))
+    given_up.abandon()
+    given_up.abandon()
+    assert released == [5, 6]
+    with pytest.raises(CollectiveError, match="was abandoned"):
+        given_up.wait()
+    assert released == [5, 6] and given_up.poll()
 
 
 def test_a_collective_waited_on_from_another_stream_keeps_its_inputs_alive_there(cuda):
@@ -696,3 +706,43 @@ def test_a_gpu_nobody_chose_is_not_taken_as_the_scripts(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert devices.device_in_use() == 3
     assert not probed, "device_in_use() must start nothing, not even the driver"
+
+
+def test_sparse_reductions_left_unwaited_by_a_failed_step_give_their_done_events_back(cuda):
+    """A step whose wait for one sparse reduction raised gave up the others: they were dropped unwaited, so their done
+    events never went back to the pool (one per sparse parameter and failed step; found by helper-64)."""
+    from gpucomm.dataplane.handles import Handle, Issued
+    from gpucomm.dataplane.requests import Request
+    from gpucomm.errors import CollectiveError
+    from gpucomm.reduce_op import ReduceOp
+    from gpucomm.torch.sparse_grads import SparseGradients
+
+    class Owner:
+        timeout = 5.0
+        has_peers = False
+
+        def wait_ready(self, handle, timeout):
+            pass
+
+        def failure(self):
+            return None
+
+    released = []
+
+    def handle(event: int) -> Handle:
+        t = torch.ones(3)
+        request = Request("allgather", f"sparse.{event}", [t], device=t.device, set_id=0)
+        request.stream, request.index = 7, 0
+        return Handle(request, Owner(), Issued((), event, lambda: [t], done_stream=9,
+                                               release_done=lambda: released.append(event)))
+
+    params = [torch.nn.Parameter(torch.ones(4, 2)) for _ in range(3)]
+    sparse = SparseGradients(params, {p: f"p{i}" for i, p in enumerate(params)}, ReduceOp.AVERAGE, None, False, "opt")
+    sparse.reduced = {p: 1 for p in params}
+    sparse._launched = [(p, handle(event)) for p, event in zip(params, (11, 12, 13))]
+    cuda.failing.add(11)  # the first wait fails (CUDA's error): the step is given up
+    with pytest.raises(CollectiveError, match="unspecified launch failure"):
+        sparse.finish()
+    assert released == [11]
+    sparse.reset()  # (DistributedOptimizer's synchronize resets the step in its finally)
+    assert sorted(released) == [11, 12, 13] and not sparse.in_flight

@@ -98,6 +98,18 @@ class Handle:
         return self._error is not None
 
     # -- the caller's side -----------------------------------------------------------------------
+    def abandon(self) -> None:
+        """The caller will never wait for this request (its step was given up): a CUDA collective's done
+        event goes back to the pool once the collective is done, as after a wait; a later ``wait`` raises."""
+        issued = self._issued
+        if self._finished or issued is None:
+            return
+        self._issued = None
+        self._error = CollectiveError(f"{_describe(self.request)} was abandoned: its step was given up after an "
+                                      f"error, so its result was never read.")
+        if issued.release_done is not None:
+            issued.release_done()
+
     def poll(self) -> bool:
         """True when ``wait`` would return (or raise) without blocking on communication."""
         if self._finished or self._error is not None:

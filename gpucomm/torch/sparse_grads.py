@@ -129,7 +129,8 @@ class SparseGradients:
         """Wait for the sparse reductions and write each result into ``p.grad`` (sparse, coalesced;
         Average divides the values by the set's size, integers truncating as a dense Average does)."""
         launched, self._launched = self._launched, []
-        for p, handle in launched:
+        for i, (p, handle) in enumerate(launched):
+            self._launched = launched[i + 1:]  # what reset() abandons if this one's wait raises
             dim = self.reduced[p]
             if handle is None:
                 out = torch.sparse_coo_tensor(torch.empty((dim, 0), dtype=torch.int64, device=p.device),
@@ -157,7 +158,11 @@ class SparseGradients:
                 p.grad = g.to_sparse(dim)
 
     def reset(self) -> None:
-        """Forget the reductions of an abandoned step (their results are not waited for)."""
+        """Forget the reductions of an abandoned step (their results are not waited for; a CUDA one's done
+        event goes back to the pool once it is done)."""
+        for _, handle in self._launched:
+            if handle is not None:
+                handle.abandon()
         self._launched = []
 
     # -- agreement ----------------------------------------------------------------------------------
