@@ -27,7 +27,7 @@ from gpucomm.runner.remote import BEAT_S, SERVER_ALIVE_COUNT, SERVER_ALIVE_S, en
 from gpucomm.runner.spawn import SshOptions, is_local, ssh_argv
 from gpucomm.settings import DEFAULT_LIVENESS_S, liveness_seconds
 from tests.cluster import Cluster, admin, cluster, require_netns
-from tests.harness import PYTHON, free_port, launcher_cmd, run, started
+from tests.harness import PYTHON, free_port, launcher_cmd, run, run_rank_scripts, started
 from tests.ranks import netfault_job, partition_job
 
 NETFAULT = str(Path(netfault_job.__file__))
@@ -59,6 +59,33 @@ def sockets(stdout: str) -> dict[int, dict]:
 
 
 # ------------------------------------------------------------------------------------------ the pieces
+
+
+def test_an_ipv6_address_the_job_must_reach_is_refused_at_once_on_every_rank(tmp_path):
+    """gpucomm's bootstrap is IPv4 only. Before, an IPv6 rendezvous address failed on rank 0 with 'cannot resolve'
+    while the other ranks waited out the start timeout, and gpucomm-run -H with an IPv6 host crashed with a raw
+    socket.gaierror traceback (helper-63, in IPv6-only namespace hosts); now every rank, and the launcher before any
+    rank starts, says what is unsupported and what to give instead."""
+    from gpucomm.bootstrap.netaddr import IPv6OnlyError, require_ipv4
+
+    for address in ("fd00:77::2", "[fd00:77::2]", "::1", "fe80::1%eth0"):
+        with pytest.raises(IPv6OnlyError, match=r"is an IPv6 address, and gpucomm's bootstrap .* IPv4 only"):
+            require_ipv4(address, "the rendezvous address")
+    for ok in ("127.0.0.1", "10.0.0.1", "localhost", "no-such-host.invalid"):  # (an unknown name: the caller's error)
+        require_ipv4(ok, "the rendezvous address")
+    script = tmp_path / "init.py"
+    script.write_text("import os, sys\nimport gpucomm.torch as hvd\ntry:\n    hvd.init()\nexcept Exception as e:\n"
+                      "    print(f'RANK {os.environ[\"GPUCOMM_RANK\"]} ERROR {type(e).__name__}: {e}', flush=True)\n"
+                      "    sys.exit(3)\n")
+    results = run_rank_scripts([str(script)], 2, store_on_rank0=True, timeout=60,
+                               env={"GPUCOMM_RENDEZVOUS_ADDR": "fd00:77::1", "GPUCOMM_START_TIMEOUT": "30"})
+    for r, res in enumerate(results):
+        assert res.returncode == 3, (r, res.stdout, res.stderr)
+        # (rank 1 too says why, instead of RendezvousUnreachable after the start timeout)
+        assert f"RANK {r} ERROR IPv6OnlyError: the rendezvous address 'fd00:77::1' is an IPv6 address" in res.stdout
+    r = run(launcher_cmd("-np", "2", "-H", "localhost:1,[fd00:77::2]:1", PYTHON, str(script)), timeout=60)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert "gpucomm-run: the host '[fd00:77::2]' is an IPv6 address" in r.stderr, r.stderr
 
 
 def test_addresses_of_this_host_are_local_and_others_are_remote():

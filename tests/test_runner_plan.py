@@ -22,6 +22,8 @@ def test_parse_hosts_with_and_without_slots():
     assert parse_hosts("a:2,b:4,c") == [HostSlots("a", 2), HostSlots("b", 4), HostSlots("c", 1)]
     assert parse_hosts("user@node1:3") == [HostSlots("user@node1", 3)]
     assert parse_hosts("[::1]:2,10.0.0.1:1") == [HostSlots("[::1]", 2), HostSlots("10.0.0.1", 1)]
+    # a login before a bracketed address (before: "put an IPv6 address in brackets", although it was; helper-63)
+    assert parse_hosts("user@[fd00::2]:2,user@[::1]") == [HostSlots("user@[fd00::2]", 2), HostSlots("user@[::1]", 1)]
 
 
 @pytest.mark.parametrize("spec, words", [

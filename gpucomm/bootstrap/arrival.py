@@ -28,7 +28,7 @@ from typing import Callable
 from ..errors import GpucommError, RendezvousUnreachable
 from ..settings import DEFAULT_LIVENESS_S, RENDEZVOUS_BIND, REQUIRE_SECRET
 from .key_exchange import KeyPair, SealError, seal, unseal
-from .netaddr import address_for_peers, address_towards
+from .netaddr import address_for_peers, address_towards, require_ipv4
 from .rendezvous import RendezvousClient, RendezvousError, RendezvousServer, RendezvousTimeout, wait_for_ranks
 from .world import GPUCOMM_SECRET, World
 
@@ -280,6 +280,9 @@ def open_store(world: World, gen: int, start_timeout: float, timeout: float, *, 
         return server, RendezvousClient("127.0.0.1", server.port, secret, connect_timeout=start_timeout, timeout=timeout,
                                         dead_peer_after=dead_peer_after)
     check_secret(world, require_secret)
+    if world.size > 1 and world.rendezvous_addr:  # every rank, at once: not rank 0 alone, with the others waiting
+        require_ipv4(world.rendezvous_addr, "the rendezvous address" if not world.port_via_torch_store
+                     else "torchrun's MASTER_ADDR (where rank 0's host is reached)")
     if world.port_via_torch_store:
         server, host, port, secret = torch_store_rendezvous(world, gen, start_timeout)
     else:

@@ -42,16 +42,54 @@ def interface_ipv4(nic: str) -> str | None:
     return None
 
 
+class IPv6OnlyError(GpucommError):
+    """An address the job must reach is IPv6 only: gpucomm's bootstrap is IPv4 for now."""
+
+
+def require_ipv4(host: str, what: str) -> None:
+    """Raise ``IPv6OnlyError`` when ``host`` (``what`` names where it came from) is an IPv6 address or a name
+    with IPv6 (AAAA) addresses only. gpucomm's store, control plane and Gloo interface choice use IPv4, so such
+    a job would fail on a lookup, or wait for a rank that looks for the store elsewhere, until the start timeout.
+    A name that does not resolve at all is left to the caller's own error."""
+    name = host.strip("[]")
+    try:
+        literal = ipaddress.ip_address(name.split("%")[0])
+    except ValueError:
+        literal = None
+    if literal is None:
+        try:
+            families = {info[0] for info in socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)}
+        except (OSError, UnicodeError):
+            return
+        if socket.AF_INET in families or socket.AF_INET6 not in families:
+            return
+    elif literal.version == 4:
+        return
+    raise IPv6OnlyError(
+        f"{what} {host!r} is {'an IPv6 address' if literal is not None else 'a name with IPv6 addresses only'}, "
+        f"and gpucomm's bootstrap (its rendezvous store, control plane and choice of Gloo's interface) works over "
+        f"IPv4 only for now. Fix: give an IPv4 address, or a host name with an IPv4 (A) record; on an IPv6-only "
+        f"network (a single-stack Kubernetes cluster) gpucomm cannot run across hosts yet.")
+
+
 def address_towards(host: str, port: int = 9) -> str:
     """This host's address on the route towards ``host``: the address a peer there can reach us on.
     No packet is sent (a UDP socket is only connected); an unresolvable or unroutable host falls
-    back to the address of this host's own name."""
+    back to the address of this host's own name. Raises ``InterfaceError`` when neither gives one."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect((host, port))
             return s.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
+        except OSError as e:
+            why = e
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError as e:
+        raise InterfaceError(
+            f"this host has no IPv4 route towards {host!r} ({why}), and its own name {socket.gethostname()!r} has "
+            f"no IPv4 address ({e}), so gpucomm cannot tell which address other ranks reach it on. Fix: set "
+            f"GPUCOMM_GLOO_IFACE (gpucomm-run: --network-interface) to the interface the ranks share, or "
+            f"GPUCOMM_RENDEZVOUS_ADDR to an IPv4 address of rank 0's host.") from None
 
 
 DEFAULT_ROUTE_PROBE = "8.8.8.8"  # an address on the default route (no packet is ever sent to it)
@@ -130,5 +168,5 @@ def resolves_here(name: str) -> bool:
     return bool(resolved & local_addresses())
 
 
-__all__ = ["DEFAULT_ROUTE_PROBE", "InterfaceError", "address_for_peers", "address_towards", "interface_address",
-           "interface_ipv4", "interface_of", "local_addresses", "resolves_here"]
+__all__ = ["DEFAULT_ROUTE_PROBE", "IPv6OnlyError", "InterfaceError", "address_for_peers", "address_towards", "interface_address",
+           "interface_ipv4", "interface_of", "local_addresses", "require_ipv4", "resolves_here"]

@@ -16,8 +16,9 @@ import shlex
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
+from ..errors import GpucommError
 from ..failures import read_failures
-from ..bootstrap.netaddr import InterfaceError, address_towards, interface_address
+from ..bootstrap.netaddr import InterfaceError, address_towards, interface_address, require_ipv4
 from ..bootstrap.rendezvous import RendezvousServer
 from ..settings import GLOO_IFACE, START_TIMEOUT, SettingError, liveness_seconds, settings_problems
 from .check_build import check_build_report
@@ -188,8 +189,13 @@ def store_address(args: argparse.Namespace, tunables: dict[str, str], hosts: Seq
     nic = chosen_nic(tunables, os.environ if env is None else env)
     if nic:
         return nic_address(nic)
-    if remote_hosts:
-        return address_towards(split_user(remote_hosts[0])[1].strip("[]"))
+    try:
+        for host in remote_hosts:
+            require_ipv4(split_user(host)[1], "the host")
+        if remote_hosts:
+            return address_towards(split_user(remote_hosts[0])[1].strip("[]"))
+    except GpucommError as e:  # an IPv6 host, or no route towards it: said before any rank starts
+        raise SystemExit(f"gpucomm-run: {e}") from None
     return "127.0.0.1"
 
 
@@ -289,7 +295,10 @@ def run_elastic(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         def store_address(host: str) -> str:  # loopback here; towards the launcher from other hosts
             if nic:
                 return addr
-            return "127.0.0.1" if is_local(host) else address_towards(split_user(host)[1].strip("[]"))
+            if is_local(host):
+                return "127.0.0.1"
+            require_ipv4(split_user(host)[1], "the host")
+            return address_towards(split_user(host)[1].strip("[]"))
 
         driver = ElasticDriver(discovery, limits, list(args.command), env, tunables, server,
                                rendezvous_addr=store_address,

@@ -34,22 +34,27 @@ def _check_host(host: str, where: str) -> str:
 
 
 def _split_host_slots(item: str, where: str) -> HostSlots:
-    """``host:N``, ``[v6addr]:N`` or ``host`` (one slot)."""
+    """``host:N``, ``[v6addr]:N`` or ``host`` (one slot), each with an optional ``user@`` before it."""
     item = item.strip()
+    user = ""
+    if "@" in item.split("[", 1)[0]:  # user@host or user@[v6addr]: the user is not part of the address
+        user, item = item.split("@", 1)
+        user += "@"
     if item.startswith("["):  # bracketed IPv6 address
         end = item.find("]")
         if end < 0:
             raise HostSpecError(f"{where}: {item!r} opens '[' without closing it; write [::1]:2.")
-        host, rest = item[: end + 1], item[end + 1:]
+        host, rest = user + item[: end + 1], item[end + 1:]
         if rest and not rest.startswith(":"):
             raise HostSpecError(f"{where}: {item!r} has text after the address; write [::1]:2.")
         count = rest[1:] if rest else None
     elif item.count(":") == 1:
         host, count = item.split(":")
+        host = user + host
     elif ":" in item:
         raise HostSpecError(f"{where}: {item!r} has several ':'; put an IPv6 address in brackets: [::1]:2.")
     else:
-        host, count = item, None
+        host, count = user + item, None
     slots = 1
     if count is not None:
         if not count.isdigit() or int(count) < 1:
