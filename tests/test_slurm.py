@@ -169,6 +169,9 @@ def test_srun_with_an_mpi_plugin_is_still_a_slurm_step(slurm, tmp_path, plugin):
     """srun's PMI plugins (--mpi=pmi2, a site's MpiDefault=pmi2; HPE's cray_shasta) export PMI_RANK and PMI_SIZE
     besides Slurm's variables: before, gpucomm took the task for one of MPICH's mpiexec and every task failed with
     'MPI_LOCALRANKID is not set' (found by helper-61)."""
+    plugins = slurm.run(["srun", "--mpi=list"], timeout=60)
+    if plugin not in plugins.stdout + plugins.stderr:
+        pytest.skip(f"this Slurm build has no mpi/{plugin} plugin (srun --mpi=list: {plugins.stdout + plugins.stderr})")
     script = tmp_path / "probe.py"
     script.write_text(PROBE.replace('"step": os.environ["SLURM_STEP_ID"],',
                                     '"step": os.environ["SLURM_STEP_ID"], "pmi": os.environ.get("PMI_RANK"),'))
