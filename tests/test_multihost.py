@@ -88,6 +88,28 @@ def test_an_ipv6_address_the_job_must_reach_is_refused_at_once_on_every_rank(tmp
     assert "gpucomm-run: the host '[fd00:77::2]' is an IPv6 address" in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_gloo_interface_one_host_lacks_fails_every_rank_at_init_naming_it(tmp_path, rank):
+    """GPUCOMM_GLOO_IFACE names an interface one host does not have (names differ between hosts: eth0, ens5). Before,
+    that rank failed alone in Gloo and the others waited out GPUCOMM_TIMEOUT for its Gloo keys ('1 of 1 keys were
+    not set ... /gloo/0/0'); now every rank fails at init(), naming the rank, the interface and the host."""
+    script = tmp_path / "init.py"
+    script.write_text(f"import os, sys\nif os.environ['GPUCOMM_RANK'] == '{rank}':\n"
+                      f"    os.environ['GPUCOMM_GLOO_IFACE'] = 'nonexistent0'\n"
+                      "import gpucomm.torch as hvd\ntry:\n    hvd.init()\nexcept Exception as e:\n"
+                      "    print(f'RANK {os.environ[\"GPUCOMM_RANK\"]} ERROR {type(e).__name__}: {e}', flush=True)\n"
+                      "    sys.exit(3)\n")
+    results = run_rank_scripts([str(script)], 2, timeout=90, env={"GPUCOMM_TIMEOUT": "10"})
+    lacks = f"the network interface 'nonexistent0' (GPUCOMM_GLOO_IFACE / HOROVOD_GLOO_IFACE) does not exist on this host"
+    for r, res in enumerate(results):
+        assert res.returncode == 3, (r, res.stdout, res.stderr)
+        told = res.stdout
+        assert lacks in told and f"This is host {socket.gethostname()}" in told, told
+        if r != rank:
+            assert f"ERROR GpucommError: rank {rank} failed in gpucomm.init(): InterfaceError: " in told, told
+    assert results[0].leftovers == []
+
+
 def test_addresses_of_this_host_are_local_and_others_are_remote():
     mine = sorted(a for a in local_addresses() if ":" not in a)
     assert "127.0.0.1" in mine

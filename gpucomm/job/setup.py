@@ -16,7 +16,7 @@ from ..backends.local import SelfBackend
 from ..backends.mpi import mpi_world
 from ..bootstrap import devices
 from ..bootstrap.arrival import arrive, claim_arrival, conflict_key, cross_placement, open_store, watch_conflicts
-from ..bootstrap.netaddr import DEFAULT_ROUTE_PROBE, address_for_peers, interface_address, interface_of
+from ..bootstrap.netaddr import DEFAULT_ROUTE_PROBE, InterfaceError, address_for_peers, interface_address, interface_of
 from ..bootstrap.rendezvous import RendezvousClient, RendezvousError, wait_for_ranks
 from ..bootstrap.world import World, detect_world
 from ..control.channel import ControlListener, connect as connect_control
@@ -72,6 +72,7 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None,
         pinned = _pin_gpu(client, server, prefix, world, record, single_gpu, start_timeout)
         steps.done(f"device chosen: {pinned or 'CPU'}")
         choice = _record_cpu_operations(transport, client, server, prefix, world, record, start_timeout)
+        _check_gloo_iface(env, client, server, prefix, world, record, start_timeout)
         records = arrive(client, prefix, world, record, start_timeout, interrupt)
         steps.done(f"all {world.size} ranks arrived")
         _check_records(client, server, prefix, world, records, single_gpu, start_timeout)
@@ -179,6 +180,25 @@ def _pin_gpu(client: RendezvousClient, server, prefix: str, world: World, record
     except Exception as e:
         _publish_failure(client, server, prefix, world, record, e, start_timeout)
         raise
+
+
+def _check_gloo_iface(env: Mapping[str, str], client: RendezvousClient, server, prefix: str, world: World,
+                      record: dict, start_timeout: float) -> None:
+    """The interface GPUCOMM_GLOO_IFACE names must exist here, with an IPv4 address. Interface names can
+    differ between hosts (eth0 here, ens5 there): a rank that lacks it is published as failed at arrival,
+    so every rank fails at once naming it. Before, it failed in Gloo alone, and the others waited out
+    GPUCOMM_TIMEOUT for its Gloo keys ('1 of 1 keys were not set ... /gloo/0/0')."""
+    iface = gloo_iface(env)
+    if world.size == 1 or not iface:
+        return
+    try:
+        interface_address(iface, "GPUCOMM_GLOO_IFACE / HOROVOD_GLOO_IFACE")
+    except InterfaceError as e:
+        error = InterfaceError(f"{e} This is host {world.hostname}: interface names can differ between hosts (eth0, "
+                               f"ens5), so set the variable per host to that host's name for the shared network, or "
+                               f"leave it unset (gpucomm then takes the interface on the route to the store).")
+        _publish_failure(client, server, prefix, world, record, error, start_timeout)
+        raise error from None
 
 
 def _decide_cpu_operations(world: World, env: Mapping[str, str]) -> CpuOperations | Exception | None:
