@@ -72,7 +72,8 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None,
         pinned = _pin_gpu(client, server, prefix, world, record, single_gpu, start_timeout)
         steps.done(f"device chosen: {pinned or 'CPU'}")
         choice = _record_cpu_operations(transport, client, server, prefix, world, record, start_timeout)
-        _check_gloo_iface(env, client, server, prefix, world, record, start_timeout)
+        _check_gloo_iface(env, client, server, prefix, world, record, start_timeout, choice,
+                          elastic=bool(elastic_round))
         records = arrive(client, prefix, world, record, start_timeout, interrupt)
         steps.done(f"all {world.size} ranks arrived")
         _check_records(client, server, prefix, world, records, single_gpu, start_timeout)
@@ -183,13 +184,15 @@ def _pin_gpu(client: RendezvousClient, server, prefix: str, world: World, record
 
 
 def _check_gloo_iface(env: Mapping[str, str], client: RendezvousClient, server, prefix: str, world: World,
-                      record: dict, start_timeout: float) -> None:
-    """The interface GPUCOMM_GLOO_IFACE names must exist here, with an IPv4 address. Interface names can
-    differ between hosts (eth0 here, ens5 there): a rank that lacks it is published as failed at arrival,
-    so every rank fails at once naming it. Before, it failed in Gloo alone, and the others waited out
-    GPUCOMM_TIMEOUT for its Gloo keys ('1 of 1 keys were not set ... /gloo/0/0')."""
+                      record: dict, start_timeout: float, choice: CpuOperations | None, *, elastic: bool) -> None:
+    """The interface GPUCOMM_GLOO_IFACE names must exist here, with an IPv4 address, where Gloo will use it.
+    Interface names can differ between hosts (eth0 here, ens5 there): a rank that lacks it is published as
+    failed at arrival, so every rank fails at once naming it. Before, it failed in Gloo alone, and the others
+    waited out GPUCOMM_TIMEOUT for its Gloo keys ('1 of 1 keys were not set ... /gloo/0/0'). Under MPI no
+    Gloo group is made (the variable may be set for all hosts by --network-interface). In an elastic round
+    the rank raises alone: its worker exits, the launcher leaves its host out, and the round re-forms."""
     iface = gloo_iface(env)
-    if world.size == 1 or not iface:
+    if world.size == 1 or not iface or (choice is not None and choice.name == "mpi"):
         return
     try:
         interface_address(iface, "GPUCOMM_GLOO_IFACE / HOROVOD_GLOO_IFACE")
@@ -197,7 +200,8 @@ def _check_gloo_iface(env: Mapping[str, str], client: RendezvousClient, server, 
         error = InterfaceError(f"{e} This is host {world.hostname}: interface names can differ between hosts (eth0, "
                                f"ens5), so set the variable per host to that host's name for the shared network, or "
                                f"leave it unset (gpucomm then takes the interface on the route to the store).")
-        _publish_failure(client, server, prefix, world, record, error, start_timeout)
+        if not elastic:
+            _publish_failure(client, server, prefix, world, record, error, start_timeout)
         raise error from None
 
 
