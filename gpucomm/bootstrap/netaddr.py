@@ -107,7 +107,7 @@ def address_for_peers(host: str, port: int = 9) -> str:
         return mine
     try:
         other = address_towards(DEFAULT_ROUTE_PROBE)
-    except OSError:  # no route, and this host's own name does not resolve
+    except InterfaceError:  # no route, and this host's own name has no IPv4 address
         other = mine
     if not other.startswith("127."):
         return other
@@ -168,5 +168,5 @@ def resolves_here(name: str) -> bool:
     return bool(resolved & local_addresses())
 
 
-__all__ = ["DEFAULT_ROUTE_PROBE", "IPv6OnlyError", "InterfaceError", "address_for_peers", "address_towards", "interface_address",
-           "interface_ipv4", "interface_of", "local_addresses", "require_ipv4", "resolves_here"]
+__all__ = ["DEFAULT_ROUTE_PROBE", "IPv6OnlyError", "InterfaceError", "address_for_peers", "address_towards",
+           "interface_address", "interface_ipv4", "interface_of", "local_addresses", "require_ipv4", "resolves_here"]

@@ -416,17 +416,16 @@ def _slurm(env: Mapping[str, str], hostname: str | None) -> World | None:
     # their number (uneven tasks per node, "2,1": local rank 1 runs on one node only). Tasks of one local rank
     # are in node order under srun's block, cyclic and plane distributions; under -m arbitrary they need not
     # be, so the arrival records decide (``cross_placement``)
-    c = replace(c, cross_rank=sum(1 for n in per_node[:node] if n > c.local_rank),
-                cross_size=sum(1 for n in per_node if n > c.local_rank))
-    if _arbitrary_distribution(env):
-        c = replace(c, cross_rank=None, cross_size=None)
+    arbitrary = _arbitrary_distribution(env)
+    c = replace(c, cross_rank=None if arbitrary else sum(1 for n in per_node[:node] if n > c.local_rank),
+                cross_size=None if arbitrary else sum(1 for n in per_node if n > c.local_rank))
     list_var, nodelist = _first(env, SLURM_NODELIST_VARS)
     try:
         addr = expand_slurm_nodelist(nodelist)[0] if nodelist else None
     except SlurmSyntaxError as e:
         raise WorldError(f"{list_var}: {e}") from None
     how = f"{list_var} (srun does this) or {GPUCOMM_RENDEZVOUS_ADDR}"
-    if _arbitrary_distribution(env) and c.local_size != c.size:
+    if arbitrary and c.local_size != c.size:
         # srun -m arbitrary puts task i on the i-th host of SLURM_HOSTFILE, and the node list is sorted:
         # its first host need not run task 0 (seen: task 0 on node1 of node[0-1], its store bound to
         # node0's address failed while the other ranks waited for it until the start timeout)

@@ -101,12 +101,15 @@ class Handle:
     def abandon(self) -> None:
         """The caller will never wait for this request (its step was given up): a CUDA collective's done
         event goes back to the pool once the collective is done, as after a wait; a later ``wait`` raises."""
-        issued = self._issued
-        if self._finished or issued is None:
+        if self._finished or self._issued is None:
             return
-        self._issued = None
-        self._error = CollectiveError(f"{_describe(self.request)} was abandoned: its step was given up after an "
-                                      f"error, so its result was never read.")
+        self._give_up(self._issued, CollectiveError(f"{_describe(self.request)} was abandoned: its step was given "
+                                                    f"up after an error, so its result was never read."))
+
+    def _give_up(self, issued: Issued, error: CollectiveError) -> None:
+        """The verdict stands (a later wait raises ``error``) and no wait will be enqueued on ``issued``'s done
+        event: it goes back to the pool once its collective is done (a second release is a no-op)."""
+        self._error, self._issued = error, None
         if issued.release_done is not None:
             issued.release_done()
 
@@ -152,10 +155,8 @@ class Handle:
                     self._result = issued.finalize()
             except Exception as e:  # local work (a stream wait, the result's scaling): no peer to wait for
                 raise self._failed(e, 0.0) from e
-        except CollectiveError as e:  # the verdict stands: a second wait raises it again, and never waits on
-            self._error, self._issued = e, None  # a done event already handed back (another collective's now)
-            if issued.release_done is not None:  # no wait will be enqueued on it now: it goes back to the pool
-                issued.release_done()            # once its collective is done (a second release is a no-op)
+        except CollectiveError as e:  # a second wait raises it again, and never waits on a done event already
+            self._give_up(issued, e)  # handed back (another collective's by then)
             raise
         self._finished = True
         self._issued = None  # drop the backend's references

@@ -128,9 +128,7 @@ class SparseGradients:
     def finish(self) -> None:
         """Wait for the sparse reductions and write each result into ``p.grad`` (sparse, coalesced;
         Average divides the values by the set's size, integers truncating as a dense Average does)."""
-        launched, self._launched = self._launched, []
-        for i, (p, handle) in enumerate(launched):
-            self._launched = launched[i + 1:]  # what reset() abandons if this one's wait raises
+        for p, handle in self._launched:  # (kept until all are waited for: reset() abandons the rest on an error)
             dim = self.reduced[p]
             if handle is None:
                 out = torch.sparse_coo_tensor(torch.empty((dim, 0), dtype=torch.int64, device=p.device),
@@ -147,6 +145,7 @@ class SparseGradients:
                                               is_coalesced=True)
             if p.requires_grad:  # frozen since the layout was agreed: leave its gradient alone
                 p.grad = out
+        self._launched = []
 
     def hand_back(self) -> None:
         """After the buckets are unpacked: gradients that arrived sparse (here, or anywhere once
@@ -159,7 +158,7 @@ class SparseGradients:
 
     def reset(self) -> None:
         """Forget the reductions of an abandoned step (their results are not waited for; a CUDA one's done
-        event goes back to the pool once it is done)."""
+        event goes back to the pool once it is done; those already waited for are left as they are)."""
         for _, handle in self._launched:
             if handle is not None:
                 handle.abandon()
