@@ -325,7 +325,9 @@ def test_torchrun_across_hosts_whose_names_resolve_to_loopback(hosts_allowed):
     maps to 127.0.1.1 (Debian's default; torch's own store listens on every interface, so torch does not mind).
     Before, rank 0 served gpucomm's store, its control listener and Gloo on loopback and published 127.0.0.1, so
     the other node's rank waited for its own loopback until the start timeout (found by helper-61). Now rank 0
-    takes the address other hosts reach it on (here the only one: these hosts have no default route)."""
+    takes the address other hosts reach it on (here the only one: these hosts have no default route). A rank's
+    connection to torchrun's own store is torch's, to the address torchrun chose, so it is listed apart (CI once
+    saw rank 0 still holding one at its 5th allreduce: '::ffff:127.0.0.1' to '::ffff:127.0.1.1')."""
     with cluster(2, loopback_names=True) as c:
         argv = [PYTHON, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend",
                 "c10d", "--rdzv-endpoint", f"node0:{free_port()}", "--rdzv-id", "loopback-names", NETFAULT]

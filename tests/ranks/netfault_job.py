@@ -30,15 +30,21 @@ import gpucomm.torch as hvd
 
 
 def sockets() -> dict[str, list[str]]:
-    """Where this process's TCP sockets listen and which peers they are connected to."""
-    listening, peers, local = set(), set(), set()
+    """Where this process's TCP sockets listen and which peers they are connected to. A connection to
+    torchrun's own store (MASTER_PORT; torch's socket, to the address torchrun chose) is listed apart,
+    under ``torch_store``: the NIC tests are about gpucomm's store, control plane and Gloo."""
+    listening, peers, local, torch_store = set(), set(), set(), set()
+    master_port = int(os.environ.get("MASTER_PORT") or 0) if os.environ.get("TORCHELASTIC_RUN_ID") else 0
     for c in psutil.Process().net_connections(kind="tcp"):
         if c.status == psutil.CONN_LISTEN:
             listening.add(c.laddr.ip)
+        elif c.raddr and master_port and c.raddr.port == master_port:
+            torch_store.add(f"{c.laddr.ip} -> {c.raddr.ip}")
         elif c.raddr:
             peers.add(c.raddr.ip)
             local.add(c.laddr.ip)
-    return {"listen": sorted(listening), "local": sorted(local), "peers": sorted(peers)}
+    return {"listen": sorted(listening), "local": sorted(local), "peers": sorted(peers),
+            "torch_store": sorted(torch_store)}
 
 
 def record(rank: int, host: str, outcome: str) -> None:
