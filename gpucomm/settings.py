@@ -319,7 +319,7 @@ DYNAMIC_PROCESS_SETS = flag(("GPUCOMM_DYNAMIC_PROCESS_SETS", "HOROVOD_DYNAMIC_PR
                             help="Allow add_process_set and remove_process_set after init().")
 REQUIRE_SECRET = flag("GPUCOMM_REQUIRE_SECRET", default="off",
                       help="Refuse to start with a job secret derived from the job id, address and port.")
-RENDEZVOUS_BIND = text("GPUCOMM_RENDEZVOUS_BIND", "a local address to listen on (0.0.0.0: every interface)",
+RENDEZVOUS_BIND = text("GPUCOMM_RENDEZVOUS_BIND", "a local address to listen on (::, every interface; 0.0.0.0, every IPv4 one)",
                        default="the rendezvous address",
                        help="Where rank 0's store listens, when the ranks reach it through an address it does not "
                             "own (NAT, a service address).")

@@ -5,7 +5,7 @@ address, host name and OpenSSH server, for tests of multi-host jobs and network 
 
 * a host is a network namespace (``ip netns``) with a veth pair into a bridge that lives in a
   namespace of its own (the switch), so nothing is added to the machine's own network: the test
-  addresses (10.213.0.0/24, and 10.213.1.0/24 for a second, data network) exist only inside the
+  addresses (10.213.0.0/24, and 10.213.1.0/24 for a second, data network; fd00:213::/64 for IPv6-only hosts) exist only inside the
   namespaces this module creates;
 * every process started on a host runs under ``ip netns exec`` (which also mounts the host's own
   ``/etc/hosts``, naming every host, and an empty ``resolv.conf``) in a UTS namespace of its own whose
@@ -53,6 +53,7 @@ SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd", "/sbin/sshd")
 PREFIX = "gcnet"  # every namespace this module creates: gcnet-<pid>-<cluster>-<host>
 CLUSTER_NET = "10.213.0"  # /24, hosts from .2
 DATA_NET = "10.213.1"  # the second network, when a cluster has one
+CLUSTER_NET6 = "fd00:213::"  # /64, hosts from ::2, on a cluster made with ipv6_only
 LIFETIME = 3600.0  # seconds an sshd may serve before the harness kills it (a module's tests, at most)
 SSH_OPTIONS = ("-o", "UserKnownHostsFile=/dev/null", "-o", "StrictHostKeyChecking=no", "-o", "LogLevel=ERROR")
 ADMIN_TIMEOUT = 30.0
@@ -148,6 +149,7 @@ class Cluster:
     data_network: bool
     rate: str | None
     loopback_names: bool = False
+    ipv6_only: bool = False
     hosts: list[Host] = field(default_factory=list)
     removed: list[Host] = field(default_factory=list)
     start_seconds: float = 0.0
@@ -198,8 +200,8 @@ class Cluster:
         """Make one more host (its namespace, link, address, name and sshd) and wait until it takes
         ssh logins; ``rate`` (tc's syntax, e.g. ``1gbit``) limits its link both ways."""
         i = next(self._next)
-        host = Host(f"node{i}", f"{self.tag}-h{i}", i, f"{CLUSTER_NET}.{i + 2}",
-                    f"{DATA_NET}.{i + 2}" if self.data_network else None)
+        address = f"{CLUSTER_NET6}{i + 2:x}" if self.ipv6_only else f"{CLUSTER_NET}.{i + 2}"
+        host = Host(f"node{i}", f"{self.tag}-h{i}", i, address, f"{DATA_NET}.{i + 2}" if self.data_network else None)
         self.hosts.append(host)
         admin("ip", "netns", "add", host.netns)
         admin("ip", "-n", host.netns, "link", "set", "lo", "up")
@@ -209,7 +211,10 @@ class Cluster:
             admin("ip", "link", "add", nic, "netns", host.netns, "type", "veth", "peer", "name", port, "netns",
                   self.switch)
             admin("ip", "-n", self.switch, "link", "set", port, "master", bridge, "up")
-            admin("ip", "-n", host.netns, "addr", "add", f"{address}/24", "dev", nic)
+            if ":" in address:  # (nodad: usable at once, not after duplicate address detection's second or two)
+                admin("ip", "-n", host.netns, "addr", "add", f"{address}/64", "dev", nic, "nodad")
+            else:
+                admin("ip", "-n", host.netns, "addr", "add", f"{address}/24", "dev", nic)
             admin("ip", "-n", host.netns, "link", "set", nic, "up")
             host.ports += (port,)
         if rate or self.rate:
@@ -521,16 +526,21 @@ def sweep_stale() -> list[str]:
 
 @contextlib.contextmanager
 def cluster(n: int, *, rate: str | None = None, data_network: bool = False,
-            loopback_names: bool = False) -> Iterator[Cluster]:
+            loopback_names: bool = False, ipv6_only: bool = False) -> Iterator[Cluster]:
     """``n`` hosts on a bridge (see the module's docstring), torn down when the block ends, also on
     failure. ``rate``: every link limited to it (tc's syntax, e.g. ``1gbit``); ``data_network``: a
     second NIC per host (``eth1``, 10.213.1.0/24, names ``nodeN-data``) on a bridge of its own;
-    ``loopback_names``: each host resolves its own name to 127.0.1.1 (Debian's /etc/hosts)."""
+    ``loopback_names``: each host resolves its own name to 127.0.1.1 (Debian's /etc/hosts); ``ipv6_only``:
+    the hosts' NICs have IPv6 addresses alone (fd00:213::/64, and each NIC's link-local fe80:: one), and
+    their names resolve to those (loopback keeps 127.0.0.1 and ::1), as on a single-stack IPv6 network."""
+    if ipv6_only and (data_network or loopback_names):
+        raise ValueError("ipv6_only hosts have one network and names that resolve to it")
     sweep_stale()
     os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpucomm-cluster-") as tmp:
-        c = Cluster(f"{PREFIX}-{os.getpid()}-{next(_COUNTER)}", Path(tmp), data_network, rate, loopback_names)
+        c = Cluster(f"{PREFIX}-{os.getpid()}-{next(_COUNTER)}", Path(tmp), data_network, rate, loopback_names,
+                    ipv6_only)
         try:
             _keys(c.tmp)
             c._make_switch()

@@ -270,7 +270,7 @@ def test_misuse_is_refused_with_what_to_do(cluster):
         RayExecutor(settings, num_workers=1).start(extra_env_vars={"GPUCOMM_TIMEOUT": "soon"})
     with pytest.warns(UserWarning, match="ssh_str accepted, no effect"):
         RayExecutor.create_settings(ssh_str="-----BEGIN KEY-----")
-    with pytest.raises(ValueError, match="'nosuchnic0' .* has no IPv4 address"):
+    with pytest.raises(ValueError, match="'nosuchnic0' .* has no IPv4 or global IPv6 address"):
         RayExecutor(RayExecutor.create_settings(nics={"nosuchnic0"}), num_workers=1).start()
     # two hosts on a one-node cluster: Ray cannot spread the bundles, said within the timeout
     spread = RayExecutor(RayExecutor.create_settings(placement_group_timeout_s=2), num_hosts=2,

@@ -15,6 +15,7 @@ Pure bootstrap: nothing here knows about collectives; ``gpucomm.job`` builds the
 from __future__ import annotations
 
 import errno
+import ipaddress
 import json
 import logging
 import math
@@ -28,7 +29,7 @@ from typing import Callable
 from ..errors import GpucommError, RendezvousUnreachable
 from ..settings import DEFAULT_LIVENESS_S, RENDEZVOUS_BIND, REQUIRE_SECRET
 from .key_exchange import KeyPair, SealError, seal, unseal
-from .netaddr import address_for_peers, address_towards, require_ipv4
+from .netaddr import address_for_peers, address_towards, host_port, is_ipv6, unbracket
 from .rendezvous import RendezvousClient, RendezvousError, RendezvousServer, RendezvousTimeout, wait_for_ranks
 from .world import GPUCOMM_SECRET, World
 
@@ -135,7 +136,7 @@ STORE_RETRY_S = 0.25  # a rank retrying torchrun's store: often enough to start 
 def _unreadable(world: World, agent_store: bool, start_timeout: float, error: Exception) -> str:
     where = "rank 0's process" if not agent_store else "torchrun's agent"
     return (f"rank {world.rank} could not read the job's rendezvous from torchrun's store at "
-            f"{world.rendezvous_addr}:{world.rendezvous_port} ({error}). That store is served by {where}; likely "
+            f"{host_port(world.rendezvous_addr, world.rendezvous_port)} ({error}). That store is served by {where}; likely "
             f"causes: rank 0 failed or ended before this rank read it, or did not start within {start_timeout:g} s "
             f"(GPUCOMM_START_TIMEOUT). Rank 0's error, if it failed, is in {_RANK0_OUTPUT['torchrun']}.")
 
@@ -147,7 +148,7 @@ def _address_in_use(message: str) -> bool:
 
 
 def _port_taken(world: World, start_timeout: float) -> str:
-    where = f"{world.rendezvous_addr}:{world.rendezvous_port}"
+    where = f"{host_port(world.rendezvous_addr, world.rendezvous_port)}"
     return (f"rank 0 must serve torchrun's store at {where} (this torch's torchrun keeps no store of its own: "
             f"TORCHELASTIC_USE_AGENT_STORE is not true), and another process held port {world.rendezvous_port} "
             f"for the whole {start_timeout:g} s start timeout. Cause: this torchrun (torch < 2.4 with --standalone "
@@ -194,19 +195,27 @@ def bind_address(addr: str, all_local: bool, override: str | None = None) -> str
     """Where rank 0's store listens: the address the ranks are told (``addr``), resolved on this
     host. A loopback address (or, when every rank runs on this host, a name resolving to one) is
     bound as such; any other must be an address of this host. ``override`` (GPUCOMM_RENDEZVOUS_BIND)
-    wins, ``0.0.0.0`` included. Raises ``GpucommError`` when ``addr`` cannot be bound here."""
+    wins, ``0.0.0.0`` and ``::`` included. An IPv4 address of a name is preferred to its IPv6 one, as
+    ``address_towards`` prefers it. Raises ``GpucommError`` when ``addr`` cannot be bound here."""
     if override:
         return override
     try:
-        ip = socket.gethostbyname(addr)
-    except OSError as e:
+        infos = sorted(socket.getaddrinfo(unbracket(addr), None, type=socket.SOCK_STREAM),
+                       key=lambda info: info[0] != socket.AF_INET)
+        ip = infos[0][4][0].split("%", 1)[0]
+    except (OSError, UnicodeError, IndexError) as e:
         raise GpucommError(f"rank 0 cannot resolve the rendezvous address {addr!r} ({e}), so it cannot serve the "
                            f"store on it. Set GPUCOMM_RENDEZVOUS_ADDR to an address of rank 0's host that every "
                            f"rank can reach.") from None
-    if ip.startswith("127."):
+    if is_ipv6(ip) and ipaddress.ip_address(ip).is_link_local:
+        raise GpucommError(f"the rendezvous address {addr!r} is IPv6 link-local ({ip}): it is only meaningful together "
+                           f"with an interface name, which differs between hosts, so rank 0 does not serve the "
+                           f"store there. Set GPUCOMM_RENDEZVOUS_ADDR to a global (or unique-local, fd00::/8) "
+                           f"address of rank 0's host.")
+    if ipaddress.ip_address(ip).is_loopback:
         if all_local:
             return ip
-        if addr == ip or addr == "localhost":
+        if unbracket(addr) == ip or addr == "localhost":
             raise GpucommError(
                 f"the rendezvous address is {addr!r}, a loopback address, but this job has ranks on other hosts: "
                 f"there it names their own host, so they would wait for a store that is not there until "
@@ -219,9 +228,9 @@ def bind_address(addr: str, all_local: bool, override: str | None = None) -> str
             f"on other hosts, which reach rank 0 under an address this host does not know; rank 0 serves the store "
             f"only on the address it is told. Likely cause: /etc/hosts maps this host's name to 127.0.1.1 "
             f"(Debian's default). Fix: set GPUCOMM_RENDEZVOUS_ADDR to rank 0's IP address on the network the ranks "
-            f"share, or {BIND_VAR}=0.0.0.0 to listen on every interface.")
+            f"share, or {BIND_VAR}=:: to listen on every interface (0.0.0.0: every IPv4 one).")
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        with socket.socket(socket.AF_INET6 if is_ipv6(ip) else socket.AF_INET, socket.SOCK_STREAM) as probe:
             probe.bind((ip, 0))
     except OSError as e:
         raise GpucommError(
@@ -229,7 +238,7 @@ def bind_address(addr: str, all_local: bool, override: str | None = None) -> str
             f"store only on the address the ranks are told. Likely causes: rank 0 was placed on another host than "
             f"GPUCOMM_RENDEZVOUS_ADDR names, or the address is translated (NAT, a container or service address). "
             f"Fix: point GPUCOMM_RENDEZVOUS_ADDR at rank 0's host, or set {BIND_VAR} to the local address to listen "
-            f"on (0.0.0.0: every interface).") from None
+            f"on (:: or 0.0.0.0: every interface).") from None
     return ip
 
 
@@ -239,7 +248,7 @@ def check_secret(world: World, require: bool) -> None:
     global _warned_derived
     if world.secret_source != "derived":
         return
-    where = f"{world.rendezvous_addr}:{world.rendezvous_port}"
+    where = f"{host_port(world.rendezvous_addr, world.rendezvous_port)}"
     if require:
         raise GpucommError(
             f"{REQUIRE_SECRET_VAR}=1 but {GPUCOMM_SECRET} is not set: this {world.launcher} job's store at {where} "
@@ -280,9 +289,6 @@ def open_store(world: World, gen: int, start_timeout: float, timeout: float, *, 
         return server, RendezvousClient("127.0.0.1", server.port, secret, connect_timeout=start_timeout, timeout=timeout,
                                         dead_peer_after=dead_peer_after)
     check_secret(world, require_secret)
-    if world.size > 1 and world.rendezvous_addr:  # every rank, at once: not rank 0 alone, with the others waiting
-        require_ipv4(world.rendezvous_addr, "the rendezvous address" if not world.port_via_torch_store
-                     else "torchrun's MASTER_ADDR (where rank 0's host is reached)")
     if world.port_via_torch_store:
         server, host, port, secret = torch_store_rendezvous(world, gen, start_timeout)
     else:
@@ -302,10 +308,15 @@ def open_store(world: World, gen: int, start_timeout: float, timeout: float, *, 
                 same = (f" This {world.launcher} launch gave no job id, so every job launched so on this host "
                         f"derives this port: set GPUCOMM_RUN_ID to a value of its own for each job.") \
                     if not world.run_id else ""
+                if e.errno != errno.EADDRINUSE:
+                    raise GpucommError(
+                        f"rank 0 could not serve the rendezvous store on {host_port(listen, port)}: {e}. Set "
+                        f"{BIND_VAR} to an address of this host to listen on (::, every interface), or "
+                        f"GPUCOMM_RENDEZVOUS_ADDR to one the other ranks reach it on.") from e
                 raise GpucommError(
-                    f"rank 0 could not serve the rendezvous store on {listen}:{port}: {e}. Another process holds the "
-                    f"port (perhaps an earlier job still running); set GPUCOMM_RENDEZVOUS_PORT to a free port on "
-                    f"every rank.{same}") from e
+                    f"rank 0 could not serve the rendezvous store on {host_port(listen, port)}: {e}. Another process "
+                    f"holds the port (perhaps an earlier job still running); set GPUCOMM_RENDEZVOUS_PORT to a free "
+                    f"port on every rank.{same}") from e
     if server is not None and prefix:
         server.put(_store_marker(prefix), b"1")
     try:
@@ -372,7 +383,7 @@ def _this_generations_store(host: str, port: int, secret: bytes, prefix: str, st
             client.close()
             if time.monotonic() >= deadline:
                 raise RendezvousTimeout(
-                    f"the rendezvous store at {host}:{port} did not become this init's store within "
+                    f"the rendezvous store at {host_port(host, port)} did not become this init's store within "
                     f"{start_timeout:.0f} s: a store answers there, but rank 0 never started this init's. Likely "
                     f"causes: rank 0 failed or has not called init() again; another job with the same secret "
                     f"serves that port. Raise GPUCOMM_START_TIMEOUT if rank 0 only starts slowly.",
@@ -410,7 +421,7 @@ def duplicate_claim(rank: int, holder: tuple[str, object] | None, claimant: tupl
     """The error for a second process claiming ``rank``: names the rank and both (host, pid);
     ``how`` says where the second claim was made ("arriving at the rendezvous store")."""
     first = f"host {holder[0]} pid {holder[1]}" if holder is not None else "the process connected first"
-    where = f" from {peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else ""
+    where = f" from {host_port(peer[0], peer[1])}" if isinstance(peer, tuple) and len(peer) >= 2 else ""
     return (f"two processes claim rank {rank} of this job: {first} holds it, and host {claimant[0]} pid "
             f"{claimant[1]}{where} claimed it too, {how}. Each rank must be one process. Likely causes: the "
             f"launcher (or a wrapper, or a retry that did not stop the first attempt) started that rank twice, or "

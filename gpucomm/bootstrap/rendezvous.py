@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from ..settings import DEFAULT_LIVENESS_S
 from .keepalive import bound_dead_peer
+from .netaddr import host_port, unbracket
 from .framing import (DENY, HELLO_BYTES, MAGIC, VERSION, FrameError, FramedChannel, decode_fields, encode_fields,
                       recv_exact)
 from ..errors import RendezvousError, RendezvousAuthError, RendezvousRefused, RendezvousTimeout, RendezvousUnreachable
@@ -48,7 +49,7 @@ class RendezvousClient:
                  dead_peer_after: float | None = DEFAULT_LIVENESS_S):
         if not secret:
             raise ValueError("RendezvousClient needs a non-empty job secret")
-        self.host, self.port = host, port
+        self.host, self.port = unbracket(host), port  # (an IPv6 address may come written as in a URL)
         self.timeout = timeout
         self._secret, self._max_frame = secret, max_frame
         self._connect_timeout = connect_timeout
@@ -76,7 +77,7 @@ class RendezvousClient:
                 if hello[:4] != MAGIC or hello[4] != VERSION:
                     sock.close()
                     raise RendezvousError(
-                        f"{self.host}:{self.port} is not a gpucomm rendezvous store (version {VERSION}): it answered "
+                        f"{host_port(self.host, self.port)} is not a gpucomm rendezvous store (version {VERSION}): it answered "
                         f"{hello[:5]!r}. Another service holds that port; choose another GPUCOMM_RENDEZVOUS_PORT.")
                 chan = FramedChannel(sock, self._secret, hello[5:], b"C", self._max_frame)
                 chan.send(encode_fields(OP_PING, []))  # authenticate now: the store closes silent connections
@@ -90,14 +91,14 @@ class RendezvousClient:
                 if e.kind == "deny":
                     sock.close()
                     raise RendezvousAuthError(
-                        f"the rendezvous store at {self.host}:{self.port} rejected this process's frames: its job "
+                        f"the rendezvous store at {host_port(self.host, self.port)} rejected this process's frames: its job "
                         f"secret differs from ours. Every rank of one job must share GPUCOMM_SECRET (gpucomm-run sets "
                         f"it); a process from another job may be using the same address and port.") from None
                 last_error = e
             except ConnectionRefusedError as e:
                 if self._connected_once:  # it was up, and nothing listens there now: it is gone
                     raise RendezvousError(
-                        f"the gpucomm rendezvous store at {self.host}:{self.port} stopped listening ({e}): the "
+                        f"the gpucomm rendezvous store at {host_port(self.host, self.port)} stopped listening ({e}): the "
                         f"process serving it (rank 0, or the launcher) has exited or failed. Its own output says "
                         f"why.") from None
                 last_error = e
@@ -105,7 +106,7 @@ class RendezvousClient:
                 last_error = e
             if time.monotonic() + delay > deadline:
                 raise RendezvousUnreachable(
-                    f"could not reach the gpucomm rendezvous store at {self.host}:{self.port} within "
+                    f"could not reach the gpucomm rendezvous store at {host_port(self.host, self.port)} within "
                     f"{self._connect_timeout:.0f} s (last error: {last_error}). Rank 0 (or the launcher) serves it. "
                     f"Likely causes: rank 0 has not started, failed at start (for example on a setting it refused) "
                     f"or has died, and its own output says why; the address is not reachable from this "
@@ -119,7 +120,7 @@ class RendezvousClient:
     def _acquire(self) -> FramedChannel:
         with self._lock:
             if self._gone is not None:
-                raise RendezvousError(f"the rendezvous store at {self.host}:{self.port} is gone: {self._gone}")
+                raise RendezvousError(f"the rendezvous store at {host_port(self.host, self.port)} is gone: {self._gone}")
             if self._closed:
                 raise RendezvousError("the rendezvous client is closed (gpucomm was shut down)")
             chan = self._idle.pop() if self._idle else None
@@ -191,14 +192,14 @@ class RendezvousClient:
             self._release(chan, broken=True)
             if e.kind == "deny":
                 raise RendezvousAuthError(
-                    f"the rendezvous store at {self.host}:{self.port} rejected this process's frames: its job secret "
+                    f"the rendezvous store at {host_port(self.host, self.port)} rejected this process's frames: its job secret "
                     f"differs from ours. Every rank of one job must share GPUCOMM_SECRET (gpucomm-run sets it); a "
                     f"process from another job may be using the same address and port.") from None
-            raise RendezvousError(f"rendezvous store at {self.host}:{self.port} broke the connection: {e}. "
+            raise RendezvousError(f"rendezvous store at {host_port(self.host, self.port)} broke the connection: {e}. "
                                   f"{self._lost_why()}") from None
         except OSError as e:
             self._release(chan, broken=True)
-            raise RendezvousError(f"rendezvous store at {self.host}:{self.port} failed: {e}. "
+            raise RendezvousError(f"rendezvous store at {host_port(self.host, self.port)} failed: {e}. "
                                   f"{self._lost_why(e)}") from None
         self._release(chan)
         if status == ST_REFUSED:
@@ -277,7 +278,7 @@ def wait_for_ranks(client: RendezvousClient, prefix: str, ranks: Iterable[int], 
         raise RendezvousTimeout(
             f"ranks {missing} never arrived at {what} within {timeout:.0f} s. Likely causes: those processes "
             f"were not started, crashed before reaching this point, or cannot reach the rendezvous store at "
-            f"{client.host}:{client.port}; or the job size is wrong. Check their logs (gpucomm-run prefixes "
+            f"{host_port(client.host, client.port)}; or the job size is wrong. Check their logs (gpucomm-run prefixes "
             f"each line with its rank) and raise GPUCOMM_START_TIMEOUT if they only start slowly.",
             e.missing) from None
 

@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 
 from ..settings import DEFAULT_LIVENESS_S, STORE_MAX_BYTES
 from .keepalive import bound_dead_peer
+from .netaddr import listening_socket
 from .framing import (DENY, MAC_BYTES, MAGIC, NONCE_BYTES, VERSION, FrameError, FramedChannel, decode_fields,
                       encode_fields)
 from ..errors import RendezvousRefused
@@ -181,7 +182,7 @@ class RendezvousServer:
     """Serves the store on ``host:port`` (port 0 picks a free one) from daemon threads. ``max_bytes``
     caps what ranks may store and what may be in flight at once (default: ``max_store_bytes()``);
     no frame is larger than ``min(max_frame, max_bytes)``. ``host`` is where it listens: pass the
-    address the ranks are told (``0.0.0.0`` listens on every interface). ``dead_peer_after``: a
+    address the ranks are told (``::`` listens on every interface, ``0.0.0.0`` on every IPv4 one). ``dead_peer_after``: a
     connection whose peer's host acknowledged nothing for that long is dropped (``keepalive.py``),
     so a rank on a host that fell off the network does not hold a thread here for ~15 minutes."""
 
@@ -193,7 +194,7 @@ class RendezvousServer:
         self._secret, self._max_frame = secret, min(max_frame, max_bytes)
         self._table = _Table(max_bytes)
         self._inflight = _Budget(max_bytes)
-        self._sock = socket.create_server((host, port), reuse_port=False, backlog=1024)
+        self._sock = listening_socket(host, port, backlog=1024)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.host, self.port = host, self._sock.getsockname()[1]
         self._conns: set[socket.socket] = set()  # authenticated

@@ -21,6 +21,7 @@ from ..errors import WorldError
 from .launch_env import (GPUCOMM_HOSTNAME, GPUCOMM_RENDEZVOUS_ADDR, GPUCOMM_RENDEZVOUS_HOSTED, GPUCOMM_RENDEZVOUS_PORT,
                          GPUCOMM_RUN_ID, GPUCOMM_SECRET, HOROVOD_HOSTNAME, OMPI_RANK, OMPI_SIZE, PMI_RANK, PMI_SIZE,
                          hydra_job_id, mpi_launcher)
+from .netaddr import unbracket
 from .placement import Placement
 
 __all__ = [
@@ -273,6 +274,7 @@ def _missing_addr(c: Placement, v: LauncherVars, what: str, how: str) -> WorldEr
 def _make_world(c: Placement, launcher: str, host: str, addr: str | None, port: int | None,
            env: Mapping[str, str], secret: bytes | None, source: str, run_id: str,
            via_store: bool = False) -> World:
+    addr = unbracket(addr) if addr is not None else None  # (an IPv6 address may come written as in a URL)
     return World(replace(c, host=host), launcher, addr, port, _flag(env, GPUCOMM_RENDEZVOUS_HOSTED),
                  via_store, secret, source, run_id)
 

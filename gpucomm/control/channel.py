@@ -23,6 +23,7 @@ from typing import Callable, Mapping
 
 from ..bootstrap.framing import HELLO_BYTES, MAGIC, NONCE_BYTES, VERSION, FrameError, FramedChannel as Channel, recv_exact
 from ..bootstrap.arrival import duplicate_claim
+from ..bootstrap.netaddr import host_port, listening_socket
 from ..counters import COUNTERS
 from ..dataplane.activity import BACKWARDS, backward_running
 from ..errors import ControlError
@@ -157,7 +158,7 @@ class ControlListener:
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1") -> None:
         self._secret = secret
-        self._sock = socket.create_server((host, 0), backlog=1024)
+        self._sock = listening_socket(host, 0, backlog=1024)
         self.port = self._sock.getsockname()[1]
         self._closed = False
         self._watcher: threading.Thread | None = None
@@ -292,7 +293,7 @@ def connect(host: str, port: int, secret: bytes, rank: int, timeout: float, *, m
             hello = recv_exact(sock, HELLO_BYTES)
             if hello[:4] != MAGIC or hello[4] != VERSION:
                 sock.close()
-                raise ControlError(f"{host}:{port} is not a gpucomm coordinator (it answered {hello[:5]!r}).")
+                raise ControlError(f"{host_port(host, port)} is not a gpucomm coordinator (it answered {hello[:5]!r}).")
             sock.settimeout(BODY_TIMEOUT)  # frames are read once select says they are arriving
             chan = Channel(sock, secret, hello[5:], b"C", MAX_CONTROL_FRAME)
             chan.send(pickle.dumps(identity))
@@ -301,7 +302,7 @@ def connect(host: str, port: int, secret: bytes, rank: int, timeout: float, *, m
             last = e
         time.sleep(delay)
         delay = min(delay * 2, 0.5)
-    raise ControlError(f"rank {rank} could not connect to rank 0's coordinator at {host}:{port} within "
+    raise ControlError(f"rank {rank} could not connect to rank 0's coordinator at {host_port(host, port)} within "
                        f"{timeout:.0f} s (last error: {last}). Rank 0 may have failed during init, or this host cannot "
                        f"reach it on that address (set GPUCOMM_GLOO_IFACE to the interface to use).")
 

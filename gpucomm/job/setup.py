@@ -16,7 +16,8 @@ from ..backends.local import SelfBackend
 from ..backends.mpi import mpi_world
 from ..bootstrap import devices
 from ..bootstrap.arrival import arrive, claim_arrival, conflict_key, cross_placement, open_store, watch_conflicts
-from ..bootstrap.netaddr import DEFAULT_ROUTE_PROBE, InterfaceError, address_for_peers, interface_address, interface_of
+from ..bootstrap.netaddr import (DEFAULT_ROUTE_PROBE, InterfaceError, address_for_peers, host_port, interface_address,
+                                 interface_of)
 from ..bootstrap.rendezvous import RendezvousClient, RendezvousError, wait_for_ranks
 from ..bootstrap.world import World, detect_world
 from ..control.channel import ControlListener, connect as connect_control
@@ -62,7 +63,7 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None,
     server, client = open_store(world, generation, start_timeout, timeout, prefix=prefix, record=record,
                                 require_secret=REQUIRE_SECRET.read(env, False), bind=RENDEZVOUS_BIND.read(env),
                                 dead_peer_after=control.liveness_timeout)
-    steps.done(f"rendezvous store at {client.host}:{client.port} reached (launcher: {world.launcher})")
+    steps.done(f"rendezvous store at {host_port(client.host, client.port)} reached (launcher: {world.launcher})")
     # a replaced round stops the waits
     interrupt = round_interrupt(client, world.run_id, elastic_round) if elastic_round else None
     listener = None
@@ -158,7 +159,7 @@ def _fail_on_second_claims(job: Job, listener: ControlListener) -> None:
 def _store_lost(job: Job, error: str) -> str:
     """The job's error when rank 0 lost the store its launcher serves: the launcher then follows the
     job no more (its output, its failures, its next elastic round), so the job must not go on."""
-    return (f"rank 0 lost the job's rendezvous store at {job.client.host}:{job.client.port}, which the launcher "
+    return (f"rank 0 lost the job's rendezvous store at {host_port(job.client.host, job.client.port)}, which the launcher "
             f"serves on that host: {error} Without it the launcher cannot follow the job (its output, its failures), "
             f"so the job ends on every rank. Likely causes: the launcher's host lost the network (a cut link, a "
             f"partition) or went down, or the launcher was killed. GPUCOMM_LIVENESS_TIMEOUT bounds how long an "
@@ -185,7 +186,7 @@ def _pin_gpu(client: RendezvousClient, server, prefix: str, world: World, record
 
 def _check_gloo_iface(env: Mapping[str, str], client: RendezvousClient, server, prefix: str, world: World,
                       record: dict, start_timeout: float, choice: CpuOperations | None, *, elastic: bool) -> None:
-    """The interface GPUCOMM_GLOO_IFACE names must exist here, with an IPv4 address, where Gloo will use it.
+    """The interface GPUCOMM_GLOO_IFACE names must exist here, with an address other hosts reach, where Gloo uses it.
     Interface names can differ between hosts (eth0 here, ens5 there): a rank that lacks it is published as
     failed at arrival, so every rank fails at once naming it. Before, it failed in Gloo alone, and the others
     waited out GPUCOMM_TIMEOUT for its Gloo keys ('1 of 1 keys were not set ... /gloo/0/0'). Under MPI no

@@ -11,7 +11,7 @@ from typing import Sequence
 import ray
 
 from ..bootstrap.launch_env import rendezvous_env
-from ..bootstrap.netaddr import interface_ipv4
+from ..bootstrap.netaddr import interface_ip
 from ..bootstrap.placement import Placement
 from ..bootstrap.rendezvous import RendezvousClient, RendezvousServer
 from ..runner.worker_env import job_env
@@ -20,10 +20,10 @@ from ..runner.worker_env import job_env
 def store_address(nics: Sequence[str] | None) -> str:
     """Where the store listens and the workers reach it."""
     if nics:
-        address = interface_ipv4(nics[0])
+        address = interface_ip(nics[0])
         if address is None:
             raise ValueError(f"gpucomm.ray: the network interface {nics[0]!r} (the first of nics) has no IPv4 "
-                             f"address on the driver's host, so the workers could not reach the job's store "
+                             f"or global IPv6 address on the driver's host, so the workers could not reach the job's store "
                              f"through it. Name an interface that exists on every node, or leave nics out.")
         return address
     return ray.util.get_node_ip_address()

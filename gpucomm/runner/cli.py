@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import GpucommError
 from ..failures import read_failures
-from ..bootstrap.netaddr import InterfaceError, address_towards, interface_address, require_ipv4
+from ..bootstrap.netaddr import WILDCARD, InterfaceError, address_towards, host_port, interface_address
 from ..bootstrap.rendezvous import RendezvousServer
 from ..settings import GLOO_IFACE, START_TIMEOUT, SettingError, liveness_seconds, settings_problems
 from .check_build import check_build_report
@@ -121,7 +121,8 @@ def omp_threads(env: dict[str, str], slots: Sequence, remote_hosts: Sequence[str
 
 
 def nic_address(nic: str) -> str:
-    """The IPv4 address of the chosen network interface, or ``SystemExit`` naming the ones that exist."""
+    """The address of the chosen network interface (IPv4, else global IPv6), or ``SystemExit`` naming the
+    ones that exist."""
     try:
         return interface_address(nic, "--network-interface, or GPUCOMM_GLOO_IFACE / HOROVOD_GLOO_IFACE")
     except InterfaceError as e:
@@ -190,11 +191,9 @@ def store_address(args: argparse.Namespace, tunables: dict[str, str], hosts: Seq
     if nic:
         return nic_address(nic)
     try:
-        for host in remote_hosts:
-            require_ipv4(split_user(host)[1], "the host")
         if remote_hosts:
             return address_towards(split_user(remote_hosts[0])[1].strip("[]"))
-    except GpucommError as e:  # an IPv6 host, or no route towards it: said before any rank starts
+    except GpucommError as e:  # no route towards it: said before any rank starts
         raise SystemExit(f"gpucomm-run: {e}") from None
     return "127.0.0.1"
 
@@ -248,7 +247,7 @@ def run_fixed_job(args: argparse.Namespace, slots: list, command: list[str], env
         if publish is not None:
             publish(server, run_id)
         if args.verbose:
-            sink.say(f"job {run_id}: {args.np} rank(s); rendezvous store at {addr}:{server.port}")
+            sink.say(f"job {run_id}: {args.np} rank(s); rendezvous store at {host_port(addr, server.port)}")
             for s in slots:
                 sink.say(f"  rank {s.rank}: host {s.host} local {s.local_rank}/{s.local_size} "
                          f"cross {s.cross_rank}/{s.cross_size}" + (" (ssh)" if s.host in remote_hosts else ""))
@@ -289,7 +288,7 @@ def run_elastic(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     tunables = tunables_env(args, env)
     secret, run_id = secrets.token_bytes(32), secrets.token_hex(8)
     nic = chosen_nic(tunables, env)
-    addr = nic_address(nic) if nic else "0.0.0.0"
+    addr = nic_address(nic) if nic else WILDCARD  # (every interface: hosts may be reached over IPv4 or IPv6)
     sink = OutputSink(1, args.output_filename, timestamps=args.prefix_output_with_timestamp)
     with RendezvousServer(secret, addr, 0) as server:
         def store_address(host: str) -> str:  # loopback here; towards the launcher from other hosts
@@ -297,7 +296,6 @@ def run_elastic(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                 return addr
             if is_local(host):
                 return "127.0.0.1"
-            require_ipv4(split_user(host)[1], "the host")
             return address_towards(split_user(host)[1].strip("[]"))
 
         driver = ElasticDriver(discovery, limits, list(args.command), env, tunables, server,

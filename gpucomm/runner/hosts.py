@@ -29,7 +29,7 @@ _HOST = re.compile(r"^[A-Za-z0-9_.\-@\[\]:]+$")
 def _check_host(host: str, where: str) -> str:
     if not host or not _HOST.match(host):
         raise HostSpecError(f"{where}: {host!r} is not a host name or address. Use names such as "
-                            f"node1, node1.example.com, user@node1 or 10.0.0.1.")
+                            f"node1, node1.example.com, user@node1, 10.0.0.1 or [fd00::1].")
     return host
 
 

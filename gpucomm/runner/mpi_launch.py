@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
 from ..bootstrap.launch_env import rendezvous_env
+from ..bootstrap.netaddr import host_port, is_ipv6
 from ..bootstrap.placement import PLACEMENT_VARS
 from ..bootstrap.rendezvous import RendezvousServer
 from ..errors import MpiLaunchError
@@ -128,6 +129,9 @@ def host_list(rank_hosts: Sequence[str]) -> str:
         if "@" in host:
             raise MpiLaunchError(f"host {host!r}: MPI launchers take no user@host; set the user in ~/.ssh/config "
                                  f"(Host/User) and name the host alone.")
+        if is_ipv6(host):  # Open MPI reads host:slots up to the first ':' ("illegal character ... node: [")
+            raise MpiLaunchError(f"host {host!r}: MPI launchers take no IPv6 address in a host list; name the host "
+                                 f"by a name that resolves to it (/etc/hosts, DNS AAAA record).")
     return ",".join(f"{h}:{n}" for h, n in counts.items())
 
 
@@ -265,6 +269,13 @@ def run_mpi_job(rank_hosts: Sequence[str], command: Sequence[str], env: Mapping[
     (SIGTERM, then SIGKILL after ``grace``). ``publish(server, run_id)`` runs before the launcher
     starts (``gpucomm.run`` puts its function there); ``collect`` after every rank has ended."""
     launcher = find_launcher(env)
+    if launcher.flavor == "mpich" and is_ipv6(store_addr):
+        raise MpiLaunchError(
+            f"the hosts reach this one over IPv6 only (this host is {store_addr} to them), "
+            f"and MPICH's Hydra launcher ({launcher.path}) is IPv4 only: its proxies on the other hosts look up "
+            f"this host's name for an IPv4 address and stop ('unable to get host address'). Fix: launch through "
+            f"Open MPI's mpirun (GPUCOMM_MPIEXEC=/path/to/mpirun), or without --mpi (gpucomm-run's own launcher "
+            f"and Gloo take IPv6), or give the hosts IPv4 addresses.")
     size = len(rank_hosts)
     iface = binding_interface(rank_hosts, nic)
     secret, run_id = secrets.token_bytes(32), secrets.token_hex(8)
@@ -281,7 +292,7 @@ def run_mpi_job(rank_hosts: Sequence[str], command: Sequence[str], env: Mapping[
                              rank_env, iface, shlex.split(mpi_args))
         if verbose:
             sink.say(f"job {run_id}: {size} rank(s) through {launcher.flavor} ({launcher.version}); rendezvous "
-                     f"store at {store_addr}:{server.port}; MPI's sockets on {iface or 'the interfaces MPI picks'}")
+                     f"store at {host_port(store_addr, server.port)}; MPI's sockets on {iface or 'the interfaces MPI picks'}")
             sink.say("launcher command: " + shlex.join(argv))
         proctree.become_subreaper()
         previous = proctree.install_stop_handlers(lambda signum, _frame: stop.append(signum))

@@ -121,7 +121,7 @@ def open_channels(env: dict[str, str]) -> tuple[dict[str, tuple[socket.socket, b
     except OSError as e:
         for sock, _ in opened.values():
             sock.close()
-        return {}, f"cannot reach gpucomm-run's rank channel at {addr}:{port} ({e})"
+        return {}, f"cannot reach gpucomm-run's rank channel at {f'[{addr}]' if ':' in addr else addr}:{port} ({e})"
     return opened, None
 
 

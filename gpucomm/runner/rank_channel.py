@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from ..bootstrap.netaddr import listening_socket
 from .mpi_rank import ACCEPTED, LINE_MAX_BYTES, MAGIC, NONCE_BYTES, STREAMS, VERSION, hello_mac, status_mac
 from .output import OutputSink
 from .supervisor import describe_exit
@@ -147,7 +148,7 @@ class OutputServer:
         self._claimed: set[tuple[int, str]] = set()
         self._pending: dict[socket.socket, float] = {}  # accept order: the oldest first
         self._lock = threading.Lock()
-        self._listener = socket.create_server((addr, 0), backlog=128)
+        self._listener = listening_socket(addr, 0, backlog=128)
         self.port = self._listener.getsockname()[1]
         self._thread = threading.Thread(target=self._accept, name="mpi-output", daemon=True)
         self._thread.start()

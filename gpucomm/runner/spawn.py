@@ -63,7 +63,15 @@ def ssh_argv(host: str, opts: SshOptions) -> list[str]:
     package_root = str(Path(__file__).resolve().parents[2])  # so the wrapper imports this very gpucomm
     remote = (f"exec env PYTHONPATH={shlex.quote(package_root)} {shlex.quote(opts.python)} "
               f"-m gpucomm.runner.remote")
-    return argv + [host, remote]
+    return argv + [ssh_destination(host), remote]
+
+
+def ssh_destination(host: str) -> str:
+    """``host`` as ssh takes it: an IPv6 address without the brackets a host list writes it in
+    (``user@[fd00::2]`` → ``user@fd00::2``; ssh reads brackets as part of the name)."""
+    user, name = split_user(host)
+    name = name[1:-1] if name.startswith("[") and name.endswith("]") else name
+    return f"{user}@{name}" if user is not None else name
 
 
 def launch_for(slot: Placement, command: list[str], base_env: Mapping[str, str], job_env: Mapping[str, str], *, cwd: str,
@@ -102,4 +110,4 @@ def build_launches(slots: list[Placement], command: list[str], base_env: Mapping
     return launches
 
 
-__all__ = ["SshOptions", "StoreAddress", "build_launches", "is_local", "launch_for", "split_user", "ssh_argv"]
+__all__ = ["SshOptions", "StoreAddress", "build_launches", "is_local", "launch_for", "split_user", "ssh_argv", "ssh_destination"]

@@ -280,7 +280,7 @@ class Supervisor:
         if self._ranks[rank].launch.remote and code == SSH_UNREACHABLE:
             lines.append(f"exit code 255 is ssh's own: it could not reach or log in to {slot.host}, or it lost the "
                          f"connection (no answer from {slot.host} for {SERVER_ALIVE_S * SERVER_ALIVE_COUNT} s or more: "
-                         f"a cut link, a partition, a host that went down). Check that `ssh {slot.host} true` works "
+                         f"a cut link, a partition, a host that went down). Check that `ssh {slot.host.replace('[', '').replace(']', '')} true` works "
                          f"without a password prompt (key in ~/.ssh, -i, -p) and that the host is up.")
         proc = self._ranks[rank].proc
         own = proc.returncode if proc is not None else None
