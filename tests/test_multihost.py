@@ -27,7 +27,7 @@ from gpucomm.runner.cli import chosen_nic, remote_silence
 from gpucomm.runner.remote import BEAT_S, SERVER_ALIVE_COUNT, SERVER_ALIVE_S, encode_request
 from gpucomm.runner.spawn import SshOptions, is_local, ssh_argv
 from gpucomm.settings import DEFAULT_LIVENESS_S, liveness_seconds
-from tests.cluster import CLUSTER_NET6, Cluster, admin, cluster, require_netns
+from tests.cluster import CLUSTER_NET6, SSH_OPTIONS, Cluster, admin, cluster, require_netns
 from tests.harness import PYTHON, free_port, launcher_cmd, run, run_rank_scripts, started
 from tests.ranks import netfault_job, partition_job
 
@@ -419,6 +419,55 @@ def torchrun_on_two_hosts(c: Cluster, rdzv_id: str) -> tuple[dict[int, dict], li
     seen = sockets(out)
     assert sorted(seen) == [0, 1], out[-4000:]
     return seen, left
+
+
+# ------------------------------------------------------------------------------------------ ssh aliases
+
+
+@netns
+def test_a_host_named_by_an_ssh_config_alias_reaches_the_store(hosts_allowed):
+    """-H names a host by its ~/.ssh/config alias (Host peer1 / HostName 10.213.0.3), a name only ssh knows, on
+    hosts whose own names resolve to 127.0.1.1. Before, gpucomm-run found no route towards 'peer1', fell back
+    to its own name's address and served the store on 127.0.1.1: the rank on peer1 waited out the start timeout
+    ('could not reach the gpucomm rendezvous store at 127.0.1.1'). Now the route is looked up towards the
+    HostName ssh gives the alias (``ssh -G``). A name that neither resolves nor is an alias is refused at once."""
+    with cluster(2, loopback_names=True) as c:
+        config = c.tmp / "ssh_config"
+        config.write_text(f"Host peer1\n    HostName {c.hosts[1].address}\n")
+        flags = ["-i", c.key, "--ssh-args", " ".join([*SSH_OPTIONS, "-F", str(config)])]
+        env = {"NETFAULT_SECONDS": "1", "GPUCOMM_START_TIMEOUT": "30"}
+        r = c.run(c.hosts[0], launcher_cmd("-np", "2", "-H", "node0:1,peer1:1", "--verbose", *flags, PYTHON, NETFAULT),
+                  env=env, timeout=120)
+        unknown = c.run(c.hosts[0], launcher_cmd("-np", "2", "-H", "node0:1,nosuchhost:1", "--verbose", *flags, PYTHON,
+                                                 NETFAULT),
+                        env=env, timeout=60)
+        left = c.leftovers()
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "rendezvous store at 10.213.0.2:" in r.stderr, r.stderr[-3000:]
+    on_host = {rank: line.split(" on ")[1].split(":")[0] for rank, line in placed(r.stdout).items()}
+    assert on_host == {0: "node0", 1: "peer1"}, r.stdout[-3000:]  # (the name the host list gives it)
+    assert unknown.returncode != 0 and "Traceback" not in unknown.stderr, unknown.stderr[-3000:]
+    assert ("gpucomm-run: this host's address towards 'nosuchhost' is 127.0.1.1, a loopback address, which the ranks "
+            "there cannot reach: 'nosuchhost' does not resolve here (nor does ssh's configuration give it a HostName)"
+            in unknown.stderr), unknown.stderr[-3000:]
+    assert "started rank" not in unknown.stderr, unknown.stderr[-3000:]  # (refused before any rank starts)
+    assert left == []
+
+
+def test_ssh_hostname_reads_an_alias_from_ssh_configuration(tmp_path):
+    """``ssh -G`` gives an alias's HostName without connecting; a name that resolves is kept as it is."""
+    from gpucomm.runner.spawn import ssh_hostname
+
+    if shutil.which("ssh") is None:
+        pytest.skip("OpenSSH's client is not installed")
+    config = tmp_path / "ssh_config"
+    config.write_text("Host gpu-alias\n    HostName 192.0.2.44\n    User someone\n")
+    opts = SshOptions(extra_args=("-F", str(config)))
+    assert ssh_hostname("gpu-alias", opts) == "192.0.2.44"
+    assert ssh_hostname("someone@gpu-alias", opts) == "192.0.2.44"
+    assert ssh_hostname("localhost", opts) == "localhost"
+    assert ssh_hostname("[::1]", opts) == "::1"
+    assert ssh_hostname("not-an-alias.invalid", opts) == "not-an-alias.invalid"  # (ssh's HostName is the name itself)
 
 
 # ------------------------------------------------------------------------------------------ IPv6

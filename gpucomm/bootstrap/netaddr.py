@@ -72,8 +72,9 @@ def is_ipv6(address: str) -> bool:
         return False
 
 
-def _is_loopback(address: str) -> bool:
-    return ipaddress.ip_address(_plain(address)).is_loopback
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` (an IP address, brackets and scope allowed) is a loopback one."""
+    return ipaddress.ip_address(_plain(unbracket(address))).is_loopback
 
 
 def address_towards(host: str, port: int = 9) -> str:
@@ -118,14 +119,14 @@ def address_for_peers(host: str, port: int = 9) -> str:
     machines cannot reach it). A loopback address given as such (``127.0.0.1``, ``::1``, ``localhost``: a
     launcher's choice for ranks of this machine) is kept."""
     mine = address_towards(host, port)
-    if not _is_loopback(mine) or _loopback_literal(host):
+    if not is_loopback(mine) or _loopback_literal(host):
         return mine
     for probe in (DEFAULT_ROUTE_PROBE, DEFAULT_ROUTE_PROBE6):
         try:
             other = address_towards(probe)
         except InterfaceError:  # no route, and this host's own name has no address
             continue
-        if not _is_loopback(other):
+        if not is_loopback(other):
             return other
     import psutil  # noqa: PLC0415
 
@@ -214,5 +215,5 @@ def resolves_here(name: str) -> bool:
 
 
 __all__ = ["DEFAULT_ROUTE_PROBE", "DEFAULT_ROUTE_PROBE6", "InterfaceError", "WILDCARD", "address_for_peers",
-           "address_towards", "host_port", "interface_address", "interface_ip", "interface_of", "is_ipv6",
+           "address_towards", "host_port", "interface_address", "interface_ip", "interface_of", "is_ipv6", "is_loopback",
            "listening_socket", "local_addresses", "resolves_here", "unbracket"]

@@ -13,12 +13,14 @@ import argparse
 import os
 import secrets
 import shlex
+import socket
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import GpucommError
 from ..failures import read_failures
-from ..bootstrap.netaddr import WILDCARD, InterfaceError, address_towards, host_port, interface_address
+from ..bootstrap.netaddr import (WILDCARD, InterfaceError, address_towards, host_port, interface_address, is_loopback,
+                                 resolves_here, unbracket)
 from ..bootstrap.rendezvous import RendezvousServer
 from ..settings import GLOO_IFACE, START_TIMEOUT, SettingError, liveness_seconds, settings_problems
 from .check_build import check_build_report
@@ -27,7 +29,7 @@ from .elastic_driver import ElasticDriver, make_limits
 from .hosts import HostSlots, HostSpecError, assign_slots, parse_hostfile, parse_hosts
 from .mpi_launch import MpiJobEnd, run_mpi_job
 from .output import OutputSink
-from .spawn import SshOptions, build_launches, is_local, split_user
+from .spawn import SshOptions, build_launches, is_local, split_user, ssh_hostname
 from .supervisor import Supervisor
 from .cli_parser import DEFAULT_START_TIMEOUT, build_parser
 
@@ -190,12 +192,36 @@ def store_address(args: argparse.Namespace, tunables: dict[str, str], hosts: Seq
     nic = chosen_nic(tunables, os.environ if env is None else env)
     if nic:
         return nic_address(nic)
+    if remote_hosts:
+        return address_for_host(args, remote_hosts[0])
+    return "127.0.0.1"
+
+
+def ssh_options(args: argparse.Namespace, connect_timeout: float = 30.0) -> SshOptions:
+    """The ssh options gpucomm-run's flags give (-p, -i, --ssh-args)."""
+    return SshOptions(args.ssh_port, args.ssh_identity_file, connect_timeout, args.remote_python,
+                      tuple(shlex.split(args.ssh_args)))
+
+
+def address_for_host(args: argparse.Namespace, host: str) -> str:
+    """This host's address on the route towards ``host`` of the host list (for a ~/.ssh/config alias, towards
+    the HostName ssh gives it). ``SystemExit`` where there is none, or where it is loopback while ``host`` is not
+    this machine: the ranks there could not reach the store, and would wait out the start timeout for it."""
+    name = ssh_hostname(host, ssh_options(args))
     try:
-        if remote_hosts:
-            return address_towards(split_user(remote_hosts[0])[1].strip("[]"))
+        addr = address_towards(name)
     except GpucommError as e:  # no route towards it: said before any rank starts
         raise SystemExit(f"gpucomm-run: {e}") from None
-    return "127.0.0.1"
+    if is_loopback(addr) and not resolves_here(name):
+        unresolved = name == unbracket(split_user(host)[1])
+        raise SystemExit(
+            f"gpucomm-run: this host's address towards {host!r} is {addr}, a loopback address, which the ranks there "
+            f"cannot reach: {host!r} " + ("does not resolve here (nor does ssh's configuration give it a HostName), "
+                                          if unresolved else f"is {name} to ssh, which has no route from here, ")
+            + f"so gpucomm-run fell back to this host's own name ({socket.gethostname()!r}), which resolves to "
+              f"loopback (Debian's /etc/hosts does this). Fix: --network-interface IF, naming the interface the hosts "
+              f"share; or make {host!r} resolve here (/etc/hosts, DNS).")
+    return addr
 
 
 def run_through_mpi(args: argparse.Namespace, parser: argparse.ArgumentParser, slots: list,
@@ -254,8 +280,7 @@ def run_fixed_job(args: argparse.Namespace, slots: list, command: list[str], env
         launches = build_launches(
             slots, command, env, tunables, rendezvous_addr=lambda host: addr, rendezvous_port=server.port,
             secret=secret, run_id=run_id, cwd=os.getcwd(),
-            ssh=SshOptions(args.ssh_port, args.ssh_identity_file, start_timeout, args.remote_python,
-                           tuple(shlex.split(args.ssh_args))),
+            ssh=ssh_options(args, start_timeout),
             grace=args.stop_grace, silence=remote_silence({**env, **tunables}))
         supervisor = Supervisor(launches, sink, grace=args.stop_grace, verbose=args.verbose,
                                 reported_failures=lambda: read_failures(server.snapshot(), run_id))
@@ -296,14 +321,12 @@ def run_elastic(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                 return addr
             if is_local(host):
                 return "127.0.0.1"
-            return address_towards(split_user(host)[1].strip("[]"))
+            return address_towards(ssh_hostname(host, ssh_options(args)))
 
         driver = ElasticDriver(discovery, limits, list(args.command), env, tunables, server,
                                rendezvous_addr=store_address,
                                secret=secret, run_id=run_id, sink=sink,
-                               ssh=SshOptions(args.ssh_port, args.ssh_identity_file,
-                                              float(tunables["GPUCOMM_START_TIMEOUT"]), args.remote_python,
-                                              tuple(shlex.split(args.ssh_args))),
+                               ssh=ssh_options(args, float(tunables["GPUCOMM_START_TIMEOUT"])),
                                grace=args.stop_grace, verbose=args.verbose)
         return driver.run()
 
@@ -313,5 +336,6 @@ def console_main() -> None:
     sys.exit(main())
 
 
-__all__ = ["build_parser", "chosen_nic", "console_main", "main", "nic_address", "omp_threads", "refused_settings",
-           "remote_silence", "run_fixed_job", "run_through_mpi", "store_address", "tunables_env"]
+__all__ = ["address_for_host", "build_parser", "chosen_nic", "console_main", "main", "nic_address", "omp_threads",
+           "refused_settings", "remote_silence", "run_fixed_job", "run_through_mpi", "ssh_options", "store_address",
+           "tunables_env"]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import shlex
 import socket
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
-from ..bootstrap.netaddr import resolves_here
+from ..bootstrap.netaddr import resolves_here, unbracket
 from ..bootstrap.placement import Placement
 from .remote import SERVER_ALIVE_COUNT, SERVER_ALIVE_S, encode_request
 from .supervisor import Launch
@@ -66,6 +67,34 @@ def ssh_argv(host: str, opts: SshOptions) -> list[str]:
     return argv + [ssh_destination(host), remote]
 
 
+SSH_CONFIG_SECONDS = 10.0  # ``ssh -G`` reads configuration files only; a limit all the same
+
+
+def ssh_hostname(host: str, opts: SshOptions) -> str:
+    """The name or address ssh connects to for ``host`` (as a host list gives it): ``host`` itself where it
+    resolves here, else the ``HostName`` that ssh's configuration gives it (``ssh -G`` prints the configuration
+    and connects nowhere), as for a ~/.ssh/config alias (``Host gpu1`` / ``HostName 10.0.0.5``); ``host``
+    unchanged where ssh names nothing else or cannot be run. The launcher needs it to find its own address on
+    the route towards that host."""
+    name = unbracket(split_user(host)[1])
+    try:
+        socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+        return name
+    except (OSError, UnicodeError):
+        pass
+    argv = ["ssh", *opts.extra_args, "-G"] + (["-p", str(opts.port)] if opts.port is not None else [])
+    try:
+        out = subprocess.run(argv + [ssh_destination(host)], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                             timeout=SSH_CONFIG_SECONDS)
+    except (OSError, subprocess.SubprocessError):
+        return name
+    for line in out.stdout.splitlines() if out.returncode == 0 else []:
+        key, _, value = line.partition(" ")
+        if key.lower() == "hostname" and value.strip():
+            return value.strip()
+    return name
+
+
 def ssh_destination(host: str) -> str:
     """``host`` as ssh takes it: an IPv6 address without the brackets a host list writes it in
     (``user@[fd00::2]`` → ``user@fd00::2``; ssh reads brackets as part of the name)."""
@@ -110,4 +139,5 @@ def build_launches(slots: list[Placement], command: list[str], base_env: Mapping
     return launches
 
 
-__all__ = ["SshOptions", "StoreAddress", "build_launches", "is_local", "launch_for", "split_user", "ssh_argv", "ssh_destination"]
+__all__ = ["SshOptions", "StoreAddress", "build_launches", "is_local", "launch_for", "split_user", "ssh_argv", "ssh_destination",
+           "ssh_hostname"]
