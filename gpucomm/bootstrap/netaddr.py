@@ -110,14 +110,14 @@ DEFAULT_ROUTE_PROBE = "8.8.8.8"  # an address on the default route (no packet is
 DEFAULT_ROUTE_PROBE6 = "2001:4860:4860::8888"  # the same for IPv6's default route
 
 
-def address_for_peers(host: str, port: int = 9) -> str:
+def address_for_peers(host: str, port: int = 9, *, warn: bool = True) -> str:
     """The address ranks on other hosts reach this host on: the one on the route towards ``host`` (the address
     every rank was given). When ``host`` is a name that resolves to loopback here while the others resolve it to
     this host (Debian's /etc/hosts line for the host's own name; torchrun's MASTER_ADDR, the node's FQDN), the
     one on the default route instead (IPv4's, else IPv6's), or with none this host's only other IPv4 address
     (with no IPv4 one, its only global IPv6 one); with neither, the loopback one, and a warning (ranks on other
-    machines cannot reach it). A loopback address given as such (``127.0.0.1``, ``::1``, ``localhost``: a
-    launcher's choice for ranks of this machine) is kept."""
+    machines cannot reach it; ``warn=False``: the caller says what is wrong). A loopback address given as such
+    (``127.0.0.1``, ``::1``, ``localhost``: a launcher's choice for ranks of this machine) is kept."""
     mine = address_towards(host, port)
     if not is_loopback(mine) or _loopback_literal(host):
         return mine
@@ -134,8 +134,8 @@ def address_for_peers(host: str, port: int = 9) -> str:
              if a.family in (socket.AF_INET, socket.AF_INET6) and _routable(_plain(a.address))}
     v4 = sorted(a for a in found if not is_ipv6(a))
     candidates = v4 or sorted(found)
-    if len(candidates) == 1:
-        return candidates[0]
+    if len(candidates) == 1 or not warn:
+        return candidates[0] if len(candidates) == 1 else mine
     log.warning("gpucomm: %r, the address the ranks were given, resolves to loopback (%s) on this host, which has no "
                 "default route and %s; ranks on other machines cannot reach a loopback address. If this job spans "
                 "machines, set GPUCOMM_RENDEZVOUS_ADDR (torchrun: also --rdzv-endpoint/--master-addr) to this host's "

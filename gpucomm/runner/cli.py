@@ -19,8 +19,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import GpucommError
 from ..failures import read_failures
-from ..bootstrap.netaddr import (WILDCARD, InterfaceError, address_towards, host_port, interface_address, is_loopback,
-                                 resolves_here, unbracket)
+from ..bootstrap.netaddr import (WILDCARD, InterfaceError, address_for_peers, address_towards, host_port,
+                                 interface_address, is_loopback, resolves_here, unbracket)
 from ..bootstrap.rendezvous import RendezvousServer
 from ..settings import GLOO_IFACE, START_TIMEOUT, SettingError, liveness_seconds, settings_problems
 from .check_build import check_build_report
@@ -193,7 +193,10 @@ def store_address(args: argparse.Namespace, tunables: dict[str, str], hosts: Seq
     if nic:
         return nic_address(nic)
     if remote_hosts:
-        return address_for_host(args, remote_hosts[0])
+        try:
+            return address_for_host(args, remote_hosts[0])
+        except GpucommError as e:  # said before any rank starts
+            raise SystemExit(f"gpucomm-run: {e}") from None
     return "127.0.0.1"
 
 
@@ -203,25 +206,32 @@ def ssh_options(args: argparse.Namespace, connect_timeout: float = 30.0) -> SshO
                       tuple(shlex.split(args.ssh_args)))
 
 
+class NoRouteToHost(GpucommError):
+    """This host has no address that the ranks on a listed host could reach its store on."""
+
+
 def address_for_host(args: argparse.Namespace, host: str) -> str:
-    """This host's address on the route towards ``host`` of the host list (for a ~/.ssh/config alias, towards
-    the HostName ssh gives it). ``SystemExit`` where there is none, or where it is loopback while ``host`` is not
-    this machine: the ranks there could not reach the store, and would wait out the start timeout for it."""
+    """This host's address on the route towards ``host`` of the host list: towards the HostName ssh connects to
+    (``ssh -G``: a ~/.ssh/config alias's). Where that is loopback while ``host`` is not this machine (an alias
+    to a forwarded port on localhost, a name that resolves nowhere here, as behind a ProxyJump), the address other
+    machines reach this one on (its default route's). Raises ``NoRouteToHost`` where that is loopback too: the
+    ranks there could not reach the store, and would wait out the start timeout for it."""
+    listed = unbracket(split_user(host)[1])
     name = ssh_hostname(host, ssh_options(args))
-    try:
-        addr = address_towards(name)
-    except GpucommError as e:  # no route towards it: said before any rank starts
-        raise SystemExit(f"gpucomm-run: {e}") from None
-    if is_loopback(addr) and not resolves_here(name):
-        unresolved = name == unbracket(split_user(host)[1])
-        raise SystemExit(
-            f"gpucomm-run: this host's address towards {host!r} is {addr}, a loopback address, which the ranks there "
-            f"cannot reach: {host!r} " + ("does not resolve here (nor does ssh's configuration give it a HostName), "
-                                          if unresolved else f"is {name} to ssh, which has no route from here, ")
-            + f"so gpucomm-run fell back to this host's own name ({socket.gethostname()!r}), which resolves to "
-              f"loopback (Debian's /etc/hosts does this). Fix: --network-interface IF, naming the interface the hosts "
-              f"share; or make {host!r} resolve here (/etc/hosts, DNS).")
-    return addr
+    addr = address_towards(name)
+    if not is_loopback(addr) or resolves_here(listed):
+        return addr
+    addr = address_for_peers(socket.gethostname(), warn=False)
+    if not is_loopback(addr):
+        return addr
+    resolved = "does not resolve here, and `ssh -G` gives no other HostName for it (or could not be run)" \
+        if name.lower() == listed.lower() else f"is {name} to ssh (its HostName)"
+    raise NoRouteToHost(
+        f"this host's address towards {host!r} is {addr}, a loopback address, which the ranks there cannot reach: "
+        f"{host!r} {resolved}, and this host's own name ({socket.gethostname()!r}) resolves to loopback (Debian's "
+        f"/etc/hosts does this), with no default route or single other address to take instead. Fix: "
+        f"--network-interface IF, naming the interface the hosts share; or make {host!r} resolve here (/etc/hosts, "
+        f"DNS).")
 
 
 def run_through_mpi(args: argparse.Namespace, parser: argparse.ArgumentParser, slots: list,
@@ -321,7 +331,11 @@ def run_elastic(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                 return addr
             if is_local(host):
                 return "127.0.0.1"
-            return address_towards(ssh_hostname(host, ssh_options(args)))
+            try:
+                return address_for_host(args, host)
+            except NoRouteToHost as e:  # its workers fail to reach the store; the job goes on without the host
+                sink.say(f"{e} Workers on {host} will not reach the store.")
+                return "127.0.0.1"
 
         driver = ElasticDriver(discovery, limits, list(args.command), env, tunables, server,
                                rendezvous_addr=store_address,
@@ -336,6 +350,6 @@ def console_main() -> None:
     sys.exit(main())
 
 
-__all__ = ["address_for_host", "build_parser", "chosen_nic", "console_main", "main", "nic_address", "omp_threads",
+__all__ = ["NoRouteToHost", "address_for_host", "build_parser", "chosen_nic", "console_main", "main", "nic_address", "omp_threads",
            "refused_settings", "remote_silence", "run_fixed_job", "run_through_mpi", "ssh_options", "store_address",
            "tunables_env"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import shlex
 import socket
 import subprocess
@@ -70,18 +71,14 @@ def ssh_argv(host: str, opts: SshOptions) -> list[str]:
 SSH_CONFIG_SECONDS = 10.0  # ``ssh -G`` reads configuration files only; a limit all the same
 
 
+@functools.lru_cache(maxsize=256)
 def ssh_hostname(host: str, opts: SshOptions) -> str:
-    """The name or address ssh connects to for ``host`` (as a host list gives it): ``host`` itself where it
-    resolves here, else the ``HostName`` that ssh's configuration gives it (``ssh -G`` prints the configuration
-    and connects nowhere), as for a ~/.ssh/config alias (``Host gpu1`` / ``HostName 10.0.0.5``); ``host``
-    unchanged where ssh names nothing else or cannot be run. The launcher needs it to find its own address on
-    the route towards that host."""
+    """The name or address ssh connects to for ``host`` (as a host list gives it): the ``HostName`` that ssh's
+    configuration gives it (``ssh -G`` prints the configuration and connects nowhere), as for a ~/.ssh/config
+    alias (``Host gpu1`` / ``HostName 10.0.0.5``); ``host``'s own name where ssh cannot say (no ssh, an OpenSSH
+    older than 6.8). The launcher needs it to find its own address on the route towards that host. Cached: an
+    elastic launcher asks again for every worker it starts there."""
     name = unbracket(split_user(host)[1])
-    try:
-        socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
-        return name
-    except (OSError, UnicodeError):
-        pass
     argv = ["ssh", *opts.extra_args, "-G"] + (["-p", str(opts.port)] if opts.port is not None else [])
     try:
         out = subprocess.run(argv + [ssh_destination(host)], capture_output=True, text=True, stdin=subprocess.DEVNULL,
