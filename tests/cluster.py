@@ -225,6 +225,17 @@ class Cluster:
             self.wait_for_ssh([host])
         return host
 
+    def add_address(self, host: Host, address: str, *, name_it: bool = False) -> None:
+        """Give ``host``'s first NIC one more address (IPv4 or IPv6, in the cluster's networks); ``name_it``:
+        its name resolves to that address alone from now on (every host's /etc/hosts), as a host readdressed."""
+        if ":" in address:
+            admin("ip", "-n", host.netns, "addr", "add", f"{address}/64", "dev", "eth0", "nodad")
+        else:
+            admin("ip", "-n", host.netns, "addr", "add", f"{address}/24", "dev", "eth0")
+        if name_it:
+            host.address = address
+            self._write_etc()
+
     def remove_host(self, host: Host) -> list[str]:
         """Take ``host`` away as a machine that disappears: every process on it is killed, then its
         namespace (and so its link) is deleted. Returns the processes that were still running."""

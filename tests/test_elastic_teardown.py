@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gpucomm.backends.base import BackendOp
-from gpucomm.backends.gloo import gloo_group, open_sockets
+from gpucomm.backends.gloo import GlooDevice, gloo_group, open_sockets
 from gpucomm.bootstrap.rendezvous import RendezvousClient
 from gpucomm.errors import CollectiveError
 from tests.harness import run_rank_scripts, run_ranks
@@ -51,7 +51,7 @@ def _abort_with_work_pending() -> dict:
     """Rank 0 aborts a 3-rank group while an allreduce the others never join is pending on it."""
     rank, size = _rank_size()
     client = _client()
-    group = gloo_group(client, "abort/", rank, size, timeout=60.0, one_host=True, iface=None)
+    group = gloo_group(client, "abort/", rank, size, timeout=60.0, device=GlooDevice(hostname="127.0.0.1"))
     connections = group.connections
     warm = torch.ones(2)
     group.allreduce(warm, warm, op=BackendOp.SUM).wait(60.0)
@@ -100,7 +100,7 @@ def _wait_outcomes() -> dict:
     """``GlooWork.wait`` with ``failed``: a transfer that completes late, a caller released."""
     rank, size = _rank_size()
     client = _client()
-    group = gloo_group(client, "wait/", rank, size, timeout=60.0, one_host=True, iface=None)
+    group = gloo_group(client, "wait/", rank, size, timeout=60.0, device=GlooDevice(hostname="127.0.0.1"))
     t = torch.full((3,), float(rank + 1))
     group.allreduce(t, t, op=BackendOp.SUM).wait(60.0, failed=lambda: False)
     outcome = {"sum": t.tolist()}

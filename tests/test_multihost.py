@@ -143,9 +143,11 @@ def test_listening_on_both_families_falls_back_only_where_ipv6_is_off(monkeypatc
         assert listener.family == socket.AF_INET
 
 
+@needs_ipv6
 def test_addresses_mpi_and_a_rank_0_cannot_serve_are_refused_with_the_reason():
-    """An IPv6 address in an MPI host list (Open MPI splits host:slots at the first ':'), and an IPv6 link-local
-    rendezvous address (meaningless without an interface name, which differs between hosts)."""
+    """An IPv6 address in an MPI host list (Open MPI splits host:slots at the first ':'), an IPv6 link-local
+    rendezvous address (meaningless without an interface name, which differs between hosts), and a bind address
+    of the other family than the rendezvous address's."""
     from gpucomm.bootstrap.arrival import bind_address
     from gpucomm.errors import GpucommError
     from gpucomm.runner.mpi_launch import MpiLaunchError, host_list
@@ -155,6 +157,13 @@ def test_addresses_mpi_and_a_rank_0_cannot_serve_are_refused_with_the_reason():
         host_list(["node0", "[fd00::2]"])
     with pytest.raises(GpucommError, match=r"'fe80::1%lo' is IPv6 link-local \(fe80::1\)"):
         bind_address("fe80::1%lo", all_local=False)
+    # GPUCOMM_RENDEZVOUS_BIND of one family for an address of the other (each rank waited out the start timeout)
+    with pytest.raises(GpucommError, match=r"GPUCOMM_RENDEZVOUS_BIND=0.0.0.0 listens on IPv4 only, but the rendezvous "
+                                           r"address '::1' is reached over IPv6 alone"):
+        bind_address("::1", all_local=False, override="0.0.0.0")
+    with pytest.raises(GpucommError, match=r"=::1 listens on IPv6 only, but .* '127.0.0.1' is reached over IPv4 alone"):
+        bind_address("127.0.0.1", all_local=False, override="::1")
+    assert bind_address("::1", all_local=False, override="::") == "::"
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -389,6 +398,23 @@ def test_without_a_chosen_interface_gloo_binds_the_route_to_the_store_not_loopba
 
 
 @netns
+def test_a_process_set_across_hosts_whose_names_resolve_to_loopback(hosts_allowed):
+    """A process set's own Gloo group listens where the world's does. Before, only the world's group was given
+    the interface on the route to the store; a process set spanning hosts got Gloo's own choice, the address
+    the host's name resolves to (127.0.1.1), and its first large allreduce failed ('Gloo connectFullMesh failed
+    ... remote=[127.0.1.1]')."""
+    with cluster(3, loopback_names=True) as c:
+        r = gpucomm_run(c, "-np", "3", "-H", "node0:1,node1:1,node2:1", command=(NETFAULT,),
+                        env={"NETFAULT_SECONDS": "1", "NETFAULT_PROCESS_SET": "0,2"})
+        left = c.leftovers()
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "process set rank 0 sum 4" in r.stdout and "process set rank 2 sum 4" in r.stdout, r.stdout[-3000:]
+    for rank, where in sockets(r.stdout).items():
+        assert all(a.startswith("10.213.0.") for a in where["listen"] + where["local"] + where["peers"]), (rank, where)
+    assert left == []
+
+
+@netns
 def test_torchrun_across_hosts_whose_names_resolve_to_loopback(hosts_allowed):
     """torchrun's c10d rendezvous sets MASTER_ADDR to group rank 0's node's FQDN, which that node's /etc/hosts
     maps to 127.0.1.1 (Debian's default; torch's own store listens on every interface, so torch does not mind).
@@ -504,6 +530,46 @@ def test_a_job_runs_across_ipv6_only_hosts(hosts_allowed, spelling):
     assert sorted(seen) == [0, 1, 2], r.stdout[-3000:]
     on_cluster_net6(seen)
     assert r.leftovers == [] and left == []
+
+
+@netns
+@pytest.mark.parametrize("how", ["names", "interface"])
+def test_an_ipv6_job_on_hosts_that_also_have_ipv4_stays_on_ipv6(hosts_allowed, how):
+    """The hosts' names resolve to IPv6 alone, but node0 and node2 also have IPv4 on eth0 (node1 has none), and
+    node0's eth0 an IPv4 link-local one too. Found by helper-69, each failing before: Gloo, given the interface
+    on the route to the store, took its first address, the IPv4 one, and could not pair it with node1's IPv6
+    one ('ss1.ss_family == ss2.ss_family. 2 vs 10'); with --network-interface eth0 the launcher served the store
+    on that interface's IPv4 address, which node1 cannot reach, and its rank waited out the start timeout. Now
+    the job stays in the family its hosts are reached in: every socket of every rank is on the IPv6 network."""
+    with cluster(3, ipv6_only=True) as c:
+        c.add_address(c.hosts[0], "169.254.10.2")
+        c.add_address(c.hosts[0], "10.213.0.2")
+        c.add_address(c.hosts[2], "10.213.0.4")
+        flags = ["--network-interface", "eth0"] if how == "interface" else []
+        r = gpucomm_run(c, "-np", "3", "-H", "node0:1,node1:1,node2:1", "--verbose", *flags, command=(NETFAULT,),
+                        env={"NETFAULT_SECONDS": "1", "NETFAULT_PROCESS_SET": "0,2", "GPUCOMM_START_TIMEOUT": "30"})
+        left = c.leftovers()
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert re.search(rf"rendezvous store at \[{CLUSTER_NET6}2\]:\d+", r.stderr), r.stderr[-3000:]
+    on_cluster_net6(sockets(r.stdout))
+    assert r.leftovers == [] and left == []
+
+
+@netns
+def test_hosts_reached_in_different_families_are_refused_before_any_rank_starts(hosts_allowed):
+    """node1 is reached over IPv6 only and node2 over IPv4 only: no store and no Gloo pairing serves both. Before,
+    the job started, and the ranks of one family waited out the start timeout for a store they could not reach
+    (helper-69); now gpucomm-run refuses at once, naming the hosts of each family."""
+    with cluster(3, ipv6_only=True) as c:
+        c.add_address(c.hosts[0], "10.213.0.2")
+        c.add_address(c.hosts[2], "10.213.0.4", name_it=True)
+        r = gpucomm_run(c, "-np", "3", "-H", "node0:1,node1:1,node2:1", "--verbose", command=(NETFAULT,),
+                        env={"NETFAULT_SECONDS": "1"}, timeout=60)
+        left = c.leftovers()
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert ("gpucomm-run: this host reaches node2 over IPv4 and node1 over IPv6 (its address on the route towards "
+            "each)") in r.stderr, r.stderr[-3000:]
+    assert "started rank" not in r.stderr and left == []
 
 
 @netns

@@ -25,6 +25,7 @@ import stat
 import struct
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -490,9 +491,18 @@ def gloo_iface(env) -> str | None:
     return GLOO_IFACE.read(env)
 
 
-def gloo_group(client: RendezvousClient, prefix: str, rank: int, size: int, *, timeout: float, one_host: bool,
-               iface: str | None, interrupt: Callable[[], None] | None = None) -> GlooBackend:
-    """A Gloo group on the store under ``prefix``: on loopback when every rank is on one host, else
-    on ``iface`` (or the default route's interface). ``interrupt`` may stop its store waits."""
-    return GlooBackend(client, prefix, rank, size, timeout=timeout,
-                       hostname="127.0.0.1" if one_host and not iface else None, interface=iface, interrupt=interrupt)
+@dataclass(frozen=True)
+class GlooDevice:
+    """Where a rank's Gloo groups listen: an address (``hostname``), or an interface whose first address
+    Gloo takes; neither: Gloo's own choice (the address this host's name resolves to)."""
+
+    hostname: str | None = None
+    interface: str | None = None
+
+
+def gloo_group(client: RendezvousClient, prefix: str, rank: int, size: int, *, timeout: float, device: GlooDevice,
+               interrupt: Callable[[], None] | None = None) -> GlooBackend:
+    """A Gloo group on the store under ``prefix``, listening where ``device`` says (the same for every group of
+    a rank: the world's and each process set's). ``interrupt`` may stop its store waits."""
+    return GlooBackend(client, prefix, rank, size, timeout=timeout, hostname=device.hostname,
+                       interface=device.interface, interrupt=interrupt)

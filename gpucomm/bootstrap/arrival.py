@@ -198,6 +198,7 @@ def bind_address(addr: str, all_local: bool, override: str | None = None) -> str
     wins, ``0.0.0.0`` and ``::`` included. An IPv4 address of a name is preferred to its IPv6 one, as
     ``address_towards`` prefers it. Raises ``GpucommError`` when ``addr`` cannot be bound here."""
     if override:
+        _check_bind_family(addr, override)
         return override
     try:
         infos = sorted(socket.getaddrinfo(unbracket(addr), None, type=socket.SOCK_STREAM),
@@ -240,6 +241,24 @@ def bind_address(addr: str, all_local: bool, override: str | None = None) -> str
             f"Fix: point GPUCOMM_RENDEZVOUS_ADDR at rank 0's host, or set {BIND_VAR} to the local address to listen "
             f"on (:: or 0.0.0.0: every interface).") from None
     return ip
+
+
+def _check_bind_family(addr: str, override: str) -> None:
+    """Refuse a GPUCOMM_RENDEZVOUS_BIND of one family for a rendezvous address of the other alone: the store would
+    listen where no rank connects (each, rank 0 too, waited out the start timeout: helper-69). ``::`` serves both."""
+    try:
+        families = {info[0] for info in socket.getaddrinfo(unbracket(addr), None, type=socket.SOCK_STREAM)}
+    except (OSError, UnicodeError):
+        return  # (the ranks' own connection error says it)
+    bind = unbracket(override)
+    if bind == "::":
+        return
+    want = socket.AF_INET6 if is_ipv6(bind) else socket.AF_INET
+    if want not in families:
+        have, other = ("IPv6", "IPv4") if want == socket.AF_INET else ("IPv4", "IPv6")
+        raise GpucommError(f"{BIND_VAR}={override} listens on {other} only, but the rendezvous address {addr!r} is "
+                           f"reached over {have} alone, so no rank could reach the store. Set {BIND_VAR}=:: (every "
+                           f"interface of both families), or an {have} address of this host.")
 
 
 def check_secret(world: World, require: bool) -> None:

@@ -19,33 +19,39 @@ class InterfaceError(GpucommError):
     """A network interface named by the user does not exist here or has no address other hosts can reach."""
 
 
-def interface_address(nic: str, source: str) -> str:
-    """The address of local network interface ``nic`` (its IPv4 one, else its global IPv6 one); raises
-    ``InterfaceError`` naming ``source`` (where the name came from) and, for a missing interface, the ones
-    that exist."""
+def interface_address(nic: str, source: str, *, ipv6: bool | None = None) -> str:
+    """The address of local network interface ``nic`` (``interface_ip``: ``ipv6`` None, either family; True or
+    False, that family alone); raises ``InterfaceError`` naming ``source`` (where the name came from) and, for a
+    missing interface, the ones that exist."""
     import psutil  # noqa: PLC0415
 
     addrs = psutil.net_if_addrs()
     if nic not in addrs:
         raise InterfaceError(f"the network interface {nic!r} ({source}) does not exist on this host; it has "
                              f"{', '.join(sorted(addrs)) or 'none'}.")
-    address = interface_ip(nic)
+    address = interface_ip(nic, ipv6=ipv6)
     if address is None:
-        raise InterfaceError(f"the network interface {nic!r} ({source}) has no IPv4 address and no IPv6 address "
-                             f"beyond its link-local one (fe80::), so other hosts cannot be told where to reach it.")
+        lacks = ("no IPv4 address and no IPv6 address beyond its link-local one (fe80::)" if ipv6 is None else
+                 "no IPv6 address beyond its link-local one (fe80::), and the job's hosts reach each other over "
+                 "IPv6" if ipv6 else "no IPv4 address, and the job's hosts reach each other over IPv4")
+        raise InterfaceError(f"the network interface {nic!r} ({source}) has {lacks}, so other hosts cannot be told "
+                             f"where to reach it on it.")
     return address
 
 
-def interface_ip(nic: str) -> str | None:
-    """The address of local network interface ``nic`` other hosts reach: its IPv4 one, else its first IPv6
-    one that is not link-local (a link-local address needs the interface's name on the other side too);
-    None when it has neither (or does not exist)."""
+def interface_ip(nic: str, *, ipv6: bool | None = None) -> str | None:
+    """The address of local network interface ``nic`` other hosts reach: its IPv4 one, else its first IPv6 one
+    that is not link-local (a link-local address needs the interface's name on the other side too), else an
+    IPv4 link-local one (169.254/16); ``ipv6`` True or False: of that family alone. None when it has none (or
+    does not exist)."""
     import psutil  # noqa: PLC0415
 
     addrs = psutil.net_if_addrs().get(nic, [])
     v4 = [a.address for a in addrs if a.family == socket.AF_INET]
+    v4 = [a for a in v4 if _routable(a)] + [a for a in v4 if not _routable(a)]
     v6 = [_plain(a.address) for a in addrs if a.family == socket.AF_INET6 and _routable(_plain(a.address))]
-    return (v4 + v6 or [None])[0]
+    ordered = v6 if ipv6 else v4 if ipv6 is False else [a for a in v4 if _routable(a)] + v6 + v4
+    return (ordered or [None])[0]
 
 
 def unbracket(host: str) -> str:

@@ -11,13 +11,13 @@ import time
 from typing import Any, Mapping
 
 from ..backends.cpu_operations import CpuOperations, explain_cpu_operations
-from ..backends.gloo import gloo_group, gloo_iface
+from ..backends.gloo import GlooDevice, gloo_group, gloo_iface
 from ..backends.local import SelfBackend
 from ..backends.mpi import mpi_world
 from ..bootstrap import devices
 from ..bootstrap.arrival import arrive, claim_arrival, conflict_key, cross_placement, open_store, watch_conflicts
 from ..bootstrap.netaddr import (DEFAULT_ROUTE_PROBE, InterfaceError, address_for_peers, host_port, interface_address,
-                                 interface_of)
+                                 interface_of, is_ipv6)
 from ..bootstrap.rendezvous import RendezvousClient, RendezvousError, wait_for_ranks
 from ..bootstrap.world import World, detect_world
 from ..control.channel import ControlListener, connect as connect_control
@@ -81,10 +81,11 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None,
         cross_rank, cross_size = cross_placement(world, records)
         hosts = [rec["host"] for rec in records]
         one_host = len(set(hosts)) == 1
-        iface = gloo_iface(env) or (None if one_host else _interface_towards_store(world))
-        cpu = _cpu_backend(choice, world, client, prefix, timeout, one_host, iface, interrupt, steps)
+        reached_at = None if one_host else _reached_at(world, gloo_iface(env))
+        gloo_device = _gloo_device(gloo_iface(env), reached_at)
+        cpu = _cpu_backend(choice, world, client, prefix, timeout, gloo_device, interrupt, steps)
         try:
-            links, listener = _connect_control(client, prefix, world, client.secret, one_host, iface, start_timeout,
+            links, listener = _connect_control(client, prefix, world, client.secret, reached_at, start_timeout,
                                                records, interrupt)
             steps.done("control plane connected" if world.size > 1 else "no control plane needed (one rank)")
         except BaseException:
@@ -102,7 +103,8 @@ def build_job(env: Mapping[str, str], generation: int, process_sets: Any = None,
     try:
         job = Job(world, client, server, prefix, timeout, cpu, pinned, hosts, cross_rank, cross_size, control,
                   links, static_sets, dynamic_sets, elastic_round,
-                  new_workers_joined=joined is not None and joined.new_workers, caller_gpu=in_use)
+                  new_workers_joined=joined is not None and joined.new_workers, caller_gpu=in_use,
+                  gloo_device=gloo_device)
     except BaseException:
         if listener is not None:
             listener.close()
@@ -126,7 +128,7 @@ def _explain_autotune_off(world: World, env: Mapping[str, str]) -> None:
 
 
 def _cpu_backend(choice: CpuOperations | None, world: World, client: RendezvousClient, prefix: str, timeout: float,
-                 one_host: bool, iface: str | None, interrupt, steps: SetupSteps):
+                 gloo_device: GlooDevice, interrupt, steps: SetupSteps):
     """The job's CPU backend: ``SelfBackend`` in a one-rank job (``choice`` None); else an MPI communicator
     over every rank or a Gloo group, as ``choice`` says. Every rank builds it at this point. An
     elastic job is always on Gloo (``explain_cpu_operations``): its rounds change the ranks, which
@@ -137,8 +139,8 @@ def _cpu_backend(choice: CpuOperations | None, world: World, client: RendezvousC
         cpu = mpi_world(timeout=timeout, expected_rank=world.rank, expected_size=world.size, label=f"{prefix}world")
         steps.done(f"CPU collectives on MPI ({choice.reason})")
         return cpu
-    cpu = gloo_group(client, f"{prefix}gloo/", world.rank, world.size, timeout=timeout, one_host=one_host,
-                     iface=iface, interrupt=interrupt)
+    cpu = gloo_group(client, f"{prefix}gloo/", world.rank, world.size, timeout=timeout, device=gloo_device,
+                     interrupt=interrupt)
     steps.done(f"CPU collectives on Gloo ({choice.reason})")
     return cpu
 
@@ -291,20 +293,19 @@ def _check_cpu_operations(records: list[dict]) -> None:
                            f"GPUCOMM_CPU_OPERATIONS=gloo or =mpi for every rank, or install mpi4py on every host.")
 
 
-def _connect_control(client: RendezvousClient, prefix: str, world: World, secret: bytes, one_host: bool,
-                     iface: str | None, start_timeout: float, records: list[dict],
+def _connect_control(client: RendezvousClient, prefix: str, world: World, secret: bytes, reached_at: str | None,
+                     start_timeout: float, records: list[dict],
                      interrupt=None) -> tuple[ControlLinks, ControlListener | None]:
     """Connect every rank to rank 0's coordinator (a one-rank job has no control plane);
     ``interrupt`` may stop the waits (elastic rounds). Rank 0 also returns its listener, which
-    keeps reporting second claimants of a rank (``records`` say who arrived as each) to the store."""
+    keeps reporting second claimants of a rank (``records`` say who arrived as each) to the store. It listens
+    on ``reached_at`` (``_reached_at``; None: every rank is on this host, loopback)."""
     if world.size == 1:
         return ControlLinks(), None
     key = f"{prefix}control"
     hosts = tuple(str(rec.get("host")) for rec in records)
     if world.rank == 0:
-        source = "GPUCOMM_GLOO_IFACE / HOROVOD_GLOO_IFACE, or the interface towards the store"
-        host = "127.0.0.1" if one_host else (interface_address(iface, source) if iface else
-                                             address_for_peers(world.rendezvous_addr or DEFAULT_ROUTE_PROBE))
+        host = reached_at or "127.0.0.1"
         listener = ControlListener(secret, host)  # only the address the other ranks are told
         client.set(key, json.dumps({"host": host, "port": listener.port}).encode())
         claimants = {r: (str(rec.get("host")), rec.get("pid")) for r, rec in enumerate(records)}
@@ -328,13 +329,29 @@ def _connect_control(client: RendezvousClient, prefix: str, world: World, secret
                                                 me=world.hostname), hosts=hosts), None
 
 
-def _interface_towards_store(world: World) -> str | None:
-    """Across hosts without a chosen interface: the one on the route to the store, where rank 0's
-    control listener binds too. Gloo would otherwise take the address this host's name resolves to,
-    which on many hosts is 127.0.1.1 (Debian's /etc/hosts): it then listens on loopback and tells
-    the other hosts to connect there (``connectFullMesh failed ... remote=[127.0.1.1]``). None when
-    no interface holds that address (Gloo's own choice then)."""
-    return interface_of(address_for_peers(world.rendezvous_addr or DEFAULT_ROUTE_PROBE))
+def _reached_at(world: World, iface: str | None) -> str:
+    """Across hosts, the address other hosts reach this rank on: the chosen interface's (GPUCOMM_GLOO_IFACE), in
+    the family of the route to the store, else the address on that route. The job's hosts reach each other in
+    one family: an interface's IPv4 address given to an IPv6 job (or the reverse) is an address the others
+    cannot reach, or one Gloo cannot pair with theirs ('ss1.ss_family == ss2.ss_family. 2 vs 10')."""
+    towards = address_for_peers(world.rendezvous_addr or DEFAULT_ROUTE_PROBE)
+    if not iface:
+        return towards
+    return interface_address(iface, "GPUCOMM_GLOO_IFACE / HOROVOD_GLOO_IFACE", ipv6=is_ipv6(towards))
+
+
+def _gloo_device(iface: str | None, reached_at: str | None) -> GlooDevice:
+    """Where this rank's Gloo groups listen (the world's, and each process set's: ``Job.gloo_device``). On one
+    host, loopback (or the chosen interface). Across hosts over IPv4, the chosen interface, else the one on
+    the route to the store: Gloo's own choice is the address this host's name resolves to, which on many hosts
+    is 127.0.1.1 (Debian's /etc/hosts), so it would listen on loopback and tell the other hosts to connect there
+    ('connectFullMesh failed ... remote=[127.0.1.1]'). Over IPv6, the address itself: given an interface, Gloo
+    takes its first address, the IPv4 one where it has both."""
+    if reached_at is None:
+        return GlooDevice(interface=iface) if iface else GlooDevice(hostname="127.0.0.1")
+    if is_ipv6(reached_at):
+        return GlooDevice(hostname=reached_at)
+    return GlooDevice(interface=iface or interface_of(reached_at))
 
 
 __all__ = ["DEFAULT_START_TIMEOUT", "DEFAULT_TIMEOUT", "build_job"]

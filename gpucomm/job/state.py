@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..backends.gloo import GlooBackend, gloo_group, gloo_iface
+from ..backends.gloo import GlooBackend, GlooDevice, gloo_group
 from ..backends.local import SelfBackend
 from ..backends.mpi import MpiBackend, mpi_group
 from ..backends.nccl import create_nccl
@@ -72,6 +72,7 @@ class Job:
     elastic_round: int = 0  # the launcher's round this job is (elastic mode), else 0
     new_workers_joined: bool = False  # the round (or one since this worker's last) added workers without the state
     caller_gpu: int | None = None  # the GPU current where hvd.init() was called, if the script had started CUDA
+    gloo_device: GlooDevice = field(default_factory=GlooDevice)  # where this rank's Gloo groups listen (setup.py)
     plane: Controller | OneRankPlane = field(init=False)
     data: DataPlane = field(init=False)  # the data plane: communicators, CUDA events, watchdog, issue orders
     groups: dict[int, Group] = field(init=False)
@@ -87,7 +88,6 @@ class Job:
 
     def __post_init__(self) -> None:
         rank, size = self.world.rank, self.world.size
-        self.one_host = len(set(self.hosts)) == 1
         self.data = DataPlane(rank, self.timeout, tracer=self._current_tracer, select_device=self.select_device,
                               report=self._report_data_failure, in_step=self._step_blocked, departed=self._departed)
         self.groups = {0: self.data.register(Group(0, range(size), rank, lambda g: self.cpu, self._make_nccl))}
@@ -330,7 +330,7 @@ class Job:
         if isinstance(self.cpu, MpiBackend):
             return mpi_group(self.cpu, group.ranks, self.world.rank, label=where + "mpi")
         return gloo_group(self.client, where + "gloo/", group.rank, group.size, timeout=self.timeout,
-                          one_host=self.one_host, iface=gloo_iface(os.environ))
+                          device=self.gloo_device)
 
     def _on_done(self, kind: str, name: str, value: Any) -> None:
         """Responses that change process sets (applied in response order)."""

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 from ..errors import GpucommError
 from ..failures import read_failures
 from ..bootstrap.netaddr import (WILDCARD, InterfaceError, address_for_peers, address_towards, host_port,
-                                 interface_address, is_loopback, resolves_here, unbracket)
+                                 interface_address, is_ipv6, is_loopback, resolves_here, unbracket)
 from ..bootstrap.rendezvous import RendezvousServer
 from ..settings import GLOO_IFACE, START_TIMEOUT, SettingError, liveness_seconds, settings_problems
 from .check_build import check_build_report
@@ -122,11 +122,11 @@ def omp_threads(env: dict[str, str], slots: Sequence, remote_hosts: Sequence[str
     return max(1, (os.cpu_count() or 1) // max(s.local_size for s in slots))
 
 
-def nic_address(nic: str) -> str:
-    """The address of the chosen network interface (IPv4, else global IPv6), or ``SystemExit`` naming the
-    ones that exist."""
+def nic_address(nic: str, *, ipv6: bool | None = None) -> str:
+    """The address of the chosen network interface (``interface_ip``: IPv4, else global IPv6; ``ipv6``: that
+    family alone), or ``SystemExit`` naming the ones that exist."""
     try:
-        return interface_address(nic, "--network-interface, or GPUCOMM_GLOO_IFACE / HOROVOD_GLOO_IFACE")
+        return interface_address(nic, "--network-interface, or GPUCOMM_GLOO_IFACE / HOROVOD_GLOO_IFACE", ipv6=ipv6)
     except InterfaceError as e:
         raise SystemExit(f"gpucomm-run: {e}") from None
 
@@ -187,11 +187,29 @@ def chosen_nic(tunables: Mapping[str, str], env: Mapping[str, str]) -> str | Non
 def store_address(args: argparse.Namespace, tunables: dict[str, str], hosts: Sequence[str],
                   env: Mapping[str, str] | None = None) -> str:
     """Where the launcher's store listens (and the ranks reach it): the chosen interface's address
-    (``chosen_nic``), else this host's address towards the first remote host, else loopback."""
+    (``chosen_nic``) in the family the remote hosts are reached in, else this host's address towards the
+    first remote host, else loopback. ``SystemExit`` where the remote hosts are reached in different families
+    (some over IPv4 only, some over IPv6 only): their ranks could not all reach one store, nor each other."""
     remote_hosts = [h for h in hosts if not is_local(h)]
     nic = chosen_nic(tunables, os.environ if env is None else env)
+    routes = {}
+    for host in remote_hosts:
+        try:
+            route = address_towards(ssh_hostname(host, ssh_options(args)))
+        except GpucommError:  # no route and no address of this host's own name: said below, or the NIC decides
+            continue
+        if not is_loopback(route):  # (a fallback to this host's own name, not a route: address_for_host decides)
+            routes[host] = route
+    families = {"IPv6" if is_ipv6(a) else "IPv4": [h for h, b in routes.items() if is_ipv6(b) == is_ipv6(a)]
+                for a in routes.values()}
+    if len(families) > 1:
+        raise SystemExit(f"gpucomm-run: this host reaches {', '.join(families['IPv4'])} over IPv4 and "
+                         f"{', '.join(families['IPv6'])} over IPv6 (its address on the route towards each), and every "
+                         f"rank must reach one store and every other rank, in one family. Fix: give every host an "
+                         f"address in one family and name the hosts so (an /etc/hosts or DNS name per host, or "
+                         f"addresses in -H), or leave out the hosts of the other family.")
     if nic:
-        return nic_address(nic)
+        return nic_address(nic, ipv6=True if set(families) == {"IPv6"} else None)
     if remote_hosts:
         try:
             return address_for_host(args, remote_hosts[0])

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import gpucomm.torch as hvd
-from gpucomm.backends.gloo import gloo_group
+from gpucomm.backends.gloo import GlooDevice, gloo_group
 from gpucomm.backends.local import SelfBackend
 from gpucomm.dataplane import cuda_calls
 from gpucomm.job import state as job_state
@@ -29,7 +29,7 @@ from overhead import python_calls  # noqa: E402  benchmarks/overhead.py: the cou
 def _nccl_over_cpu(client, key: str, rank: int, size: int, device_ordinal: int, timeout: float) -> NcclOverCpu:
     """``create_nccl``'s stand-in: a communicator of ``size`` ranks over Gloo on the same store keys."""
     cpu = SelfBackend() if size == 1 else gloo_group(client, key + "/standin/", rank, size, timeout=timeout,
-                                                     one_host=True, iface=None)
+                                                     device=GlooDevice(hostname="127.0.0.1"))
     return NcclOverCpu(cpu, size)
 
 
@@ -524,7 +524,7 @@ def host_call_blocked_inside_nccl() -> dict:
 
     def create(client, key, rank, size, device_ordinal, timeout):
         made.append(_ConnectingNccl(gloo_group(client, key + "/standin/", rank, size, timeout=timeout,
-                                               one_host=True, iface=None), size))
+                                               device=GlooDevice(hostname="127.0.0.1")), size))
         return made[-1]
 
     with cuda_path():

@@ -29,7 +29,7 @@ import time
 import torch
 
 from gpucomm.backends.base import BackendOp
-from gpucomm.backends.gloo import gloo_group
+from gpucomm.backends.gloo import GlooDevice, gloo_group
 from gpucomm.bootstrap.rendezvous import RendezvousClient
 from gpucomm.errors import CollectiveError
 
@@ -50,7 +50,7 @@ class _TellPeerAtFinalization:
 
 
 def survivor(client: RendezvousClient, signal_file: str, mode: str) -> None:
-    group = gloo_group(client, "teardown/", 0, 2, timeout=GLOO_TIMEOUT_S, one_host=True, iface=None)
+    group = gloo_group(client, "teardown/", 0, 2, timeout=GLOO_TIMEOUT_S, device=GlooDevice(hostname="127.0.0.1"))
     warm = torch.ones(4)
     group.allreduce(warm, warm, op=BackendOp.SUM).wait(GLOO_TIMEOUT_S)
     pending = torch.ones(4)
@@ -73,7 +73,7 @@ def survivor(client: RendezvousClient, signal_file: str, mode: str) -> None:
 
 
 def leaver(client: RendezvousClient, signal_file: str, _mode: str) -> None:
-    group = gloo_group(client, "teardown/", 1, 2, timeout=GLOO_TIMEOUT_S, one_host=True, iface=None)
+    group = gloo_group(client, "teardown/", 1, 2, timeout=GLOO_TIMEOUT_S, device=GlooDevice(hostname="127.0.0.1"))
     warm = torch.ones(4)
     group.allreduce(warm, warm, op=BackendOp.SUM).wait(GLOO_TIMEOUT_S)
     client.wait(["teardown/closed"], EXIT_WAIT_S)

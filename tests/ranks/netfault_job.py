@@ -10,7 +10,9 @@ prints ``placed rank R/N local L/LS cross C/CS on HOST: TRANSPORT, NCCL_SOCKET_I
 shares the clock) and raises it again, as a training script would (it exits 1). ``sockets rank R: ...`` lists the addresses this process listens on
 and is connected to (for the NIC tests). With ``NETFAULT_OUT`` set, each rank also writes its end
 to ``NETFAULT_OUT/rank<R>.json`` (a cut host's output cannot reach the launcher), and its threads'
-stacks to ``NETFAULT_OUT/stacks<R>.txt`` on SIGUSR1.
+stacks to ``NETFAULT_OUT/stacks<R>.txt`` on SIGUSR1. ``NETFAULT_PROCESS_SET=0,2`` registers that process set
+at ``init()``, and its ranks allreduce ``NETFAULT_ELEMENTS`` floats on it once (on a Gloo group of its own)
+before the loop, printing ``process set rank R sum S``.
 """
 
 from __future__ import annotations
@@ -57,7 +59,9 @@ def record(rank: int, host: str, outcome: str) -> None:
 
 def main() -> None:
     out = os.environ.get("NETFAULT_OUT")
-    hvd.init()
+    members = [int(r) for r in os.environ.get("NETFAULT_PROCESS_SET", "").split(",") if r]
+    process_set = hvd.ProcessSet(members) if members else None
+    hvd.init(process_sets=[process_set] if process_set is not None else None)
     host = os.environ.get("GPUCOMM_HOSTNAME") or os.uname().nodename
     print(f"placed rank {hvd.rank()}/{hvd.size()} local {hvd.local_rank()}/{hvd.local_size()} cross "
           f"{hvd.cross_rank()}/{hvd.cross_size()} on {host}: {'mpi' if hvd.mpi_enabled() else 'gloo'}, "
@@ -69,6 +73,9 @@ def main() -> None:
     seconds = float(os.environ.get("NETFAULT_SECONDS", "600"))
     pause = float(os.environ.get("NETFAULT_SLEEP", "0"))
     x = torch.ones(elements)
+    if process_set is not None and hvd.rank() in members:
+        total = hvd.allreduce(x * (hvd.rank() + 1), op=hvd.Sum, process_set=process_set)
+        print(f"process set rank {hvd.rank()} sum {total[0].item():g}", flush=True)
     end = time.monotonic() + seconds
     step, slowest = 0, 0.0
     try:
